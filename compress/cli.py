@@ -1,0 +1,184 @@
+"""The ``compress`` command line.
+
+    compress run target=jetson-orin [recipe=default] [model=...] [out=DIR] [stage.option=value ...]
+    compress ls targets|recipes|stages
+    compress show RUN_DIR
+    compress validate RUN_DIR [target=NAME] [power=MODE] [--require-measured]
+    compress predict target=NAME model_config=PATH [precision=fp16] [power=MODE] [prompt_len=N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+from compress.errors import CompressError, UsageError
+
+EPILOG = """examples:
+  compress run target=jetson-orin                       full pipeline on the embedded default model
+  compress run target=jetson-orin recipe=baseline       no compression: the reference every report compares against
+  compress run target=jetson-orin recipe=smoke out=runs/smoke
+  compress run target=rtx-4090 model=path/to/hf-folder validate.eval_tokens=4096 budgets.max_ppl_increase_pct=3
+  compress run target=jetson-orin --dry-run             print the resolved config and the stage plan
+  compress ls targets
+  compress show runs/jetson-orin-nano-8gb-default-smollm2-135m-instruct
+  compress validate RUN_DIR target=jetson-agx-orin-64gb
+
+exit codes: 0 gate PASS, 1 gate FAIL, 2 usage or input error, 3 gate NOT_MEASURED, 4 stage error
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="compress", description="Compress a Hugging Face model into a validated edge engine.",
+                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the result")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    run = sub.add_parser("run", help="run a recipe for a target", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    run.add_argument("pairs", nargs="*", metavar="key=value", help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, stage.option=, budgets.key=")
+    run.add_argument("--dry-run", action="store_true", help="print the resolved config and stage plan; do no work")
+    run.add_argument("--require-measured", action="store_true", help="predicted checks count as NOT_MEASURED")
+    run.add_argument("--no-progress", action="store_true", help="no progress bars")
+
+    ls = sub.add_parser("ls", help="list targets, recipes or stages")
+    ls.add_argument("what", choices=["targets", "recipes", "stages"])
+
+    show = sub.add_parser("show", help="summarise a run directory")
+    show.add_argument("run_dir", type=Path)
+
+    validate = sub.add_parser("validate", help="re-gate a finished run against a target without recomputing the model")
+    validate.add_argument("run_dir", type=Path)
+    validate.add_argument("pairs", nargs="*", metavar="key=value", help="target=, power=, budgets.key=")
+    validate.add_argument("--require-measured", action="store_true")
+
+    predict = sub.add_parser("predict", help="predict decode speed, TTFT, memory and energy for a decoder config")
+    predict.add_argument("pairs", nargs="+", metavar="key=value", help="target=, model_config=, precision=, power=, prompt_len=")
+    return parser
+
+
+def _setup_logging(quiet: bool) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("compress: %(message)s"))
+    handler.setLevel(logging.WARNING if quiet else logging.INFO)
+    root = logging.getLogger()
+    root.setLevel(logging.DEBUG)
+    root.addHandler(handler)
+    for noisy in ("transformers", "torch", "onnxscript", "onnx_ir", "urllib3", "filelock", "matplotlib"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    warnings.filterwarnings("ignore")
+    try:
+        import transformers
+
+        transformers.logging.set_verbosity_error()
+        transformers.logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    from compress.config import split_overrides
+    from compress.runner import RunOptions, build_plan, execute
+
+    options = RunOptions.from_pairs(split_overrides(args.pairs), require_measured=args.require_measured,
+                                    progress=not args.no_progress and sys.stderr.isatty())
+    plan = build_plan(options)
+    if args.dry_run:
+        print(json.dumps(plan.describe(), indent=2))
+        return 0
+    result = execute(plan)
+    gate = result.report["gate"]
+    print(f"{gate['verdict']}: {result.run_dir / 'report.md'}")
+    for check in gate["checks"]:
+        print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
+    return result.exit_code
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from compress.config import available_recipes, available_targets, load_recipe, load_target
+
+    if args.what == "targets":
+        for name in available_targets():
+            target = load_target(name)
+            aliases = f" (aliases: {', '.join(target.aliases)})" if target.aliases else ""
+            print(f"{target.name:<24} {target.description}{aliases}")
+    elif args.what == "recipes":
+        for name in available_recipes():
+            recipe = load_recipe(name)
+            print(f"{recipe.name:<16} {' -> '.join(s.name for s in recipe.stages)}  {recipe.description}")
+    else:
+        from compress.stages import all_stages
+
+        for stage in all_stages().values():
+            print(f"{stage.name:<14} {stage.input_kind} -> {stage.output_kind}: {stage.summary}")
+    return 0
+
+
+def _cmd_show(args: argparse.Namespace) -> int:
+    from compress.fsutil import read_json
+
+    run_dir = args.run_dir
+    if not (run_dir / "manifest.json").is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no manifest.json)")
+    manifest = read_json(run_dir / "manifest.json")
+    print(f"run:     {run_dir}")
+    print(f"status:  {manifest['status']}" + (f" ({manifest['error']})" if manifest.get("error") else ""))
+    print(f"target:  {manifest['target']} ({manifest['power_mode']})")
+    print(f"recipe:  {manifest['recipe']['name']}")
+    print(f"model:   {manifest['model']['spec']}")
+    for stage in manifest["stages"]:
+        print(f"  {stage['dir']:<18} {stage['status']}")
+    if (run_dir / "report.json").is_file():
+        report = read_json(run_dir / "report.json")
+        print(f"gate:    {report['gate']['verdict']}")
+        for check in report["gate"]["checks"]:
+            print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
+    return 0
+
+
+def _cmd_validate(args: argparse.Namespace) -> int:
+    from compress.config import split_overrides
+    from compress.revalidate import revalidate
+
+    report = revalidate(args.run_dir, split_overrides(args.pairs), require_measured=args.require_measured)
+    print(f"{report['gate']['verdict']}: {args.run_dir / 'report.md'}")
+    for check in report["gate"]["checks"]:
+        print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
+    return report["exit_code"]
+
+
+def _cmd_predict(args: argparse.Namespace) -> int:
+    from compress.config import split_overrides
+    from compress.predict_cli import predict_command
+
+    print(json.dumps(predict_command(split_overrides(args.pairs)), indent=2))
+    return 0
+
+
+COMMANDS = {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "validate": _cmd_validate, "predict": _cmd_predict}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``compress`` console script."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.quiet)
+    try:
+        return COMMANDS[args.command](args)
+    except CompressError as exc:
+        print(f"compress: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("compress: interrupted; rerun the same command to resume", file=sys.stderr)
+        return 130
+
+
+def _exit() -> None:
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    _exit()

@@ -1,0 +1,237 @@
+"""Typed configuration: targets, recipes, run options and ``key=value`` overrides.
+
+Every model here rejects unknown keys, so a typo in a YAML file or on the command line is
+an error naming the key rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+
+from compress.errors import UsageError
+
+PROJECT_ROOT = Path(__file__).resolve().parent.parent
+
+
+class StrictModel(BaseModel):
+    """A pydantic model that rejects unknown keys and re-validates on assignment."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+
+
+class PowerMode(StrictModel):
+    """One nvpmodel power mode (or a desktop power limit) and the clock caps it sets."""
+
+    name: str
+    watts: PositiveFloat
+    gpu_max_mhz: PositiveFloat
+    emc_max_mhz: PositiveFloat = Field(description="memory (EMC) clock cap; bandwidth scales with it")
+
+
+class Gpu(StrictModel):
+    """The GPU of a target."""
+
+    arch: Literal["ampere", "ada", "hopper", "blackwell"]
+    sm: PositiveInt
+    cuda_cores: PositiveInt
+    tensor_cores: PositiveInt
+    max_mhz: PositiveFloat
+    precisions: list[Literal["fp32", "fp16", "bf16", "int8", "int4", "fp8", "fp4"]]
+
+
+class Budgets(StrictModel):
+    """What the validator enforces on this target."""
+
+    max_ppl_increase_pct: PositiveFloat
+    max_decode_latency_ms: PositiveFloat
+    max_ttft_ms: PositiveFloat
+    max_memory_gb: PositiveFloat
+    context_length: PositiveInt = 2048
+    prompt_length: PositiveInt = 128
+
+
+class Target(StrictModel):
+    """A deployment target: hardware facts, power modes, TensorRT version and budgets."""
+
+    name: str
+    description: str
+    aliases: list[str] = []
+    kind: Literal["jetson", "desktop"]
+    gpu: Gpu
+    memory_gb: PositiveFloat
+    memory_bandwidth_gbps: PositiveFloat
+    emc_max_mhz: PositiveFloat
+    int8_tops_dense: PositiveFloat
+    int8_tops_sparse: PositiveFloat
+    fp16_tflops_dense: PositiveFloat
+    dla_count: int = Field(ge=0)
+    tensorrt_version: str
+    jetpack: str | None = None
+    power_modes: list[PowerMode] = Field(min_length=1)
+    default_power_mode: str
+    budgets: Budgets
+
+    @model_validator(mode="after")
+    def _check_modes(self) -> Target:
+        names = [mode.name for mode in self.power_modes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate power mode names: {names}")
+        if self.default_power_mode not in names:
+            raise ValueError(f"default_power_mode {self.default_power_mode!r} is not one of {names}")
+        if self.int8_tops_sparse < self.int8_tops_dense:
+            raise ValueError("int8_tops_sparse must be at least int8_tops_dense")
+        return self
+
+    def power_mode(self, name: str | None = None) -> PowerMode:
+        """The named power mode, or the default one."""
+        wanted = name or self.default_power_mode
+        for mode in self.power_modes:
+            if mode.name.lower() == wanted.lower():
+                return mode
+        raise UsageError(f"target {self.name} has no power mode {wanted!r} (modes: {', '.join(m.name for m in self.power_modes)})")
+
+
+class StageSpec(StrictModel):
+    """One step of a recipe: a stage name and its options (validated by the stage)."""
+
+    name: str
+    options: dict[str, Any] = {}
+
+
+class Recipe(StrictModel):
+    """A named, ordered list of stages."""
+
+    name: str
+    description: str = ""
+    stages: list[StageSpec] = Field(min_length=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _expand_short_stages(cls, data: Any) -> Any:
+        """Accept ``- load`` and ``- quantize: {method: int8}`` as stage entries."""
+        if isinstance(data, dict) and isinstance(data.get("stages"), list):
+            expanded = []
+            for entry in data["stages"]:
+                if isinstance(entry, str):
+                    expanded.append({"name": entry})
+                elif isinstance(entry, dict) and len(entry) == 1 and "name" not in entry:
+                    (name, options), = entry.items()
+                    expanded.append({"name": name, "options": options or {}})
+                else:
+                    expanded.append(entry)
+            data = {**data, "stages": expanded}
+        return data
+
+
+def format_validation_error(exc: ValidationError, where: str) -> str:
+    """One line naming the first offending key and the problem."""
+    first = exc.errors()[0]
+    loc = ".".join(str(part) for part in first["loc"]) or "(top level)"
+    problem = "unknown key" if first["type"] == "extra_forbidden" else first["msg"]
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{where}: {loc}: {problem}{more}"
+
+
+def load_yaml(path: Path) -> Any:
+    """Parse a YAML file, turning syntax errors into a usage error."""
+    try:
+        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise UsageError(f"cannot read {path}: {exc}") from exc
+
+
+def _search_dirs(kind: str) -> list[Path]:
+    return [PROJECT_ROOT / kind]
+
+
+def _yaml_files(kind: str) -> dict[str, Path]:
+    found: dict[str, Path] = {}
+    for folder in _search_dirs(kind):
+        for path in sorted(folder.glob("*.yaml")):
+            found.setdefault(path.stem, path)
+    return found
+
+
+def available_targets() -> dict[str, Path]:
+    """Target names (file stems) to their YAML files."""
+    return _yaml_files("targets")
+
+
+def available_recipes() -> dict[str, Path]:
+    """Recipe names (file stems) to their YAML files."""
+    return _yaml_files("recipes")
+
+
+def parse_target(data: Any, where: str) -> Target:
+    """Validate a target mapping."""
+    try:
+        return Target.model_validate(data)
+    except ValidationError as exc:
+        raise UsageError(format_validation_error(exc, where)) from exc
+
+
+def load_target(name_or_path: str) -> Target:
+    """Load a target by name, alias, or YAML path."""
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"}:
+        if not path.is_file():
+            raise UsageError(f"target file not found: {path}")
+        return parse_target(load_yaml(path), str(path))
+    files = available_targets()
+    if name_or_path in files:
+        return parse_target(load_yaml(files[name_or_path]), str(files[name_or_path]))
+    for file in files.values():
+        target = parse_target(load_yaml(file), str(file))
+        if name_or_path in target.aliases:
+            return target
+    raise UsageError(f"unknown target {name_or_path!r} (known: {', '.join(target_names())})")
+
+
+def target_names() -> list[str]:
+    """Every target name and alias."""
+    names = []
+    for file in available_targets().values():
+        data = load_yaml(file) or {}
+        names.append(str(data.get("name", file.stem)))
+        names.extend(str(alias) for alias in data.get("aliases", []))
+    return names
+
+
+def load_recipe(name_or_path: str) -> Recipe:
+    """Load a recipe by name or YAML path."""
+    path = Path(name_or_path)
+    if path.suffix in {".yaml", ".yml"}:
+        if not path.is_file():
+            raise UsageError(f"recipe file not found: {path}")
+    else:
+        files = available_recipes()
+        if name_or_path not in files:
+            raise UsageError(f"unknown recipe {name_or_path!r} (known: {', '.join(files)})")
+        path = files[name_or_path]
+    try:
+        return Recipe.model_validate(load_yaml(path))
+    except ValidationError as exc:
+        raise UsageError(format_validation_error(exc, str(path))) from exc
+
+
+def parse_override_value(raw: str) -> Any:
+    """Turn the text after ``=`` into a YAML scalar (``5`` -> 5, ``true`` -> True, ``a`` -> "a")."""
+    try:
+        return yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        return raw
+
+
+def split_overrides(items: list[str]) -> dict[str, str]:
+    """Parse ``key=value`` words; a word without ``=`` is a usage error."""
+    result: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UsageError(f"expected key=value, got {item!r}")
+        result[key.strip()] = value
+    return result

@@ -1,0 +1,42 @@
+"""Error types and the exit codes they map to.
+
+Exit codes (stable, documented in the README):
+
+* 0 - the run finished and the gate passed
+* 1 - the gate failed (a measured or predicted check is over its limit)
+* 2 - usage or input error (bad target, recipe, override, model, data, output path, disk write)
+* 3 - the gate could not be completed (a check is NOT_MEASURED)
+* 4 - a stage failed while running
+"""
+
+from __future__ import annotations
+
+EXIT_PASS = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_NOT_MEASURED = 3
+EXIT_STAGE_ERROR = 4
+
+
+class CompressError(Exception):
+    """Base class for errors reported to the user as one line."""
+
+    exit_code = EXIT_STAGE_ERROR
+
+
+class UsageError(CompressError):
+    """Bad input from the user: configuration, model files, data, output paths."""
+
+    exit_code = EXIT_USAGE
+
+
+class StageError(CompressError):
+    """A stage could not complete its work."""
+
+    exit_code = EXIT_STAGE_ERROR
+
+
+class MissingBackendError(CompressError):
+    """An optional heavy backend (TensorRT, pycuda, ...) is not installed."""
+
+    exit_code = EXIT_STAGE_ERROR

@@ -1,0 +1,1 @@
+"""Measurements: perplexity, latency, memory."""

@@ -1,0 +1,47 @@
+"""Perplexity on non-overlapping token windows, for torch models and ONNX Runtime decoders.
+
+Protocol: ``exp(mean NLL)`` of every next-token prediction inside each window (a window of
+``n`` tokens scores ``n - 1`` predictions); windows never see each other.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+
+def window_nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
+    """Summed next-token NLL and the number of predictions for one ``(seq, vocab)`` window."""
+    logits = logits[:-1].astype(np.float64)
+    targets = ids[1:]
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    log_norm = np.log(np.exp(shifted).sum(axis=-1))
+    picked = shifted[np.arange(len(targets)), targets]
+    return float((log_norm - picked).sum()), len(targets)
+
+
+def perplexity(logits_fn: Callable[[np.ndarray], np.ndarray], windows: torch.Tensor, progress: bool = True,
+               desc: str = "perplexity") -> float:
+    """Perplexity of a model given as ``logits_fn(ids[1, n]) -> logits[1, n, vocab]``."""
+    total, count = 0.0, 0
+    rows: Iterable = tqdm(windows, desc=desc, unit="window", disable=not progress, leave=False)
+    for row in rows:
+        ids = row.numpy()[None, :]
+        nll, n = window_nll(np.asarray(logits_fn(ids))[0], ids[0])
+        total += nll
+        count += n
+    return math.exp(total / count)
+
+
+def torch_logits_fn(model) -> Callable[[np.ndarray], np.ndarray]:
+    """Adapter: a torch causal LM as ``logits_fn``."""
+
+    def logits(ids: np.ndarray) -> np.ndarray:
+        with torch.no_grad():
+            return model(torch.from_numpy(ids)).logits.numpy()
+
+    return logits

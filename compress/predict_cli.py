@@ -1,0 +1,84 @@
+"""``compress predict``: latency, memory and energy of a decoder config on a target, without weights."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from compress.config import PowerMode, Target, load_target, parse_override_value
+from compress.errors import UsageError
+from compress.perf_model import PRECISION_BITS, ModelShape, lowest_power_mode_meeting_budget, predict_all_modes
+
+PREDICT_KEYS = ("target", "model_config", "precision", "power", "prompt_len", "context", "group_size")
+
+
+def read_model_config(path: str | Path) -> dict[str, Any]:
+    """A Hugging Face ``config.json`` (or the folder holding it)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise UsageError(f"model config not found: {path}")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"{path} is not a JSON config: {exc}") from exc
+
+
+def select_power_mode(target: Target, power: str) -> PowerMode:
+    """A mode by name, or the fastest mode within a watt budget such as ``15W``."""
+    for mode in target.power_modes:
+        if mode.name.lower() == power.lower():
+            return mode
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*[wW]\s*", power)
+    if not match:
+        raise UsageError(f"power={power!r}: not a mode of {target.name} ({', '.join(m.name for m in target.power_modes)}) nor a budget like 15W")
+    budget = float(match.group(1))
+    within = [m for m in target.power_modes if m.watts <= budget]
+    if not within:
+        lowest = min(m.watts for m in target.power_modes)
+        raise UsageError(f"power={power}: {target.name} has no mode within {budget:g} W (lowest is {lowest:g} W)")
+    return max(within, key=lambda m: (m.watts, m.gpu_max_mhz))
+
+
+def _positive_int(pairs: dict[str, str], key: str) -> int | None:
+    if key not in pairs:
+        return None
+    value = parse_override_value(pairs[key])
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UsageError(f"{key}={pairs[key]!r}: expected a positive integer")
+    return value
+
+
+def predict_command(pairs: dict[str, str]) -> dict[str, Any]:
+    """The JSON printed by ``compress predict``."""
+    unknown = sorted(set(pairs) - set(PREDICT_KEYS))
+    if unknown:
+        raise UsageError(f"unknown key {unknown[0]!r} (known: {', '.join(PREDICT_KEYS)})")
+    for required in ("target", "model_config"):
+        if required not in pairs:
+            raise UsageError(f"missing {required}=")
+    target = load_target(pairs["target"])
+    shape = ModelShape.from_config(read_model_config(pairs["model_config"]))
+    precision = pairs.get("precision", "fp16")
+    if precision not in PRECISION_BITS:
+        raise UsageError(f"precision={precision!r}: expected one of {', '.join(PRECISION_BITS)}")
+    kwargs = {"prompt_len": _positive_int(pairs, "prompt_len"), "context": _positive_int(pairs, "context"),
+              "group_size": _positive_int(pairs, "group_size") or 128}
+    modes = predict_all_modes(target, shape, precision, **kwargs)
+    result: dict[str, Any] = {
+        "target": target.name,
+        "precision": precision,
+        "parameters": shape.total_params(),
+        "budgets": target.budgets.model_dump(),
+        "modes": [m.to_json() for m in modes],
+    }
+    if "power" in pairs:
+        mode = select_power_mode(target, pairs["power"])
+        result["selected"] = next(m.to_json() for m in modes if m.power_mode == mode.name)
+    else:
+        best = lowest_power_mode_meeting_budget(modes, target.budgets.max_decode_latency_ms)
+        result["lowest_power_mode_meeting_latency_budget"] = best.to_json() if best else None
+    return result

@@ -1,0 +1,55 @@
+"""Assemble ``report.json`` from the stage records and write it with ``report.md``."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from compress.artifact import ENGINE, ONNX
+from compress.fsutil import atomic_write_json, atomic_write_text
+from compress.gate import NOT_MEASURED, exit_code_for
+from compress.report.markdown import render_markdown
+
+if TYPE_CHECKING:
+    from compress.runner import Plan, StageRecord
+
+REPORT_SCHEMA_VERSION = "1.0"
+
+
+def _last_path(records: list[StageRecord], kind: str, run_dir: Path) -> str | None:
+    for record in reversed(records):
+        if record.artifact.kind == kind:
+            return str(Path(record.artifact.path).relative_to(run_dir))
+    return None
+
+
+def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
+    """The machine-readable report of a finished run."""
+    run_dir = plan.out_dir
+    validation = next((r for r in records if r.name == "validate"), None)
+    gate = validation.artifact.meta["gate"] if validation else {
+        "verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
+    report = {
+        "schema_version": REPORT_SCHEMA_VERSION,
+        "created_at": datetime.now(timezone.utc).isoformat(),
+        "target": {"name": plan.target.name, "power_mode": plan.power_mode, "budgets": plan.target.budgets.model_dump()},
+        "model": {"spec": plan.model.spec, "license": plan.model.license},
+        "recipe": plan.recipe.name,
+        "stages": [
+            {"name": r.name, "dir": r.dirname, "status": r.status, "duration_s": r.record.get("duration_s"),
+             "peak_rss_mb": r.record.get("peak_rss_mb"), "metrics": r.record.get("metrics", {})}
+            for r in records
+        ],
+        "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir)},
+        "predictions": validation.artifact.meta.get("predictions") if validation else None,
+        "gate": gate,
+    }
+    report["exit_code"] = exit_code_for(gate["verdict"])
+    return report
+
+
+def write_reports(run_dir: Path, report: dict[str, Any]) -> None:
+    """Write ``report.json`` and ``report.md`` atomically."""
+    atomic_write_json(run_dir / "report.json", report)
+    atomic_write_text(run_dir / "report.md", render_markdown(report))

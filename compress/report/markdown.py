@@ -1,0 +1,73 @@
+"""``report.md``: the run as a person reads it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:.{digits}g}" if abs(value) < 1000 else f"{value:,.0f}"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    return str(value)
+
+
+def _stage_summary(stage: dict[str, Any]) -> str:
+    metrics = stage.get("metrics") or {}
+    parts = []
+    if "parameters" in metrics:
+        parts.append(f"{metrics['parameters']:,} parameters")
+    if "onnx_size_bytes" in metrics:
+        parts.append(f"ONNX {metrics['onnx_size_bytes'] / 1e6:.1f} MB")
+    parity = metrics.get("parity")
+    if parity:
+        parts.append(f"max logit diff {parity['max_abs_logit_diff']:.2e}, greedy {'identical' if parity['greedy_match'] else 'DIFFERENT'}")
+    if "perplexity_onnx" in metrics:
+        parts.append(f"ppl {metrics['perplexity_onnx']:.3f} (teacher {_fmt(metrics.get('perplexity_teacher'), 5)})")
+    if "host_latency" in metrics:
+        lat = metrics["host_latency"]
+        parts.append(f"host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms")
+    if metrics.get("reason"):
+        parts.append(str(metrics["reason"]))
+    return "; ".join(parts)
+
+
+def render_markdown(report: dict[str, Any]) -> str:
+    """Render the report as Markdown."""
+    target = report["target"]
+    gate = report["gate"]
+    lines = [
+        f"# compress report: {report['model']['spec']} on {target['name']}",
+        "",
+        f"**Gate: {gate['verdict']}** (exit code {report['exit_code']}) — recipe `{report['recipe']}`, "
+        f"power mode `{target['power_mode']}`.",
+        "",
+        "## Gate checks",
+        "",
+        "| check | value | limit | verdict | source | detail |",
+        "|---|---|---|---|---|---|",
+    ]
+    for check in gate["checks"]:
+        unit = check.get("unit", "")
+        lines.append(f"| {check['name']} | {_fmt(check['value'])} {unit} | {_fmt(check['limit'])} {unit} | "
+                     f"**{check['verdict']}** | {check['source']} | {check.get('detail', '')} |")
+    if not gate["checks"]:
+        lines.append(f"| — | — | — | **{gate['verdict']}** | — | {gate.get('detail', '')} |")
+    lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
+    for index, stage in enumerate(report["stages"], start=1):
+        lines.append(f"| {index} | {stage['name']} | {stage['status']} | {_fmt(stage['duration_s'])} | "
+                     f"{_fmt(stage['peak_rss_mb'])} | {_stage_summary(stage)} |")
+    predictions = report.get("predictions")
+    if predictions:
+        lines += ["", f"## Predicted on {predictions['target']} (latency model, not measured)", "",
+                  "| power mode | W | decode tokens/s | ms/token | TTFT ms | memory GB | J/token |", "|---|---|---|---|---|---|---|"]
+        for mode in predictions["modes"]:
+            lines.append(f"| {mode['power_mode']} | {_fmt(mode['watts'])} | {mode['decode_tokens_per_s']:.1f} | "
+                         f"{mode['decode_latency_ms']:.2f} | {mode['ttft_ms']:.1f} | {mode['memory_gb']:.2f} | {mode['joules_per_token']:.3f} |")
+    lines += ["", "## Artifacts", ""]
+    for name, path in report["artifacts"].items():
+        lines.append(f"- {name}: `{path}`" if path else f"- {name}: not produced")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,471 @@
+"""Plan checking, execution, fingerprints, resume and the manifest.
+
+A run is a plan of stages. :func:`build_plan` resolves the target, recipe, model, data and
+overrides and checks the whole plan before any work. :func:`execute` runs it stage by stage;
+every stage writes into a staging folder renamed to ``NN_stage/`` only once its ``stage.json``
+is written, so a killed run leaves nothing half-written and a rerun reuses finished stages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from compress import __version__
+from compress.artifact import SOURCE, Artifact
+from compress.config import Budgets, Recipe, StrictModel, Target, format_validation_error, load_recipe, load_target, parse_override_value
+from compress.data import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, TextSource, check_disjoint, load_calibration, read_text_file, split_paths
+from compress.errors import CompressError, StageError, UsageError
+from compress.fsutil import (
+    atomic_write_json,
+    disk_write_error,
+    is_disk_write_error,
+    read_json,
+    remove_stale_staging,
+    sha256_path,
+    staging_dir,
+)
+from compress.models import DEFAULT_MODEL, ModelSource, resolve_model
+from compress.stages import StageDef, get_stage
+
+log = logging.getLogger("compress")
+
+MANIFEST_SCHEMA = "1.0"
+RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "power", "seed", "trust_remote_code")
+_TRACKED_LIBRARIES = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tensorrt")
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    """Everything ``compress run`` accepts: the run keys and ``stage.option`` / ``budgets.key`` overrides."""
+
+    target: str
+    recipe: str = "default"
+    model: str = DEFAULT_MODEL
+    out: Path | None = None
+    calib: str | None = None
+    eval: str | None = None
+    power: str | None = None
+    seed: int = 0
+    trust_remote_code: bool = False
+    overrides: dict[str, str] = field(default_factory=dict)
+    require_measured: bool = False
+    progress: bool = True
+
+    @classmethod
+    def from_pairs(cls, pairs: dict[str, str], **flags: Any) -> RunOptions:
+        """Split ``key=value`` pairs into run keys and stage/budget overrides."""
+        run_values: dict[str, Any] = {}
+        overrides: dict[str, str] = {}
+        for key, value in pairs.items():
+            if key in RUN_KEYS:
+                run_values[key] = value
+            elif "." in key:
+                overrides[key] = value
+            else:
+                raise UsageError(f"unknown override key {key!r} (run keys: {', '.join(RUN_KEYS)}; or stage.option, budgets.key)")
+        if "target" not in run_values:
+            raise UsageError("missing target=NAME (see `compress ls targets`)")
+        if "out" in run_values:
+            run_values["out"] = Path(run_values["out"])
+        for key, kind in (("seed", int), ("trust_remote_code", bool)):
+            if key in run_values:
+                value = parse_override_value(run_values[key])
+                if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+                    raise UsageError(f"{key}={run_values[key]!r}: expected {kind.__name__}")
+                run_values[key] = value
+        return cls(**run_values, overrides=overrides, **flags)
+
+
+@dataclass
+class PlannedStage:
+    """A stage of the plan with its validated config and fingerprint."""
+
+    index: int
+    stage: StageDef
+    config: StrictModel
+    fingerprint: str = ""
+
+    @property
+    def dirname(self) -> str:
+        return f"{self.index:02d}_{self.stage.name}"
+
+
+@dataclass
+class Plan:
+    """A fully resolved, checked run."""
+
+    options: RunOptions
+    target: Target
+    power_mode: str
+    recipe: Recipe
+    model: ModelSource
+    calibration: list[TextSource]
+    evaluation: TextSource
+    stages: list[PlannedStage]
+    out_dir: Path
+
+    def describe(self) -> dict[str, Any]:
+        """The resolved configuration and stage plan, as printed by ``--dry-run``."""
+        return {
+            "target": self.target.name,
+            "power_mode": self.power_mode,
+            "budgets": self.target.budgets.model_dump(),
+            "recipe": self.recipe.name,
+            "model": {"spec": self.model.spec, "kind": self.model.kind, "path": str(self.model.path)},
+            "out": str(self.out_dir),
+            "calibration": [str(s.path) for s in self.calibration],
+            "evaluation": str(self.evaluation.path),
+            "stages": [
+                {"dir": p.dirname, "name": p.stage.name, "input": p.stage.input_kind, "output": p.stage.output_kind,
+                 "config": p.config.model_dump(mode="json")}
+                for p in self.stages
+            ],
+        }
+
+
+@dataclass
+class RunContext:
+    """What a stage may read besides its input artifact."""
+
+    plan: Plan
+    run_dir: Path
+    stage_dir: Path
+    artifacts: dict[str, Artifact]
+    progress: bool = True
+
+    @property
+    def target(self) -> Target:
+        return self.plan.target
+
+    def first_artifact(self, kind: str) -> Artifact | None:
+        """The earliest artifact of a kind (e.g. the teacher ``hf-model``)."""
+        return next((a for a in self.artifacts.values() if a.kind == kind), None)
+
+
+@dataclass
+class StageRecord:
+    """What the runner learned running (or reusing) one stage."""
+
+    name: str
+    dirname: str
+    status: str
+    artifact: Artifact
+    record: dict[str, Any]
+
+
+@dataclass
+class RunResult:
+    """The outcome of a run."""
+
+    run_dir: Path
+    stages: list[StageRecord]
+    report: dict[str, Any]
+    exit_code: int
+
+
+def _apply_budget_overrides(target: Target, overrides: dict[str, str]) -> Target:
+    budgets = target.budgets.model_dump()
+    for key, raw in overrides.items():
+        budgets[key] = parse_override_value(raw)
+    try:
+        new_budgets = Budgets.model_validate(budgets)
+    except Exception as exc:
+        message = format_validation_error(exc, "budgets") if hasattr(exc, "errors") else str(exc)
+        raise UsageError(message) from exc
+    return target.model_copy(update={"budgets": new_budgets})
+
+
+def _stage_options(recipe: Recipe, overrides: dict[str, str]) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+    options = {spec.name: dict(spec.options) for spec in recipe.stages}
+    budget_overrides: dict[str, str] = {}
+    for key, raw in overrides.items():
+        scope, _, option = key.partition(".")
+        if scope == "budgets":
+            budget_overrides[option] = raw
+        elif scope not in options:
+            raise UsageError(f"override {key!r}: stage {scope!r} is not in recipe {recipe.name!r} (stages: {', '.join(options)})")
+        else:
+            options[scope][option] = parse_override_value(raw)
+    return options, budget_overrides
+
+
+def _check_out_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"out={out} is a file, not a folder")
+    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
+    if not parent.is_dir():
+        raise UsageError(f"out={out}: {parent} is not a folder")
+
+
+def default_out_dir(options: RunOptions, target: Target, recipe: Recipe) -> Path:
+    """``runs/<target>-<recipe>-<model>``: the same command always means the same folder, so reruns resume."""
+    model_name = Path(options.model).stem if options.model not in ("", DEFAULT_MODEL) else DEFAULT_MODEL
+    return Path("runs") / f"{target.name}-{recipe.name}-{model_name}"
+
+
+def build_plan(options: RunOptions) -> Plan:
+    """Resolve and check everything before any work; every problem is a :class:`UsageError`."""
+    target = load_target(options.target)
+    recipe = load_recipe(options.recipe)
+    stage_options, budget_overrides = _stage_options(recipe, options.overrides)
+    if budget_overrides:
+        target = _apply_budget_overrides(target, budget_overrides)
+    power_mode = target.power_mode(options.power).name
+    planned = _check_stage_chain(recipe, stage_options, target)
+    out_dir = options.out or default_out_dir(options, target, recipe)
+    _check_out_dir(out_dir)
+    model = resolve_model(options.model)
+    calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
+    evaluation = read_text_file(Path(options.eval) if options.eval else DEFAULT_EVALUATION, "evaluation")
+    check_disjoint(calibration, evaluation)
+    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir)
+    _assign_fingerprints(plan)
+    return plan
+
+
+def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]], target: Target) -> list[PlannedStage]:
+    planned: list[PlannedStage] = []
+    previous_kind = SOURCE
+    seen: set[str] = set()
+    for index, spec in enumerate(recipe.stages, start=1):
+        stage = get_stage(spec.name)
+        if spec.name in seen:
+            raise UsageError(f"recipe {recipe.name}: stage {spec.name} appears twice")
+        seen.add(spec.name)
+        if stage.input_kind != previous_kind:
+            raise UsageError(
+                f"recipe {recipe.name}: stage {spec.name} takes {stage.input_kind!r} but the step before it gives {previous_kind!r}"
+            )
+        config = stage.make_config(stage_options[spec.name])
+        if stage.check_target is not None:
+            stage.check_target(config, target)
+        planned.append(PlannedStage(index, stage, config))
+        previous_kind = stage.output_kind
+    return planned
+
+
+def _assign_fingerprints(plan: Plan) -> None:
+    upstream = hashlib.sha256(
+        json.dumps({"model": str(plan.model.path), "model_spec": plan.model.spec, "version": __version__}).encode()
+    ).hexdigest()
+    data_hashes = [s.sha256 for s in plan.calibration] + [plan.evaluation.sha256]
+    for planned in plan.stages:
+        material = {
+            "upstream": upstream,
+            "stage": planned.stage.name,
+            "config": planned.config.model_dump(mode="json"),
+            "data": data_hashes,
+            "seed": plan.options.seed,
+        }
+        if planned.stage.uses_target:
+            material["target"] = plan.target.model_dump(mode="json")
+            material["power_mode"] = plan.power_mode
+            material["require_measured"] = plan.options.require_measured
+        upstream = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
+        planned.fingerprint = upstream
+
+
+def library_versions() -> dict[str, str]:
+    """Versions of the libraries a result depends on."""
+    versions = {"compress": __version__, "python": platform.python_version()}
+    for name in _TRACKED_LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def _reset_peak_rss() -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
+def _peak_rss_mb() -> float:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _reuse(stage_dir: Path, fingerprint: str) -> tuple[Artifact, dict[str, Any]] | None:
+    record_path = stage_dir / "stage.json"
+    if not record_path.is_file():
+        return None
+    try:
+        record = read_json(record_path)
+    except (OSError, ValueError):
+        return None
+    if record.get("fingerprint") != fingerprint or record.get("status") not in ("done", "deferred"):
+        return None
+    artifact = Artifact.from_json(record["output"], base=stage_dir)
+    if not artifact.path.exists() or sha256_path(artifact.path) != record["output"]["sha256"]:
+        log.warning("%s: stored output does not match its recorded hash; redoing the stage", stage_dir.name)
+        return None
+    return artifact, record
+
+
+def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final_dir: Path) -> tuple[Artifact, dict[str, Any]]:
+    with staging_dir(final_dir) as tmp:
+        ctx.stage_dir = tmp
+        _reset_peak_rss()
+        started = time.perf_counter()
+        artifact = planned.stage.run(previous, planned.config, ctx)
+        duration = time.perf_counter() - started
+        relative = Path(artifact.path).resolve().relative_to(tmp.resolve())
+        output_sha = sha256_path(artifact.path)
+        status = "deferred" if artifact.meta.get("deferred") else "done"
+        record = {
+            "stage": planned.stage.name,
+            "status": status,
+            "fingerprint": planned.fingerprint,
+            "config": planned.config.model_dump(mode="json"),
+            "input": {"kind": previous.kind, "path": str(previous.path), "sha256": previous.sha256},
+            "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha},
+            "duration_s": round(duration, 3),
+            "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "metrics": artifact.meta.get("metrics", {}),
+            "versions": library_versions(),
+            "finished_at": datetime.now(timezone.utc).isoformat(),
+        }
+        atomic_write_json(tmp / "stage.json", record)
+    final = Artifact(artifact.kind, final_dir / relative, artifact.meta, output_sha)
+    return final, record
+
+
+def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | None = None) -> dict[str, Any]:
+    return {
+        "schema_version": MANIFEST_SCHEMA,
+        "status": status,
+        "updated_at": datetime.now(timezone.utc).isoformat(),
+        "command": " ".join(sys.argv),
+        "target": plan.target.name,
+        "power_mode": plan.power_mode,
+        "recipe": plan.recipe.model_dump(mode="json"),
+        "model": {"spec": plan.model.spec, "path": str(plan.model.path), "license": plan.model.license},
+        "data": {
+            "calibration": [{"path": str(s.path), "sha256": s.sha256} for s in plan.calibration],
+            "evaluation": {"path": str(plan.evaluation.path), "sha256": plan.evaluation.sha256},
+        },
+        "versions": library_versions(),
+        "stages": [
+            {"name": r.name, "dir": r.dirname, "status": r.status, "fingerprint": r.record.get("fingerprint"),
+             "output_sha256": r.artifact.sha256}
+            for r in records
+        ],
+        "error": error,
+    }
+
+
+def _attach_log_file(run_dir: Path) -> logging.Handler:
+    handler = logging.FileHandler(run_dir / "run.log", encoding="utf-8")
+    handler.setLevel(logging.DEBUG)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.getLogger().addHandler(handler)
+    return handler
+
+
+def execute(plan: Plan) -> RunResult:
+    """Run a checked plan; finished stages whose fingerprint matches are reused."""
+    from compress.report import build_report, write_reports
+
+    out = plan.out_dir
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(out)
+        handler = _attach_log_file(out)
+    except OSError as exc:
+        raise disk_write_error(exc, out) from exc
+    out = out.resolve()
+    plan.out_dir = out
+    records: list[StageRecord] = []
+    previous = Artifact(SOURCE, plan.model.path, {"spec": plan.model.spec})
+    ctx = RunContext(plan=plan, run_dir=out, stage_dir=out, artifacts={}, progress=plan.options.progress)
+    total = len(plan.stages)
+    try:
+        atomic_write_json(out / "manifest.json", _manifest(plan, "running", records))
+        for planned in plan.stages:
+            final_dir = out / planned.dirname
+            remove_stale_staging(final_dir.parent)
+            reused = _reuse(final_dir, planned.fingerprint)
+            if reused is not None:
+                artifact, record = reused
+                status = "reused"
+                log.info("[%d/%d] %s: reused (finished earlier, fingerprint matches)", planned.index, total, planned.stage.name)
+            else:
+                log.info("[%d/%d] %s: running", planned.index, total, planned.stage.name)
+                artifact, record = _run_stage(planned, previous, ctx, final_dir)
+                status = record["status"]
+                log.info("[%d/%d] %s: %s in %.1fs", planned.index, total, planned.stage.name, status, record["duration_s"])
+            records.append(StageRecord(planned.stage.name, planned.dirname, status, artifact, record))
+            ctx.artifacts[planned.stage.name] = artifact
+            previous = artifact
+            atomic_write_json(out / "manifest.json", _manifest(plan, "running", records))
+        report = build_report(plan, records)
+        write_reports(out, report)
+        atomic_write_json(out / "manifest.json", _manifest(plan, "finished", records))
+        return RunResult(out, records, report, report["exit_code"])
+    except BaseException as exc:
+        error = _as_compress_error(exc, out)
+        _mark_failed(plan, records, error or exc)
+        if error is not None and error is not exc:
+            raise error from exc
+        raise
+    finally:
+        logging.getLogger().removeHandler(handler)
+        handler.close()
+
+
+def _as_compress_error(exc: BaseException, out: Path) -> CompressError | None:
+    if isinstance(exc, CompressError):
+        return exc
+    if is_disk_write_error(exc):
+        return disk_write_error(exc, getattr(exc, "filename", None) or out)
+    if isinstance(exc, Exception):
+        return StageError(f"{type(exc).__name__}: {exc}")
+    return None
+
+
+def _mark_failed(plan: Plan, records: list[StageRecord], exc: BaseException) -> None:
+    try:
+        atomic_write_json(plan.out_dir / "manifest.json", _manifest(plan, "failed", records, error=str(exc)))
+    except OSError:
+        log.debug("could not write the failed manifest", exc_info=True)
+
+
+def run(options: RunOptions) -> RunResult:
+    """Plan and execute a run."""
+    return execute(build_plan(options))
+
+
+def run_python(target: str, recipe: str = "default", model: str = DEFAULT_MODEL, out: str | Path | None = None,
+               progress: bool = True, require_measured: bool = False, **overrides: Any) -> RunResult:
+    """Drive a run from Python with the CLI's options: ``stage__option=value`` for ``stage.option=value``."""
+    pairs = {"target": target, "recipe": recipe, "model": model}
+    if out is not None:
+        pairs["out"] = str(out)
+    for key, value in overrides.items():
+        pairs[key.replace("__", ".")] = value if isinstance(value, str) else json.dumps(value)
+    return run(RunOptions.from_pairs(pairs, require_measured=require_measured, progress=progress))
+
+
+def environment_summary() -> dict[str, Any]:
+    """Host facts recorded beside measurements."""
+    return {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()}

@@ -1,0 +1,106 @@
+"""A decoder-only LM in ONNX Runtime with an explicit KV cache.
+
+The exported graph takes ``input_ids``, ``attention_mask``, ``position_ids`` and
+``past_key_values.{i}.key|value`` and returns ``logits`` and ``present.{i}.key|value``
+(see :mod:`compress.stages.export_onnx`). The layout is described by ``compress_onnx.json``
+beside the model file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ONNX_FILE = "model.onnx"
+LAYOUT_FILE = "compress_onnx.json"
+
+
+@dataclass(frozen=True)
+class DecoderLayout:
+    """Names and shapes of the KV-cache inputs of an exported decoder."""
+
+    num_layers: int
+    num_kv_heads: list[int]
+    head_dim: int
+    eos_token_ids: list[int]
+
+    @classmethod
+    def load(cls, folder: Path) -> DecoderLayout:
+        data = json.loads((Path(folder) / LAYOUT_FILE).read_text(encoding="utf-8"))
+        return cls(data["num_layers"], list(data["num_kv_heads"]), data["head_dim"], list(data.get("eos_token_ids", [])))
+
+    def to_json(self) -> dict:
+        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+                "eos_token_ids": self.eos_token_ids}
+
+
+def past_names(num_layers: int) -> list[str]:
+    """Input names of the KV cache, in graph order."""
+    return [f"past_key_values.{i}.{part}" for i in range(num_layers) for part in ("key", "value")]
+
+
+def present_names(num_layers: int) -> list[str]:
+    """Output names of the updated KV cache, in graph order."""
+    return [f"present.{i}.{part}" for i in range(num_layers) for part in ("key", "value")]
+
+
+def make_session(model_path: Path, threads: int | None = None):
+    """An ONNX Runtime CPU session with full graph optimisation."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        options.intra_op_num_threads = threads
+    return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+
+
+class OnnxDecoder:
+    """Run an exported decoder step by step in ONNX Runtime."""
+
+    def __init__(self, folder: Path, threads: int | None = None) -> None:
+        self.folder = Path(folder)
+        self.layout = DecoderLayout.load(self.folder)
+        self.session = make_session(self.folder / ONNX_FILE, threads)
+        self._past_names = past_names(self.layout.num_layers)
+
+    def empty_past(self, batch: int) -> list[np.ndarray]:
+        """A zero-length KV cache for ``batch`` sequences."""
+        return [np.zeros((batch, self.layout.num_kv_heads[i // 2], 0, self.layout.head_dim), dtype=np.float32)
+                for i in range(2 * self.layout.num_layers)]
+
+    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One step: logits for ``input_ids`` and the grown cache. ``attention_mask`` covers past + new tokens."""
+        past_len = past[0].shape[2]
+        positions = np.clip(np.cumsum(attention_mask, axis=-1) - 1, 0, None)[:, past_len:]
+        feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
+                "position_ids": positions.astype(np.int64)}
+        feed.update(zip(self._past_names, past, strict=False))
+        outputs = self.session.run(None, feed)
+        return outputs[0], outputs[1:]
+
+    def logits(self, input_ids: np.ndarray) -> np.ndarray:
+        """Logits of a full, unpadded batch with no cache."""
+        mask = np.ones_like(input_ids, dtype=np.int64)
+        return self.forward(input_ids, mask, self.empty_past(input_ids.shape[0]))[0]
+
+    def stream_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
+        """Greedy decoding with the KV cache, yielding token ids until EOS or the limit."""
+        ids = np.asarray([prompt_ids], dtype=np.int64)
+        mask = np.ones_like(ids)
+        logits, past = self.forward(ids, mask, self.empty_past(1))
+        for _ in range(max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            yield token
+            if token in self.layout.eos_token_ids:
+                return
+            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
+            logits, past = self.forward(np.asarray([[token]], dtype=np.int64), mask, past)
+
+    def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy continuation of one prompt."""
+        return list(self.stream_greedy(prompt_ids, max_new_tokens))

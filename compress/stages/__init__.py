@@ -1,0 +1,72 @@
+"""The stage registry.
+
+A stage is a pure step ``(input artifact, stage config, run context) -> output artifact``. Each
+module in this package registers one :class:`StageDef`; the runner looks stages up by name and
+checks a recipe's order against their input and output kinds before doing any work.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from pydantic import ValidationError
+
+from compress.config import StrictModel, Target, format_validation_error
+from compress.errors import UsageError
+
+if TYPE_CHECKING:
+    from compress.artifact import Artifact
+    from compress.runner import RunContext
+
+StageFn = Callable[["Artifact", StrictModel, "RunContext"], "Artifact"]
+TargetCheck = Callable[[StrictModel, Target], None]
+
+_STAGE_MODULES = ("load", "export_onnx", "validate")
+
+
+@dataclass(frozen=True)
+class StageDef:
+    """How to run one stage and what it connects to."""
+
+    name: str
+    summary: str
+    input_kind: str
+    output_kind: str
+    config_cls: type[StrictModel]
+    run: StageFn
+    check_target: TargetCheck | None = None
+    uses_target: bool = False
+
+    def make_config(self, options: dict) -> StrictModel:
+        """Validate options; an unknown key or wrong type is a usage error naming it."""
+        try:
+            return self.config_cls.model_validate(options)
+        except ValidationError as exc:
+            raise UsageError(format_validation_error(exc, f"stage {self.name}")) from exc
+
+
+_REGISTRY: dict[str, StageDef] = {}
+
+
+def register(stage: StageDef) -> StageDef:
+    """Add a stage to the registry (called once by each stage module)."""
+    _REGISTRY[stage.name] = stage
+    return stage
+
+
+def all_stages() -> dict[str, StageDef]:
+    """Every registered stage, by name, in pipeline order."""
+    for module in _STAGE_MODULES:
+        importlib.import_module(f"compress.stages.{module}")
+    return dict(_REGISTRY)
+
+
+def get_stage(name: str) -> StageDef:
+    """Look up a stage by name."""
+    stages = all_stages()
+    if name not in stages:
+        raise UsageError(f"unknown stage {name!r} (known: {', '.join(stages)})")
+    return stages[name]

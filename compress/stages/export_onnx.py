@@ -1,0 +1,189 @@
+"""``export_onnx``: a decoder with an explicit KV cache as ONNX, checked in ONNX Runtime.
+
+The graph has dynamic batch, sequence and past axes. After export the stage runs the model in
+ONNX Runtime beside torch: the largest logit difference on a fixed prompt and the greedy tokens
+of both are recorded, and a mismatch beyond the configured tolerance fails the stage.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import warnings
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+from pydantic import PositiveFloat, PositiveInt
+
+from compress.artifact import HF_MODEL, ONNX, Artifact
+from compress.config import StrictModel
+from compress.errors import StageError
+from compress.fsutil import atomic_write_json, path_size
+from compress.models import load_causal_lm, load_tokenizer
+from compress.runtime.onnx_decoder import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
+from compress.stages import StageDef, register
+
+log = logging.getLogger(__name__)
+
+_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+               "special_tokens_map.json", "chat_template.jinja")
+
+
+class ExportOnnxConfig(StrictModel):
+    """Options of the ONNX export."""
+
+    exporter: Literal["torchscript", "dynamo"] = "torchscript"
+    opset: int = 18
+    parity_prompt: str = "What is the capital of France?"
+    parity_new_tokens: PositiveInt = 16
+    max_logit_diff: PositiveFloat = 1e-2
+    require_greedy_match: bool = True
+
+
+class _DecoderWithCache(torch.nn.Module):
+    """Flat tensors in and out, so the exporter sees a plain function of the KV cache."""
+
+    def __init__(self, model) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids, attention_mask, position_ids, *past):
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self.model.config)
+        for layer in range(len(past) // 2):
+            cache.update(past[2 * layer], past[2 * layer + 1], layer)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=True)
+        flat = [out.logits]
+        for layer in out.past_key_values.layers:
+            flat.extend((layer.keys, layer.values))
+        return tuple(flat)
+
+
+def decoder_layout(model, eos_token_ids: list[int]) -> DecoderLayout:
+    """KV-cache layout of a Llama-family decoder (per-layer KV heads allow pruned layers)."""
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = [layer.self_attn.k_proj.out_features // head_dim for layer in model.model.layers]
+    return DecoderLayout(cfg.num_hidden_layers, kv_heads, head_dim, eos_token_ids)
+
+
+def _example_inputs(layout: DecoderLayout, batch: int = 2, seq: int = 5, past: int = 3):
+    ids = torch.randint(0, 100, (batch, seq))
+    mask = torch.ones(batch, past + seq, dtype=torch.long)
+    positions = torch.arange(past, past + seq).expand(batch, seq)
+    cache = [torch.zeros(batch, layout.num_kv_heads[i // 2], past, layout.head_dim) for i in range(2 * layout.num_layers)]
+    return (ids, mask, positions, *cache)
+
+
+def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "torchscript", opset: int = 18) -> None:
+    """Write ``model`` as an ONNX decoder with KV cache to ``path``."""
+    wrapper = _DecoderWithCache(model).eval()
+    inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layout.num_layers)]
+    outputs = ["logits", *present_names(layout.num_layers)]
+    example = _example_inputs(layout)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
+            total = torch.export.Dim("total")
+            shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
+                      *({0: batch, 2: past} for _ in range(2 * layout.num_layers)))
+            torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
+                              dynamic_shapes=shapes, dynamo=True, opset_version=max(opset, 18), external_data=False)
+        else:
+            axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
+                    "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
+            axes.update({name: {0: "batch", 2: "past"} for name in inputs[3:]})
+            axes.update({name: {0: "batch", 2: "total"} for name in outputs[1:]})
+            torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
+                              dynamic_axes=axes, dynamo=False, opset_version=opset)
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of ``prompt`` wrapped in the tokenizer's chat template when it has one."""
+    if getattr(tokenizer, "chat_template", None):
+        encoded = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                                tokenize=True, return_dict=True)
+        return list(encoded["input_ids"])
+    return tokenizer(prompt, add_special_tokens=True).input_ids
+
+
+def torch_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
+    """Greedy continuation in torch with the KV cache, stopping at EOS like :meth:`OnnxDecoder.greedy`."""
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos_token_ids or None, pad_token_id=(eos_token_ids or [0])[0])
+    return out[0, len(prompt_ids):].tolist()
+
+
+def eos_ids(model, tokenizer) -> list[int]:
+    """End-of-sequence ids from the generation config, else the tokenizer."""
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return []
+    return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+
+
+def check_parity(model, tokenizer, folder: Path, config: ExportOnnxConfig) -> dict:
+    """Compare ONNX Runtime with torch on a fixed prompt: logits and greedy tokens."""
+    decoder = OnnxDecoder(folder)
+    prompt = chat_prompt_ids(tokenizer, config.parity_prompt)
+    with torch.no_grad():
+        reference = model(torch.tensor([prompt])).logits.numpy()
+    onnx_logits = decoder.logits(np.asarray([prompt]))
+    max_diff = float(np.abs(onnx_logits - reference).max())
+    torch_tokens = torch_greedy(model, prompt, config.parity_new_tokens, decoder.layout.eos_token_ids)
+    onnx_tokens = decoder.greedy(prompt, config.parity_new_tokens)
+    return {
+        "max_abs_logit_diff": max_diff,
+        "greedy_match": torch_tokens == onnx_tokens,
+        "greedy_tokens_torch": torch_tokens,
+        "greedy_tokens_onnx": onnx_tokens,
+        "greedy_text_onnx": tokenizer.decode(onnx_tokens, skip_special_tokens=True),
+        "prompt": config.parity_prompt,
+    }
+
+
+def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
+    model = load_causal_lm(source.path, trust_remote_code=ctx.plan.options.trust_remote_code)
+    tokenizer = load_tokenizer(source.path)
+    out = ctx.stage_dir / "onnx"
+    out.mkdir()
+    layout = decoder_layout(model, eos_ids(model, tokenizer))
+    log.info("exporting %d layers to ONNX with the %s exporter (opset %d)", layout.num_layers, config.exporter, config.opset)
+    export_decoder(model, layout, out / ONNX_FILE, config.exporter, config.opset)
+    atomic_write_json(out / LAYOUT_FILE, layout.to_json())
+    for name in _SIDE_FILES:
+        if (Path(source.path) / name).is_file():
+            shutil.copy2(Path(source.path) / name, out / name)
+    log.info("checking ONNX Runtime against torch")
+    parity = check_parity(model, tokenizer, out, config)
+    log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
+             "identical" if parity["greedy_match"] else "DIFFER")
+    if parity["max_abs_logit_diff"] > config.max_logit_diff:
+        raise StageError(f"ONNX logits differ from torch by {parity['max_abs_logit_diff']:.3g} (> {config.max_logit_diff})")
+    if config.require_greedy_match and not parity["greedy_match"]:
+        raise StageError(f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}")
+    meta = {
+        **{k: v for k, v in source.meta.items() if k != "metrics"},
+        "layout": layout.to_json(),
+        "opset": config.opset,
+        "metrics": {"onnx_size_bytes": path_size(out / ONNX_FILE), "parity": parity},
+    }
+    return Artifact(ONNX, out, meta)
+
+
+STAGE = register(StageDef(
+    name="export_onnx",
+    summary="export a decoder with KV cache to ONNX and check it in ONNX Runtime",
+    input_kind=HF_MODEL,
+    output_kind=ONNX,
+    config_cls=ExportOnnxConfig,
+    run=run_export,
+))

@@ -1,0 +1,126 @@
+"""``validate``: measure the final model and gate it against the target's budgets.
+
+Measurements (target-independent): perplexity of the ONNX model in ONNX Runtime and of the
+torch teacher on the evaluation text, host ONNX Runtime latency, model size. The gate
+(target-dependent) compares them, and the latency model's predictions for the target, with the
+budgets; :func:`gate_checks` is reused by ``compress validate RUN_DIR`` to re-gate a finished run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+from pydantic import PositiveInt
+
+from compress.artifact import HF_MODEL, ONNX, REPORT, Artifact
+from compress.config import StrictModel, Target
+from compress.data import EVAL_SKIP_CHARS, token_windows
+from compress.eval.latency import measure_decoder_latency
+from compress.eval.perplexity import perplexity, torch_logits_fn
+from compress.fsutil import atomic_write_json, path_size
+from compress.gate import Check, gate_json, require_measured, upper_bound_check
+from compress.models import load_causal_lm, load_tokenizer
+from compress.perf_model import ModelShape, predict, predict_all_modes
+from compress.runtime.onnx_decoder import ONNX_FILE, OnnxDecoder
+from compress.stages import StageDef, register
+
+log = logging.getLogger(__name__)
+
+
+class ValidateConfig(StrictModel):
+    """Options of the validate stage."""
+
+    eval_tokens: PositiveInt = 8192
+    window: PositiveInt = 512
+    latency_prompt_tokens: PositiveInt = 128
+    latency_new_tokens: PositiveInt = 64
+    latency_repeats: PositiveInt = 1
+
+
+def measure(onnx_dir: Path, teacher_dir: Path | None, eval_text: str, config: ValidateConfig, progress: bool) -> dict[str, Any]:
+    """Every target-independent measurement of an exported decoder."""
+    tokenizer = load_tokenizer(onnx_dir)
+    windows = token_windows(tokenizer, eval_text, config.window, config.eval_tokens, skip_chars=EVAL_SKIP_CHARS)
+    decoder = OnnxDecoder(onnx_dir)
+    log.info("perplexity of the ONNX model (%d windows of %d tokens)", windows.shape[0], config.window)
+    ppl_onnx = perplexity(decoder.logits, windows, progress, desc="ppl onnx")
+    ppl_teacher = None
+    if teacher_dir is not None:
+        log.info("perplexity of the torch teacher")
+        teacher = load_causal_lm(teacher_dir)
+        ppl_teacher = perplexity(torch_logits_fn(teacher), windows, progress, desc="ppl teacher")
+        del teacher
+    prompt = tokenizer(eval_text[EVAL_SKIP_CHARS:], add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
+    log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
+    latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
+    return {
+        "eval_tokens": int(windows.numel()),
+        "eval_windows": int(windows.shape[0]),
+        "perplexity_onnx": ppl_onnx,
+        "perplexity_teacher": ppl_teacher,
+        "perplexity_increase_pct": None if ppl_teacher is None else 100.0 * (ppl_onnx / ppl_teacher - 1.0),
+        "host_latency": latency,
+        "model_size_bytes": path_size(onnx_dir / ONNX_FILE) + sum(path_size(p) for p in onnx_dir.glob("*.data")),
+    }
+
+
+def model_shape(onnx_dir: Path) -> ModelShape:
+    """The decoder's shape from the config saved beside the ONNX file."""
+    return ModelShape.from_config(json.loads((onnx_dir / "config.json").read_text(encoding="utf-8")))
+
+
+def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Target, must_measure: bool) -> list[Check]:
+    """Compare measurements and predictions with the target's budgets."""
+    budgets = target.budgets
+    chosen = predictions["chosen"]
+    mode = chosen["power_mode"]
+    checks = [
+        upper_bound_check("perplexity_increase_pct", metrics.get("perplexity_increase_pct"), budgets.max_ppl_increase_pct,
+                          "measured", "%", "ONNX Runtime vs torch teacher on the evaluation text"),
+        upper_bound_check("decode_latency_ms", chosen["decode_latency_ms"], budgets.max_decode_latency_ms, "predicted", "ms",
+                          f"{target.name} {mode}, {chosen['precision']}, context {budgets.context_length}"),
+        upper_bound_check("ttft_ms", chosen["ttft_ms"], budgets.max_ttft_ms, "predicted", "ms",
+                          f"{target.name} {mode}, prompt {budgets.prompt_length} tokens"),
+        upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
+                          f"weights + KV cache at {budgets.context_length} + runtime"),
+    ]
+    return require_measured(checks) if must_measure else checks
+
+
+def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str) -> dict[str, Any]:
+    """Latency-model predictions for every power mode and the chosen one."""
+    shape = model_shape(onnx_dir)
+    modes = [p.to_json() for p in predict_all_modes(target, shape, precision)]
+    chosen = predict(target, shape, precision, power_mode).to_json()
+    return {"target": target.name, "modes": modes, "chosen": chosen}
+
+
+def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
+    teacher = ctx.first_artifact(HF_MODEL)
+    metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation.text, config, ctx.progress)
+    precision = source.meta.get("precision", "fp32")
+    predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode)
+    checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)
+    gate = gate_json(checks)
+    out = ctx.stage_dir / "validation.json"
+    result = {"metrics": metrics, "predictions": predictions, "gate": gate}
+    atomic_write_json(out, result)
+    if metrics["perplexity_teacher"] is not None:
+        log.info("perplexity: ONNX %.3f, teacher %.3f (%+.2f%%)", metrics["perplexity_onnx"], metrics["perplexity_teacher"],
+                 metrics["perplexity_increase_pct"])
+    log.info("gate: %s", gate["verdict"])
+    return Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate})
+
+
+STAGE = register(StageDef(
+    name="validate",
+    summary="measure perplexity, latency and memory; gate them against the target's budgets",
+    input_kind=ONNX,
+    output_kind=REPORT,
+    config_cls=ValidateConfig,
+    run=run_validate,
+    uses_target=True,
+))
