@@ -61,10 +61,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(quiet: bool) -> None:
+    root = logging.getLogger()
+    for old in [h for h in root.handlers if getattr(h, "_compress_console", False)]:
+        root.removeHandler(old)
     handler = logging.StreamHandler(sys.stderr)
+    handler._compress_console = True  # type: ignore[attr-defined]
     handler.setFormatter(logging.Formatter("compress: %(message)s"))
     handler.setLevel(logging.WARNING if quiet else logging.INFO)
-    root = logging.getLogger()
     root.setLevel(logging.DEBUG)
     root.addHandler(handler)
     for noisy in ("transformers", "torch", "onnxscript", "onnx_ir", "urllib3", "filelock", "matplotlib"):

@@ -149,20 +149,25 @@ def _check_safetensors(file: Path) -> None:
     from safetensors import safe_open
 
     try:
+        expected_end = _safetensors_data_end(file)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
+        raise UsageError(f"{file} is a corrupt safetensors file: unreadable header ({exc})") from exc
+    if file.stat().st_size < expected_end:
+        raise UsageError(f"{file} is truncated ({file.stat().st_size} bytes, its header says {expected_end})")
+    try:
         with safe_open(str(file), framework="pt") as handle:
             keys = list(handle.keys())
             if keys:
                 handle.get_slice(keys[-1])
     except Exception as exc:  # safetensors raises its own error types on bad headers
         raise UsageError(f"{file} is a corrupt safetensors file: {exc}") from exc
-    expected_end = _safetensors_data_end(file)
-    if file.stat().st_size < expected_end:
-        raise UsageError(f"{file} is truncated ({file.stat().st_size} bytes, header says {expected_end})")
 
 
 def _safetensors_data_end(file: Path) -> int:
     with open(file, "rb") as handle:
         header_len = int.from_bytes(handle.read(8), "little")
+        if header_len <= 0 or header_len > file.stat().st_size:
+            raise ValueError(f"header length {header_len} does not fit the file")
         header = json.loads(handle.read(header_len))
     ends = [entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"]
     return 8 + header_len + max(ends, default=0)

@@ -439,7 +439,9 @@ def _as_compress_error(exc: BaseException, out: Path) -> CompressError | None:
     if is_disk_write_error(exc):
         return disk_write_error(exc, getattr(exc, "filename", None) or out)
     if isinstance(exc, Exception):
-        return StageError(f"{type(exc).__name__}: {exc}")
+        first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
+        log.debug("stage failure", exc_info=exc)
+        return StageError(f"{type(exc).__name__}: {first_line} (full traceback in {out / 'run.log'})")
     return None
 
 

@@ -91,7 +91,7 @@ def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "to
             batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
             total = torch.export.Dim("total")
             shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
-                      *({0: batch, 2: past} for _ in range(2 * layout.num_layers)))
+                      tuple({0: batch, 2: past} for _ in range(2 * layout.num_layers)))
             torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
                               dynamic_shapes=shapes, dynamo=True, opset_version=max(opset, 18), external_data=False)
         else:

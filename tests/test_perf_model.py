@@ -1,0 +1,65 @@
+"""The latency, memory and energy model: calibration, monotonicity, power-mode selection."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compress.cli import main
+from compress.config import load_target
+from compress.errors import UsageError
+from compress.perf_model import ModelShape, anchor_errors, lowest_power_mode_meeting_budget, predict, predict_all_modes
+from compress.predict_cli import select_power_mode
+
+SMOL = ModelShape(30, 576, 1536, 9, 3, 64, 49152, True)
+
+
+def test_anchor_errors_are_small():
+    rows = anchor_errors()
+    assert len(rows) == 2
+    assert all(abs(row["error_pct"]) < 10 for row in rows)
+
+
+def test_more_bandwidth_is_faster_and_int4_beats_fp16():
+    nano, agx = load_target("jetson-orin-nano-8gb"), load_target("jetson-agx-orin-64gb")
+    assert predict(agx, SMOL, "fp16").decode_tokens_per_s > predict(nano, SMOL, "fp16").decode_tokens_per_s
+    fp16, int8, int4 = (predict(nano, SMOL, p).decode_tokens_per_s for p in ("fp16", "int8", "int4"))
+    assert int4 > int8 > fp16
+    assert predict(nano, SMOL, "int4").memory_gb < predict(nano, SMOL, "fp16").memory_gb
+
+
+def test_power_modes_are_monotonic_in_clock_caps():
+    nano = load_target("jetson-orin-nano-8gb")
+    modes = predict_all_modes(nano, SMOL, "fp16")
+    by_name = {m.power_mode: m for m in modes}
+    assert by_name["15W"].decode_tokens_per_s <= by_name["MAXN_SUPER"].decode_tokens_per_s
+    assert by_name["15W"].ttft_ms > by_name["MAXN_SUPER"].ttft_ms
+    assert by_name["15W"].joules_per_token < by_name["MAXN_SUPER"].joules_per_token
+
+
+def test_power_mode_selection():
+    nano = load_target("jetson-orin-nano-8gb")
+    assert select_power_mode(nano, "15W").name == "15W"
+    assert select_power_mode(nano, "30W").name == "25W"
+    with pytest.raises(UsageError, match="no mode within 5 W"):
+        select_power_mode(nano, "5W")
+    modes = predict_all_modes(nano, SMOL, "fp16")
+    assert lowest_power_mode_meeting_budget(modes, 1000).power_mode == "7W"
+    assert lowest_power_mode_meeting_budget(modes, 0.001) is None
+
+
+def test_predict_command_on_a_7b_config(tmp_path, capsys):
+    config = {"num_hidden_layers": 32, "hidden_size": 4096, "intermediate_size": 11008, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "vocab_size": 32000}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["predict", "target=jetson-agx-orin-64gb", f"model_config={path}", "precision=int4", "power=MAXN",
+                 "context=192"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert abs(result["selected"]["decode_tokens_per_s"] / 46.9 - 1) < 0.1  # the published Llama-2-7B INT4 figure
+    assert len(result["modes"]) == 4
+    assert main(["predict", "target=jetson-orin", f"model_config={path}"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert "lowest_power_mode_meeting_latency_budget" in result
+    assert main(["predict", "target=jetson-orin", f"model_config={path}", "precision=fp3"]) == 2
