@@ -153,6 +153,10 @@ class RunContext:
         """The earliest artifact of a kind (e.g. the teacher ``hf-model``)."""
         return next((a for a in self.artifacts.values() if a.kind == kind), None)
 
+    def last_artifact(self, kind: str) -> Artifact | None:
+        """The latest artifact of a kind (e.g. the model an export was made from)."""
+        return next((a for a in reversed(self.artifacts.values()) if a.kind == kind), None)
+
 
 @dataclass
 class StageRecord:

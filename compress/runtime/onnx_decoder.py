@@ -9,6 +9,7 @@ beside the model file.
 from __future__ import annotations
 
 import json
+import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,15 +28,17 @@ class DecoderLayout:
     num_kv_heads: list[int]
     head_dim: int
     eos_token_ids: list[int]
+    int8_activations: bool = False
 
     @classmethod
     def load(cls, folder: Path) -> DecoderLayout:
         data = json.loads((Path(folder) / LAYOUT_FILE).read_text(encoding="utf-8"))
-        return cls(data["num_layers"], list(data["num_kv_heads"]), data["head_dim"], list(data.get("eos_token_ids", [])))
+        return cls(data["num_layers"], list(data["num_kv_heads"]), data["head_dim"], list(data.get("eos_token_ids", [])),
+                   bool(data.get("int8_activations", False)))
 
     def to_json(self) -> dict:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "eos_token_ids": self.eos_token_ids}
+                "eos_token_ids": self.eos_token_ids, "int8_activations": self.int8_activations}
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -48,12 +51,29 @@ def present_names(num_layers: int) -> list[str]:
     return [f"present.{i}.{part}" for i in range(num_layers) for part in ("key", "value")]
 
 
-def make_session(model_path: Path, threads: int | None = None):
-    """An ONNX Runtime CPU session with full graph optimisation."""
+def host_has_int8_dot_product() -> bool:
+    """True when the CPU has VNNI, so ONNX Runtime's s8 x s8 kernels do not saturate."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8")) or platform.machine() in ("aarch64", "arm64")
+
+
+def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False):
+    """An ONNX Runtime CPU session.
+
+    INT4 weight-only matrices run in fp32 (``accuracy_level`` 0), matching the torch reference.
+    For W8A8 graphs on x86 CPUs without VNNI, ONNX Runtime's fused integer kernels saturate
+    16-bit intermediate sums and break accuracy, so the Q/DQ graph is run unfused there.
+    """
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if int8_activations and not host_has_int8_dot_product():
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if threads:
         options.intra_op_num_threads = threads
     return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
@@ -65,7 +85,7 @@ class OnnxDecoder:
     def __init__(self, folder: Path, threads: int | None = None) -> None:
         self.folder = Path(folder)
         self.layout = DecoderLayout.load(self.folder)
-        self.session = make_session(self.folder / ONNX_FILE, threads)
+        self.session = make_session(self.folder / ONNX_FILE, threads, self.layout.int8_activations)
         self._past_names = past_names(self.layout.num_layers)
 
     def empty_past(self, batch: int) -> list[np.ndarray]:

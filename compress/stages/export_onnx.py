@@ -17,11 +17,13 @@ import numpy as np
 import torch
 from pydantic import PositiveFloat, PositiveInt
 
+from compress.algorithms.qdq import LinearForExport, apply_qdq
 from compress.artifact import HF_MODEL, ONNX, Artifact
 from compress.config import StrictModel
 from compress.errors import StageError
 from compress.fsutil import atomic_write_json, path_size
 from compress.models import load_causal_lm, load_tokenizer
+from compress.quantization import attach_activation_quant, load_quantization
 from compress.runtime.onnx_decoder import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.stages import StageDef, register
 
@@ -39,6 +41,7 @@ class ExportOnnxConfig(StrictModel):
     parity_prompt: str = "What is the capital of France?"
     parity_new_tokens: PositiveInt = 16
     max_logit_diff: PositiveFloat = 1e-2
+    max_logit_diff_quantized: PositiveFloat = 20.0
     require_greedy_match: bool = True
 
 
@@ -63,12 +66,27 @@ class _DecoderWithCache(torch.nn.Module):
         return tuple(flat)
 
 
-def decoder_layout(model, eos_token_ids: list[int]) -> DecoderLayout:
+def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = False) -> DecoderLayout:
     """KV-cache layout of a Llama-family decoder (per-layer KV heads allow pruned layers)."""
     cfg = model.config
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = [layer.self_attn.k_proj.out_features // head_dim for layer in model.model.layers]
-    return DecoderLayout(cfg.num_hidden_layers, kv_heads, head_dim, eos_token_ids)
+    return DecoderLayout(cfg.num_hidden_layers, kv_heads, head_dim, eos_token_ids, int8_activations)
+
+
+def write_qdq(path: Path, model, quant_meta: dict, linears: dict) -> dict:
+    """Turn the float export at ``path`` into a Q/DQ graph using the quantize stage's scales."""
+    import onnx
+
+    bits = int(quant_meta["weight_bits"])
+    export = [
+        LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), bits, q.input_scale)
+        for name, q in linears.items()
+    ]
+    graph = onnx.load(str(path))
+    stats = apply_qdq(graph, export)
+    onnx.save(graph, str(path))
+    return stats
 
 
 def _example_inputs(layout: DecoderLayout, batch: int = 2, seq: int = 5, past: int = 3):
@@ -153,11 +171,19 @@ def check_parity(model, tokenizer, folder: Path, config: ExportOnnxConfig) -> di
 def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     model = load_causal_lm(source.path, trust_remote_code=ctx.plan.options.trust_remote_code)
     tokenizer = load_tokenizer(source.path)
+    quantized = load_quantization(source.path)
+    int8_activations = bool(quantized and quantized[0]["activations"] != "float")
     out = ctx.stage_dir / "onnx"
     out.mkdir()
-    layout = decoder_layout(model, eos_ids(model, tokenizer))
+    layout = decoder_layout(model, eos_ids(model, tokenizer), int8_activations)
     log.info("exporting %d layers to ONNX with the %s exporter (opset %d)", layout.num_layers, config.exporter, config.opset)
     export_decoder(model, layout, out / ONNX_FILE, config.exporter, config.opset)
+    qdq_stats = {}
+    if quantized:
+        meta, linears = quantized
+        log.info("writing Q/DQ nodes (%s, %d-bit weights)", meta["method"], meta["weight_bits"])
+        qdq_stats = write_qdq(out / ONNX_FILE, model, meta, linears)
+        attach_activation_quant(model, linears)
     atomic_write_json(out / LAYOUT_FILE, layout.to_json())
     for name in _SIDE_FILES:
         if (Path(source.path) / name).is_file():
@@ -166,15 +192,16 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     parity = check_parity(model, tokenizer, out, config)
     log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
              "identical" if parity["greedy_match"] else "DIFFER")
-    if parity["max_abs_logit_diff"] > config.max_logit_diff:
-        raise StageError(f"ONNX logits differ from torch by {parity['max_abs_logit_diff']:.3g} (> {config.max_logit_diff})")
+    tolerance = config.max_logit_diff_quantized if quantized else config.max_logit_diff
+    if parity["max_abs_logit_diff"] > tolerance:
+        raise StageError(f"ONNX logits differ from torch by {parity['max_abs_logit_diff']:.3g} (> {tolerance})")
     if config.require_greedy_match and not parity["greedy_match"]:
         raise StageError(f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}")
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "layout": layout.to_json(),
         "opset": config.opset,
-        "metrics": {"onnx_size_bytes": path_size(out / ONNX_FILE), "parity": parity},
+        "metrics": {"onnx_size_bytes": path_size(out / ONNX_FILE), "parity": parity, **qdq_stats},
     }
     return Artifact(ONNX, out, meta)
 

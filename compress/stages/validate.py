@@ -24,10 +24,14 @@ from compress.fsutil import atomic_write_json, path_size
 from compress.gate import Check, gate_json, require_measured, upper_bound_check
 from compress.models import load_causal_lm, load_tokenizer
 from compress.perf_model import ModelShape, predict, predict_all_modes
+from compress.quantization import attach_activation_quant, load_quantization
 from compress.runtime.onnx_decoder import ONNX_FILE, OnnxDecoder
 from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
+
+
+ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT = 1.0
 
 
 class ValidateConfig(StrictModel):
@@ -40,7 +44,18 @@ class ValidateConfig(StrictModel):
     latency_repeats: PositiveInt = 1
 
 
-def measure(onnx_dir: Path, teacher_dir: Path | None, eval_text: str, config: ValidateConfig, progress: bool) -> dict[str, Any]:
+def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> float | None:
+    """Perplexity of the torch model the ONNX graph was exported from, with its activation fake-quant."""
+    quantized = load_quantization(model_dir)
+    if quantized is None:
+        return None
+    model = load_causal_lm(model_dir)
+    attach_activation_quant(model, quantized[1])
+    return perplexity(torch_logits_fn(model), windows, progress, desc="ppl torch quantized")
+
+
+def measure(onnx_dir: Path, teacher_dir: Path | None, eval_text: str, config: ValidateConfig, progress: bool,
+            exported_from: Path | None = None) -> dict[str, Any]:
     """Every target-independent measurement of an exported decoder."""
     tokenizer = load_tokenizer(onnx_dir)
     windows = token_windows(tokenizer, eval_text, config.window, config.eval_tokens, skip_chars=EVAL_SKIP_CHARS)
@@ -53,6 +68,7 @@ def measure(onnx_dir: Path, teacher_dir: Path | None, eval_text: str, config: Va
         teacher = load_causal_lm(teacher_dir)
         ppl_teacher = perplexity(torch_logits_fn(teacher), windows, progress, desc="ppl teacher")
         del teacher
+    ppl_quantized = quantized_reference_perplexity(exported_from, windows, progress) if exported_from else None
     prompt = tokenizer(eval_text[EVAL_SKIP_CHARS:], add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
     log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
     latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
@@ -62,6 +78,8 @@ def measure(onnx_dir: Path, teacher_dir: Path | None, eval_text: str, config: Va
         "perplexity_onnx": ppl_onnx,
         "perplexity_teacher": ppl_teacher,
         "perplexity_increase_pct": None if ppl_teacher is None else 100.0 * (ppl_onnx / ppl_teacher - 1.0),
+        "perplexity_torch_quantized": ppl_quantized,
+        "onnx_vs_torch_quantized_pct": None if ppl_quantized is None else 100.0 * abs(ppl_onnx / ppl_quantized - 1.0),
         "host_latency": latency,
         "model_size_bytes": path_size(onnx_dir / ONNX_FILE) + sum(path_size(p) for p in onnx_dir.glob("*.data")),
     }
@@ -87,6 +105,10 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
         upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
                           f"weights + KV cache at {budgets.context_length} + runtime"),
     ]
+    if metrics.get("perplexity_torch_quantized") is not None:
+        checks.append(upper_bound_check("onnx_vs_torch_quantized_pct", metrics["onnx_vs_torch_quantized_pct"],
+                                        ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT, "measured", "%",
+                                        "|ppl ONNX Runtime / ppl torch fake-quant - 1| of the quantized model"))
     return require_measured(checks) if must_measure else checks
 
 
@@ -100,7 +122,9 @@ def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mod
 
 def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
     teacher = ctx.first_artifact(HF_MODEL)
-    metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation.text, config, ctx.progress)
+    exported_from = ctx.last_artifact(HF_MODEL)
+    metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation.text, config, ctx.progress,
+                      Path(exported_from.path) if exported_from else None)
     precision = source.meta.get("precision", "fp32")
     predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode)
     checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)

@@ -1,0 +1,1 @@
+"""The math that stages share: quantizers, SmoothQuant, AWQ, GPTQ, calibration loops."""

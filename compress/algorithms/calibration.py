@@ -1,0 +1,130 @@
+"""Layer-by-layer calibration: the decoder is walked one block at a time.
+
+Only the hidden states entering the current block are held (``windows x tokens x hidden``), so
+peak memory grows with the calibration set and one block's activations, not with depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class _Captured(Exception):
+    """Raised by the stand-in first block to stop the forward pass once its inputs are captured."""
+
+
+@dataclass
+class BlockInputs:
+    """Hidden states entering a decoder block, one tensor per calibration window, and the shared kwargs."""
+
+    hidden: list[torch.Tensor]
+    kwargs: dict[str, Any]
+
+
+def decoder_blocks(model) -> torch.nn.ModuleList:
+    """The decoder blocks of a Llama-family causal LM."""
+    return model.model.layers
+
+
+def capture_first_block_inputs(model, windows: torch.Tensor) -> BlockInputs:
+    """Run the embeddings on each window and capture what the first block receives."""
+    blocks = decoder_blocks(model)
+    first = blocks[0]
+    hidden: list[torch.Tensor] = []
+    shared: dict[str, Any] = {}
+
+    class _Stand(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_type = getattr(first, "attention_type", "full_attention")
+
+        def forward(self, hidden_states, *args, **kwargs):
+            hidden.append(hidden_states.detach())
+            if not shared:
+                shared.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")})
+            raise _Captured
+
+    blocks[0] = _Stand()
+    try:
+        with torch.no_grad():
+            for row in windows:
+                try:
+                    model(row[None], use_cache=False)
+                except _Captured:
+                    pass
+    finally:
+        blocks[0] = first
+    return BlockInputs(hidden, shared)
+
+
+def run_block(block, inputs: BlockInputs) -> list[torch.Tensor]:
+    """The block's outputs for every window."""
+    outputs = []
+    with torch.no_grad():
+        for hidden in inputs.hidden:
+            out = block(hidden, **inputs.kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+@dataclass
+class InputStats:
+    """Statistics of the input of one linear layer over the calibration set."""
+
+    absmax: torch.Tensor | None = None
+    hessian: torch.Tensor | None = None
+    samples: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+
+    def add(self, x: torch.Tensor, want_hessian: bool, sample_rows: int, generator: torch.Generator) -> None:
+        rows = x.reshape(-1, x.shape[-1]).float()
+        absmax = rows.abs().amax(dim=0)
+        self.absmax = absmax if self.absmax is None else torch.maximum(self.absmax, absmax)
+        if want_hessian:
+            gram = rows.T.double() @ rows.double()
+            self.hessian = gram if self.hessian is None else self.hessian + gram
+        self.tokens += rows.shape[0]
+        if sample_rows:
+            picks = torch.randperm(rows.shape[0], generator=generator)[:sample_rows]
+            self.samples.append(rows[picks])
+
+    def sample_matrix(self, limit: int) -> torch.Tensor:
+        rows = torch.cat(self.samples)
+        return rows[:limit]
+
+    def mean_hessian(self) -> torch.Tensor:
+        return (2 * self.hessian / self.tokens).float()
+
+    def rescale(self, scales: torch.Tensor) -> None:
+        """Statistics of ``x / scales`` (after a smoothing scale is folded into the producer)."""
+        self.absmax = self.absmax / scales
+        self.samples = [s / scales for s in self.samples]
+        if self.hessian is not None:
+            inv = (1.0 / scales).double()
+            self.hessian = self.hessian * inv[:, None] * inv[None, :]
+
+
+def collect_input_stats(block, inputs: BlockInputs, linears: dict[str, torch.nn.Module], want_hessian: bool,
+                        sample_rows_per_window: int, seed: int = 0) -> dict[str, InputStats]:
+    """Run the block once with hooks on the given linears' inputs."""
+    stats = {name: InputStats() for name in linears}
+    generator = torch.Generator().manual_seed(seed)
+    handles = []
+
+    def make_hook(name: str) -> Callable:
+        def hook(_module, args):
+            stats[name].add(args[0].detach(), want_hessian, sample_rows_per_window, generator)
+        return hook
+
+    for name, module in linears.items():
+        handles.append(module.register_forward_pre_hook(make_hook(name)))
+    try:
+        run_block(block, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats

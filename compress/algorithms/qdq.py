@@ -1,0 +1,133 @@
+"""Rewrite a float ONNX decoder into a Q/DQ graph from a quantized model's scales.
+
+Each quantized linear appears in the exported graph as a ``MatMul`` whose weight initializer is
+the transposed dequantized weight. The initializer is found by value (exporters rename
+initializers freely), replaced by integer levels plus a ``DequantizeLinear`` (INT8 per output
+channel, or INT4 block-wise along the input dimension, opset 21), and for W8A8 the activation
+input of the ``MatMul`` gets a ``QuantizeLinear``/``DequantizeLinear`` pair with the static scale.
+No float copy of a quantized weight is kept.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import ml_dtypes
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from compress.errors import StageError
+
+QDQ_OPSET = 21
+
+
+@dataclass
+class LinearForExport:
+    """A quantized linear as the exporter sees it."""
+
+    name: str
+    dequantized: np.ndarray  # (out, in) float32, equal to levels * scales
+    scales: np.ndarray  # (out,) or (out, groups)
+    bits: int
+    input_scale: float | None
+
+
+def _digest(array: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(array, dtype=np.float32).tobytes()).hexdigest()
+
+
+def _levels(linear: LinearForExport) -> np.ndarray:
+    scales = linear.scales if linear.scales.ndim == 2 else linear.scales[:, None]
+    expanded = np.repeat(scales, linear.dequantized.shape[1] // scales.shape[1], axis=1)
+    levels = np.round(linear.dequantized / expanded)
+    limit = 2 ** (linear.bits - 1)
+    if np.abs(levels * expanded - linear.dequantized).max() > 1e-5 * max(1.0, np.abs(linear.dequantized).max()):
+        raise StageError(f"{linear.name}: stored weight is not on its quantization grid")
+    return np.clip(levels, -limit, limit - 1).astype(np.int8)
+
+
+def _weight_dq(linear: LinearForExport, weight_name: str) -> tuple[list[onnx.TensorProto], onnx.NodeProto]:
+    levels_t = _levels(linear).T  # (in, out), the MatMul layout
+    if linear.bits == 8:
+        q = numpy_helper.from_array(np.ascontiguousarray(levels_t), f"{weight_name}_quantized")
+        s = numpy_helper.from_array(linear.scales.astype(np.float32), f"{weight_name}_scale")
+        node = helper.make_node("DequantizeLinear", [q.name, s.name], [weight_name], name=f"{weight_name}_DQ", axis=1)
+    else:
+        block = levels_t.shape[0] // linear.scales.shape[1]
+        q = numpy_helper.from_array(np.ascontiguousarray(levels_t).astype(ml_dtypes.int4), f"{weight_name}_quantized")
+        s = numpy_helper.from_array(np.ascontiguousarray(linear.scales.T.astype(np.float32)), f"{weight_name}_scale")
+        node = helper.make_node("DequantizeLinear", [q.name, s.name], [weight_name], name=f"{weight_name}_DQ", axis=0,
+                                block_size=block)
+    return [q, s], node
+
+
+def _activation_qdq(input_name: str, scale: float, tag: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
+    s = numpy_helper.from_array(np.array(scale, dtype=np.float32), f"{tag}_act_scale")
+    z = numpy_helper.from_array(np.array(0, dtype=np.int8), f"{tag}_act_zero")
+    quantized, dequantized = f"{tag}_act_q", f"{tag}_act_dq"
+    nodes = [helper.make_node("QuantizeLinear", [input_name, s.name, z.name], [quantized], name=f"{tag}_act_Q"),
+             helper.make_node("DequantizeLinear", [quantized, s.name, z.name], [dequantized], name=f"{tag}_act_DQ")]
+    return [s, z], nodes, dequantized
+
+
+def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[str, int]:
+    """Rewrite ``model`` in place; every linear must be found exactly once."""
+    by_digest = {_digest(lin.dequantized.T): lin for lin in linears}
+    graph = model.graph
+    original_nodes = list(graph.node)
+    consumers: dict[str, list[int]] = {}
+    for position, node in enumerate(original_nodes):
+        for name in node.input:
+            consumers.setdefault(name, []).append(position)
+    found: dict[str, str] = {}
+    replaced: list[int] = []
+    new_inits: list[onnx.TensorProto] = []
+    new_nodes: list[onnx.NodeProto] = []
+    before: dict[int, list[onnx.NodeProto]] = {}  # node position -> nodes to insert before it
+    for init_index, init in enumerate(graph.initializer):
+        is_matrix = init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2
+        linear = by_digest.get(_digest(numpy_helper.to_array(init))) if is_matrix else None
+        if linear is None or linear.name in found:
+            continue
+        replaced.append(init_index)
+        found[linear.name] = init.name
+        tensors, dq = _weight_dq(linear, init.name)
+        new_inits.extend(tensors)
+        new_nodes.append(dq)
+        if linear.input_scale is not None:
+            matmuls = [p for p in consumers.get(init.name, []) if original_nodes[p].op_type == "MatMul"]
+            for index, position in enumerate(matmuls):
+                node = original_nodes[position]
+                tag = f"{init.name}_{index}"
+                tensors, nodes, out = _activation_qdq(node.input[0], linear.input_scale, tag)
+                new_inits.extend(tensors)
+                before.setdefault(position, []).extend(nodes)
+                node.input[0] = out
+    missing = sorted({lin.name for lin in linears} - set(found))
+    if missing:
+        raise StageError(f"quantized linears not found in the exported graph: {', '.join(missing[:5])}")
+    for init_index in reversed(replaced):
+        del graph.initializer[init_index]
+    graph.initializer.extend(new_inits)
+    nodes = list(new_nodes)
+    for position, node in enumerate(original_nodes):
+        nodes.extend(before.get(position, []))
+        detached = onnx.NodeProto()
+        detached.CopyFrom(node)
+        nodes.append(detached)
+    activation_pairs = sum(len(v) for v in before.values()) // 2
+    del graph.node[:]
+    graph.node.extend(nodes)
+    _set_opset(model, QDQ_OPSET)
+    return {"quantized_linears": len(found), "activation_qdq_pairs": activation_pairs}
+
+
+def _set_opset(model: onnx.ModelProto, version: int) -> None:
+    # Between opsets 18 and 21 the operators this exporter emits changed only in accepted types
+    # (and Q/DQ gained int4 and block_size), so the import is raised without rewriting nodes.
+    for opset in model.opset_import:
+        if opset.domain in ("", "ai.onnx") and opset.version < version:
+            opset.version = version
+    model.ir_version = max(model.ir_version, 10)

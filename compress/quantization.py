@@ -1,0 +1,340 @@
+"""Quantizing a Llama-family decoder block by block: SmoothQuant W8A8, AWQ / GPTQ INT4, RTN.
+
+Per block, statistics of the four linear inputs are gathered in one pass (attention input,
+attention output, MLP input, MLP hidden). Migration scales (SmoothQuant or AWQ) are folded into
+the producer of each input, so the float function is unchanged:
+
+* attention input -> ``input_layernorm`` weight; q/k/v columns
+* attention output -> ``v_proj`` rows (equal per grouped KV channel, so GQA stays exact); o_proj columns
+* MLP input -> ``post_attention_layernorm`` weight; gate/up columns
+* MLP hidden -> ``up_proj`` rows; down_proj columns
+
+Weights are then quantized (RTN, AWQ clipping, GPTQ), written back dequantized, and the block's
+outputs (with activation fake-quant for W8A8) become the next block's inputs.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import Field, PositiveInt
+from safetensors.torch import load_file, save_file
+from tqdm import tqdm
+
+from compress.algorithms.calibration import (
+    BlockInputs,
+    InputStats,
+    capture_first_block_inputs,
+    collect_input_stats,
+    decoder_blocks,
+    run_block,
+)
+from compress.algorithms.quant import (
+    awq_search_clip,
+    awq_search_scales,
+    fake_quantize_activation,
+    fake_quantize_weight,
+    gptq_quantize,
+    qmax,
+    smoothquant_scales,
+    sqnr_db,
+)
+from compress.config import StrictModel
+from compress.errors import UsageError
+from compress.fsutil import atomic_write_json, read_json
+
+log = logging.getLogger(__name__)
+
+QUANT_CONFIG_FILE = "quantization.json"
+QUANT_SCALES_FILE = "quant_scales.safetensors"
+OUTLIER_MARGIN_DB = 10.0
+CLIP_SEARCH_TOKENS = 256
+
+
+class QuantizeConfig(StrictModel):
+    """Options of the quantize stage."""
+
+    method: Literal["int8", "int4", "rtn"] = "int8"
+    bits: Literal[4, 8] = 8
+    algorithm: Literal["awq", "gptq", "awq+gptq"] = "awq+gptq"
+    weight_algorithm: Literal["rtn", "gptq"] = "gptq"
+    alpha: float | Literal["auto"] = "auto"
+    group_size: Literal[32, 64, 128] = 64
+    calib_windows: PositiveInt = 32
+    calib_window: PositiveInt = 512
+    min_calib_tokens: PositiveInt = 2048
+    sample_tokens: PositiveInt = 1024
+    gptq_damp: float = Field(0.01, gt=0.0, lt=1.0)
+    act_scale: Literal["absmax", "mse"] = "absmax"
+    float_activations: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
+
+    def scheme(self) -> tuple[int, bool, int | None]:
+        """(weight bits, activations quantized?, group size or None for per-channel)."""
+        if self.method == "int8":
+            return 8, True, None
+        if self.method == "int4":
+            return 4, False, self.group_size
+        return (8, True, None) if self.bits == 8 else (4, False, self.group_size)
+
+    def precision(self) -> str:
+        return "int8" if self.scheme()[0] == 8 else "int4"
+
+
+@dataclass
+class LinearQuant:
+    """What the exporter needs for one quantized linear."""
+
+    weight_scales: torch.Tensor
+    input_scale: float | None
+    sqnr_db: float
+    migration_ratio: float | None = None
+
+
+@dataclass
+class QuantResult:
+    """The outcome of quantizing a model."""
+
+    config: QuantizeConfig
+    linears: dict[str, LinearQuant] = field(default_factory=dict)
+    calibration_tokens: int = 0
+    seconds: float = 0.0
+
+    def layer_errors(self) -> list[dict[str, Any]]:
+        return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio}
+                for name, q in self.linears.items()]
+
+    def outliers(self) -> list[dict[str, Any]]:
+        """Linears whose SQNR is more than 10 dB below the median."""
+        values = [q.sqnr_db for q in self.linears.values()]
+        if not values:
+            return []
+        floor = statistics.median(values) - OUTLIER_MARGIN_DB
+        return [row for row in self.layer_errors() if row["sqnr_db"] < floor]
+
+
+_GROUPS = (
+    # (input point, consumers, producer kind)
+    ("attn_out", ("self_attn.o_proj",), "v_proj"),
+    ("mlp_hidden", ("mlp.down_proj",), "up_proj"),
+    ("attn_in", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
+    ("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
+)
+
+
+def _linears(block) -> dict[str, torch.nn.Linear]:
+    names = [name for _, consumers, _ in _GROUPS for name in consumers]
+    return {name: block.get_submodule(name) for name in names}
+
+
+def _check_shapes(model, group_size: int | None) -> None:
+    for index, block in enumerate(decoder_blocks(model)):
+        for name, linear in _linears(block).items():
+            if group_size and linear.in_features % group_size:
+                raise UsageError(f"group_size={group_size} does not divide layers.{index}.{name} (in_features {linear.in_features})")
+
+
+def _kv_groups(block, config) -> torch.Tensor:
+    """For each o_proj input channel, the v_proj output channel it is computed from."""
+    attn = block.self_attn
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    n_heads = attn.o_proj.in_features // head_dim
+    n_kv = attn.v_proj.out_features // head_dim
+    head = torch.arange(n_heads).repeat_interleave(head_dim)
+    dim = torch.arange(head_dim).repeat(n_heads)
+    return (head // (n_heads // n_kv)) * head_dim + dim
+
+
+def _fold(block, producer: str, scales: torch.Tensor, consumers: tuple[str, ...], kv_groups: torch.Tensor) -> None:
+    """Divide the producer's output by ``scales`` and multiply the consumers' input columns by it."""
+    with torch.no_grad():
+        if producer == "v_proj":
+            per_kv = torch.zeros(block.self_attn.v_proj.out_features).index_copy_(0, kv_groups, scales)
+            _scale_rows(block.self_attn.v_proj, 1.0 / per_kv)
+        elif producer == "up_proj":
+            _scale_rows(block.mlp.up_proj, 1.0 / scales)
+        else:
+            norm = getattr(block, producer)
+            norm.weight.div_(scales)
+        for name in consumers:
+            block.get_submodule(name).weight.mul_(scales[None, :])
+
+
+def _scale_rows(linear: torch.nn.Linear, factors: torch.Tensor) -> None:
+    linear.weight.mul_(factors[:, None])
+    if linear.bias is not None:
+        linear.bias.mul_(factors)
+
+
+ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+
+
+def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, reduce: torch.Tensor | None) -> torch.Tensor:
+    """SmoothQuant scales; with ``reduce``, equal inside each group (GQA value channels)."""
+    if reduce is None:
+        return smoothquant_scales(stats.absmax, weights, alpha)
+    size = int(reduce.max()) + 1
+    act = torch.zeros(size).index_reduce_(0, reduce, stats.absmax, "amax", include_self=False)[reduce]
+    wmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
+    wmax = torch.zeros(size).index_reduce_(0, reduce, wmax, "amax", include_self=False)[reduce]
+    return (act.clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+
+
+def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor) -> float:
+    x = samples / scales
+    x_q = fake_quantize_activation(x, float((absmax / scales).max()) / qmax(8))
+    error = 0.0
+    for w in weights:
+        w_q, _ = fake_quantize_weight(w * scales, 8, None)
+        error += (samples @ w.T - x_q @ w_q.T).pow(2).mean().item()
+    return error
+
+
+def _migration_scales(config: QuantizeConfig, point: str, stats: InputStats, weights: list[torch.Tensor],
+                      kv_groups: torch.Tensor) -> tuple[torch.Tensor | None, float | None]:
+    """Scales to fold into the producer of ``point`` (SmoothQuant or AWQ), and the ratio chosen."""
+    bits, _, group = config.scheme()
+    reduce = kv_groups if point == "attn_out" else None
+    if config.method == "int8":
+        if config.alpha != "auto":
+            return _smoothing(stats, weights, config.alpha, reduce), config.alpha
+        samples = stats.sample_matrix(config.sample_tokens)
+        trials = [(_w8a8_error(samples, weights, _smoothing(stats, weights, a, reduce), stats.absmax), a) for a in ALPHA_GRID]
+        best_alpha = min(trials)[1]
+        return _smoothing(stats, weights, best_alpha, reduce), best_alpha
+    if config.method == "int4" and "awq" in config.algorithm:
+        return awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, bits, group, reduce=reduce)
+    return None, None
+
+
+def _quantize_weight(config: QuantizeConfig, name: str, weight: torch.Tensor, stats: InputStats) -> tuple[torch.Tensor, torch.Tensor]:
+    bits, _, group = config.scheme()
+    clip: torch.Tensor | float = 1.0
+    if config.method == "int4" and "awq" in config.algorithm and not name.endswith(("q_proj", "k_proj")):
+        # As in AWQ, query and key projections are not clipped: attention scores are too sensitive.
+        clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, bits, group)
+    use_gptq = (config.method == "int4" and "gptq" in config.algorithm) or (config.method == "int8" and config.weight_algorithm == "gptq")
+    if use_gptq:
+        return gptq_quantize(weight, stats.mean_hessian(), bits, group, damp=config.gptq_damp, clip_ratio=clip)
+    return fake_quantize_weight(weight, bits, group, clip)
+
+
+def activation_scale(samples: torch.Tensor, absmax: float, rule: str, steps: int = 20) -> float:
+    """Static per-tensor INT8 scale: from the absolute maximum, or the clipped maximum with least MSE."""
+    scale = absmax / qmax(8)
+    if rule == "absmax":
+        return scale
+    best = (float("inf"), scale)
+    for step in range(steps):
+        candidate = scale * (1.0 - 0.8 * step / steps)
+        error = (fake_quantize_activation(samples, candidate) - samples).pow(2).mean().item()
+        if error < best[0]:
+            best = (error, candidate)
+    return best[1]
+
+
+def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str) -> dict[str, LinearQuant]:
+    """Quantize one decoder block in place; returns per-linear scales and errors."""
+    bits, quantize_acts, _ = config.scheme()
+    linears = _linears(block)
+    points = {point: linears[consumers[0]] for point, consumers, _ in _GROUPS}
+    want_hessian = "gptq" in (config.algorithm if config.method == "int4" else config.weight_algorithm if config.method == "int8" else "")
+    per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
+    stats = collect_input_stats(block, inputs, points, want_hessian, per_window)
+    kv_groups = _kv_groups(block, model_config)
+    ratios: dict[str, float] = {}
+    for point, consumers, producer in _GROUPS:
+        weights = [linears[name].weight.detach() for name in consumers]
+        scales, ratio = _migration_scales(config, point, stats[point], weights, kv_groups)
+        if ratio is not None:
+            ratios[point] = ratio
+        if scales is not None:
+            _fold(block, producer, scales, consumers, kv_groups)
+            stats[point].rescale(scales)
+    result: dict[str, LinearQuant] = {}
+    for point, consumers, _ in _GROUPS:
+        samples = stats[point].sample_matrix(config.sample_tokens)
+        point_scale = activation_scale(samples, float(stats[point].absmax.max()), config.act_scale) if quantize_acts else None
+        for name in consumers:
+            input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
+            linear = linears[name]
+            weight = linear.weight.detach().clone()
+            dequantized, weight_scales = _quantize_weight(config, name, weight, stats[point])
+            x_q = fake_quantize_activation(samples, input_scale) if input_scale else samples
+            error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
+            with torch.no_grad():
+                linear.weight.copy_(dequantized)
+            result[f"{prefix}.{name}"] = LinearQuant(weight_scales, input_scale, error, ratios.get(point))
+    return result
+
+
+def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
+    """Fake-quantize the inputs of W8A8 linears with their static scales (torch reference of the Q/DQ graph)."""
+    handles = []
+    for name, quant in linears.items():
+        if quant.input_scale is None:
+            continue
+        scale = quant.input_scale
+
+        def hook(_module, args, scale=scale):
+            return (fake_quantize_activation(args[0], scale),) + tuple(args[1:])
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    return handles
+
+
+def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True) -> QuantResult:
+    """Quantize every decoder block of ``model`` in place, walking the blocks in order."""
+    bits, quantize_acts, group = config.scheme()
+    _check_shapes(model, group)
+    started = time.perf_counter()
+    inputs = capture_first_block_inputs(model, windows)
+    result = QuantResult(config, calibration_tokens=int(windows.numel()))
+    blocks = decoder_blocks(model)
+    for index in tqdm(range(len(blocks)), desc=f"quantize {config.method}", unit="layer", disable=not progress, leave=False):
+        block = blocks[index]
+        quantized = quantize_block(block, inputs, config, model.config, f"model.layers.{index}")
+        result.linears.update(quantized)
+        local = {name.split(f"model.layers.{index}.", 1)[1]: q for name, q in quantized.items()}
+        handles = attach_activation_quant(block, local) if quantize_acts else []
+        try:
+            inputs = BlockInputs(run_block(block, inputs), inputs.kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+        log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def save_quantization(result: QuantResult, folder: Path) -> None:
+    """Write ``quantization.json`` and the scales beside a saved model."""
+    bits, quantize_acts, group = result.config.scheme()
+    tensors = {f"{name}.weight_scale": q.weight_scales.contiguous().float() for name, q in result.linears.items()}
+    save_file(tensors, str(folder / QUANT_SCALES_FILE))
+    atomic_write_json(folder / QUANT_CONFIG_FILE, {
+        "method": result.config.method,
+        "config": result.config.model_dump(mode="json"),
+        "weight_bits": bits,
+        "group_size": group,
+        "activations": "int8-static-per-tensor" if quantize_acts else "float",
+        "linears": {name: {"input_scale": q.input_scale, "sqnr_db": q.sqnr_db, "migration_ratio": q.migration_ratio}
+                    for name, q in result.linears.items()},
+    })
+
+
+def load_quantization(folder: Path) -> tuple[dict[str, Any], dict[str, LinearQuant]] | None:
+    """Read what :func:`save_quantization` wrote, or None for a float model."""
+    folder = Path(folder)
+    if not (folder / QUANT_CONFIG_FILE).is_file():
+        return None
+    meta = read_json(folder / QUANT_CONFIG_FILE)
+    scales = load_file(str(folder / QUANT_SCALES_FILE))
+    linears = {name: LinearQuant(scales[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"))
+               for name, info in meta["linears"].items()}
+    return meta, linears

@@ -1,0 +1,84 @@
+"""``quantize``: calibrated INT8 (SmoothQuant W8A8), INT4 weight-only (AWQ / GPTQ) or RTN.
+
+The output is a Hugging Face folder whose weights lie on their quantization grid (dequantized
+fp32), with ``quantization.json`` and ``quant_scales.safetensors`` beside it; ``export_onnx``
+turns that into real Q/DQ nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+from compress.artifact import HF_MODEL, Artifact
+from compress.config import Target
+from compress.data import calibration_windows
+from compress.errors import UsageError
+from compress.models import load_causal_lm, load_tokenizer
+from compress.quantization import QuantizeConfig, quantize_model, save_quantization
+from compress.stages import StageDef, register
+
+log = logging.getLogger(__name__)
+
+
+def check_target(config: QuantizeConfig, target: Target) -> None:
+    """Refuse a precision the target's GPU cannot run."""
+    precision = config.precision()
+    if precision not in target.gpu.precisions:
+        raise UsageError(f"target {target.name} (sm_{target.gpu.sm}) does not support {precision}")
+
+
+def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
+    tokenizer = load_tokenizer(source.path)
+    windows = calibration_windows(tokenizer, ctx.plan.calibration, config.calib_window, config.calib_windows,
+                                  min_tokens=config.min_calib_tokens)
+    if windows.numel() < config.min_calib_tokens:
+        raise UsageError(f"too little calibration text: {windows.numel()} tokens, need at least {config.min_calib_tokens}")
+    model = load_causal_lm(source.path)
+    log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
+    result = quantize_model(model, windows, config, progress=ctx.progress)
+    out = ctx.stage_dir / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    for extra in ("generation_config.json", "chat_template.jinja"):
+        if (source.path / extra).is_file() and not (out / extra).exists():
+            shutil.copy2(source.path / extra, out / extra)
+    save_quantization(result, out)
+    outliers = result.outliers()
+    if outliers:
+        worst = sorted(outliers, key=lambda o: o["sqnr_db"])[:5]
+        log.warning("%d linears with outlying quantization error, worst: %s", len(outliers),
+                    ", ".join(f"{o['name']} ({o['sqnr_db']} dB)" for o in worst))
+    bits, acts, group = config.scheme()
+    meta = {
+        **{k: v for k, v in source.meta.items() if k != "metrics"},
+        "precision": config.precision(),
+        "quantization": {"method": config.method, "weight_bits": bits, "group_size": group,
+                         "activations": "int8" if acts else "float"},
+        "metrics": {
+            "method": config.method,
+            "algorithm": config.algorithm if config.method == "int4" else ("smoothquant+" + config.weight_algorithm
+                                                                            if config.method == "int8" else "rtn"),
+            "weight_bits": bits,
+            "group_size": group,
+            "calibration_tokens": result.calibration_tokens,
+            "calibration_seconds": round(result.seconds, 2),
+            "quantized_linears": len(result.linears),
+            "min_sqnr_db": round(min(q.sqnr_db for q in result.linears.values()), 2),
+            "median_sqnr_db": round(sorted(q.sqnr_db for q in result.linears.values())[len(result.linears) // 2], 2),
+            "layer_sqnr_db": result.layer_errors(),
+            "outlier_layers": outliers,
+        },
+    }
+    return Artifact(HF_MODEL, out, meta)
+
+
+STAGE = register(StageDef(
+    name="quantize",
+    summary="calibrated INT8 SmoothQuant W8A8, INT4 AWQ/GPTQ weight-only, or RTN",
+    input_kind=HF_MODEL,
+    output_kind=HF_MODEL,
+    config_cls=QuantizeConfig,
+    run=run_quantize,
+    check_target=check_target,
+))

@@ -1,0 +1,110 @@
+"""Quantizer numerics on small tensors: SQNR bounds, AWQ/GPTQ vs RTN, SmoothQuant vs naive W8A8."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.algorithms.quant import (
+    awq_search_clip,
+    awq_search_scales,
+    fake_quantize_activation,
+    fake_quantize_weight,
+    gptq_quantize,
+    qmax,
+    smoothquant_scales,
+    sqnr_db,
+)
+from compress.quantization import QuantizeConfig, activation_scale
+
+
+def _layer(seed=0, out_features=96, in_features=128, tokens=512, outliers=4, outlier_gain=40.0):
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=gen) * 0.05
+    x = torch.randn(tokens, in_features, generator=gen)
+    x[:, :outliers] *= outlier_gain
+    return weight, x
+
+
+def test_sqnr_bounds_per_scheme():
+    weight, x = _layer(outliers=0)
+    reference = x @ weight.T
+    int8, _ = fake_quantize_weight(weight, 8, None)
+    int4, _ = fake_quantize_weight(weight, 4, 64)
+    assert sqnr_db(reference, x @ int8.T) > 38
+    assert 14 < sqnr_db(reference, x @ int4.T) < 30
+    assert sqnr_db(reference, reference) == float("inf")
+
+
+def test_levels_are_on_the_grid_and_zeros_stay_zero():
+    weight, _ = _layer()
+    weight[:, ::4] = 0
+    for bits, group in ((8, None), (4, 32)):
+        dq, scales = fake_quantize_weight(weight, bits, group)
+        expanded = scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], 1)
+        levels = dq / expanded
+        assert torch.allclose(levels, levels.round(), atol=1e-4)
+        assert levels.abs().max() <= qmax(bits) + 1
+        assert (dq[:, ::4] == 0).all()
+
+
+def test_gptq_beats_rtn_and_keeps_sparsity_zeros():
+    weight, _ = _layer()
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(512, 24, generator=gen) @ torch.randn(24, 128, generator=gen) + 0.1 * torch.randn(512, 128, generator=gen)
+    weight[:, 1::4] = 0
+    hessian = 2 * x.T @ x / x.shape[0]
+    reference = x @ weight.T
+    rtn, _ = fake_quantize_weight(weight, 4, 32)
+    gptq, scales = gptq_quantize(weight, hessian, 4, 32)
+    assert sqnr_db(reference, x @ gptq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
+    assert (gptq[:, 1::4] == 0).all()
+    assert scales.shape == (96, 4)
+
+
+def test_awq_beats_rtn_on_outlier_channels():
+    weight, x = _layer()
+    reference = x @ weight.T
+    rtn, _ = fake_quantize_weight(weight, 4, 32)
+    scales, ratio = awq_search_scales(x, [weight], 4, 32)
+    scaled = weight * scales
+    clip = awq_search_clip(x / scales, scaled, 4, 32)
+    awq, _ = fake_quantize_weight(scaled, 4, 32, clip)
+    assert ratio > 0
+    assert sqnr_db(reference, (x / scales) @ awq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
+
+
+def test_smoothquant_beats_naive_w8a8_on_activation_outliers():
+    weight, x = _layer(outlier_gain=80.0)
+    reference = x @ weight.T
+
+    def w8a8(x_in, w_in):
+        w_q, _ = fake_quantize_weight(w_in, 8, None)
+        return fake_quantize_activation(x_in, x_in.abs().max().item() / 127) @ w_q.T
+
+    naive = sqnr_db(reference, w8a8(x, weight))
+    scales = smoothquant_scales(x.abs().amax(dim=0), [weight], alpha=0.5)
+    smoothed = sqnr_db(reference, w8a8(x / scales, weight * scales))
+    assert smoothed > naive + 6.0
+
+
+def test_mse_activation_scale_clips_and_lowers_error():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(4096, 64, generator=gen)
+    x[0, 0] = 300.0
+    absmax = x.abs().max().item()
+    mse_scale = activation_scale(x, absmax, "mse")
+    assert mse_scale < absmax / 127
+    err = lambda s: (fake_quantize_activation(x, s) - x).pow(2).mean().item()  # noqa: E731
+    assert err(mse_scale) < err(absmax / 127)
+
+
+def test_config_round_trip_and_unknown_keys():
+    config = QuantizeConfig(method="int4", group_size=32, algorithm="gptq")
+    assert QuantizeConfig.model_validate(config.model_dump()) == config
+    assert config.scheme() == (4, False, 32) and config.precision() == "int4"
+    assert QuantizeConfig(method="int8").scheme() == (8, True, None)
+    with pytest.raises(ValueError):
+        QuantizeConfig.model_validate({"method": "int8", "colour": 1})
+    with pytest.raises(ValueError):
+        QuantizeConfig.model_validate({"method": "int4", "group_size": 48})

@@ -1,0 +1,149 @@
+"""The quantize stage through export: real Q/DQ ONNX that ONNX Runtime runs, on a tiny Llama."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+from compress.cli import main
+from tests.conftest import TINY_SMOKE
+
+QUANT_SMALL = ["quantize.calib_windows=8", "quantize.calib_window=256", "quantize.min_calib_tokens=1024",
+               "quantize.sample_tokens=256"]
+
+
+def _run(tmp_path, model, recipe, *extra):
+    out = tmp_path / recipe
+    code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={model}", f"out={out}", *TINY_SMOKE, *QUANT_SMALL,
+                 *extra])
+    return code, out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama, tmp_path_factory):
+    base = tmp_path_factory.mktemp("quant")
+    results = {}
+    for recipe, extra in (("baseline", []), ("int8", []), ("int4", ["quantize.group_size=32"])):
+        code, out = _run(base, tiny_llama, recipe, *extra) if recipe != "baseline" else (
+            main(["run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", f"out={base / 'baseline'}", *TINY_SMOKE]),
+            base / "baseline")
+        results[recipe] = (code, out)
+    return results
+
+
+def _graph(out):
+    return onnx.load(str(out / "03_export_onnx" / "onnx" / "model.onnx"))
+
+
+def test_int8_graph_has_per_channel_weights_and_per_tensor_activations(runs):
+    code, out = runs["int8"]
+    assert code in (0, 1), "the run must finish"
+    graph = _graph(out)
+    inits = {i.name: i for i in graph.graph.initializer}
+    dq_weights = [n for n in graph.graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
+                  and inits[n.input[0]].data_type == onnx.TensorProto.INT8 and len(inits[n.input[0]].dims) == 2]
+    assert len(dq_weights) == 2 * 7  # two layers x seven linears
+    for node in dq_weights:
+        scale = numpy_helper.to_array(inits[node.input[1]])
+        assert scale.ndim == 1 and scale.shape[0] == inits[node.input[0]].dims[1]  # one scale per output channel
+    quant_nodes = [n for n in graph.graph.node if n.op_type == "QuantizeLinear"]
+    assert len(quant_nodes) == 2 * 7
+    for node in quant_nodes:
+        assert numpy_helper.to_array(inits[node.input[1]]).ndim == 0  # per-tensor activation scale
+    assert all(o.version >= 21 for o in graph.opset_import if o.domain in ("", "ai.onnx"))
+    _assert_no_float_copy(out, graph)
+
+
+def _assert_no_float_copy(out, graph):
+    from safetensors.torch import load_file
+
+    weights = load_file(str(out / "02_quantize" / "model" / "model.safetensors"))
+    quantized = {k: v for k, v in weights.items() if k.endswith("_proj.weight")}
+    float_inits = {numpy_helper.to_array(i).tobytes() for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    for name, tensor in quantized.items():
+        assert tensor.T.contiguous().numpy().tobytes() not in float_inits, f"float copy of {name} left in the graph"
+
+
+def test_int4_graph_is_blockwise_weight_only(runs):
+    code, out = runs["int4"]
+    assert code in (0, 1)
+    graph = _graph(out)
+    inits = {i.name: i for i in graph.graph.initializer}
+    dq = [n for n in graph.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits
+          and inits[n.input[0]].data_type == onnx.TensorProto.INT4]
+    assert len(dq) == 14
+    for node in dq:
+        attrs = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+        assert attrs["block_size"] == 32 and attrs["axis"] == 0
+    assert not [n for n in graph.graph.node if n.op_type == "QuantizeLinear"]
+    _assert_no_float_copy(out, graph)
+
+
+def test_onnx_size_reflects_bit_width(runs):
+    sizes = {}
+    for recipe in ("baseline", "int8", "int4"):
+        out = runs[recipe][1]
+        stage = "02_export_onnx" if recipe == "baseline" else "03_export_onnx"
+        sizes[recipe] = (out / stage / "onnx" / "model.onnx").stat().st_size
+    linear_params = 2 * (4 * 64 * 64 - 2 * 64 * 32 + 3 * 64 * 128)  # q,o full; k,v GQA halves; gate, up, down
+    assert sizes["baseline"] - sizes["int8"] > 0.7 * linear_params * 3  # ~3 bytes saved per weight
+    assert sizes["int8"] - sizes["int4"] > 0.3 * linear_params  # ~half a byte more
+
+
+def test_onnx_runtime_perplexity_matches_torch_fake_quant(runs):
+    for recipe in ("int8", "int4"):
+        out = runs[recipe][1]
+        metrics = json.loads((out / "04_validate" / "validation.json").read_text())["metrics"]
+        assert metrics["perplexity_torch_quantized"] is not None
+        assert metrics["onnx_vs_torch_quantized_pct"] < 1.0, (recipe, metrics)
+        report = json.loads((out / "report.json").read_text())
+        names = [c["name"] for c in report["gate"]["checks"]]
+        assert "onnx_vs_torch_quantized_pct" in names
+        quant = report["stages"][1]["metrics"]
+        assert len(quant["layer_sqnr_db"]) == 14 and quant["calibration_tokens"] >= 1024
+
+
+def test_too_little_calibration_text_is_refused(tiny_llama, tmp_path, capsys):
+    short = tmp_path / "short.txt"
+    short.write_text("It is a truth universally acknowledged. " * 20)
+    code = main(["run", "target=jetson-orin", "recipe=int8", f"model={tiny_llama}", f"out={tmp_path / 'r'}", f"calib={short}"])
+    assert code == 2
+    assert "too little calibration text" in capsys.readouterr().err
+
+
+def test_group_size_must_divide_layer_width(tiny_llama, tmp_path, capsys):
+    code, _ = _run(tmp_path, tiny_llama, "int4", "quantize.group_size=128")
+    assert code == 2
+    assert "group_size=128 does not divide" in capsys.readouterr().err
+
+
+def test_target_without_int4_refuses_int4_recipe(tmp_path, capsys):
+    import yaml
+
+    from compress.config import available_targets
+
+    data = yaml.safe_load(available_targets()["jetson-orin-nano-8gb"].read_text())
+    data["gpu"]["precisions"] = ["fp32", "fp16", "int8"]
+    data["aliases"] = []
+    path = tmp_path / "no-int4.yaml"
+    path.write_text(yaml.safe_dump(data))
+    assert main(["run", f"target={path}", "recipe=int4", "--dry-run"]) == 2
+    assert "does not support int4" in capsys.readouterr().err
+
+
+def test_kv_cache_path_agrees_with_full_forward_on_quantized_graph(runs):
+    from compress.runtime.onnx_decoder import OnnxDecoder
+
+    decoder = OnnxDecoder(runs["int4"][1] / "03_export_onnx" / "onnx")
+    ids = np.arange(3, 15, dtype=np.int64)[None, :]
+    full = decoder.logits(ids)
+    logits, past = decoder.forward(ids[:, :6], np.ones((1, 6), dtype=np.int64), decoder.empty_past(1))
+    steps = [logits]
+    for i in range(6, 12):
+        logits, past = decoder.forward(ids[:, i:i + 1], np.ones((1, i + 1), dtype=np.int64), past)
+        steps.append(logits)
+    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-3)
