@@ -3,7 +3,8 @@
     compress run target=jetson-orin [recipe=default] [model=...] [out=DIR] [stage.option=value ...]
     compress ls targets|recipes|stages
     compress show RUN_DIR
-    compress validate RUN_DIR [target=NAME] [power=MODE] [--require-measured]
+    compress validate RUN_DIR [target=NAME] [power=MODE] [--require-measured] [--on-device]
+    compress build-engine RUN_DIR
     compress predict target=NAME model_config=PATH [precision=fp16] [power=MODE] [prompt_len=N]
 """
 
@@ -39,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a recipe for a target", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("pairs", nargs="*", metavar="key=value", help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, stage.option=, budgets.key=")
+    run.add_argument("pairs", nargs="*", metavar="key=value",
+                     help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, stage.option=, budgets.key=")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and stage plan; do no work")
     run.add_argument("--require-measured", action="store_true", help="predicted checks count as NOT_MEASURED")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -54,6 +56,10 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("run_dir", type=Path)
     validate.add_argument("pairs", nargs="*", metavar="key=value", help="target=, power=, budgets.key=")
     validate.add_argument("--require-measured", action="store_true")
+    validate.add_argument("--on-device", action="store_true", help="measure latency with the run's TensorRT engine on this GPU")
+
+    build = sub.add_parser("build-engine", help="build a run's TensorRT engine on this device from its build plan")
+    build.add_argument("run_dir", type=Path)
 
     predict = sub.add_parser("predict", help="predict decode speed, TTFT, memory and energy for a decoder config")
     predict.add_argument("pairs", nargs="+", metavar="key=value", help="target=, model_config=, precision=, power=, prompt_len=")
@@ -116,7 +122,8 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         from compress.stages import all_stages
 
         for stage in all_stages().values():
-            print(f"{stage.name:<14} {stage.input_kind} -> {stage.output_kind}: {stage.summary}")
+            kinds = "|".join(stage.input_kind) if isinstance(stage.input_kind, tuple) else stage.input_kind
+            print(f"{stage.name:<14} {kinds} -> {stage.output_kind}: {stage.summary}")
     return 0
 
 
@@ -146,7 +153,10 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from compress.config import split_overrides
     from compress.revalidate import revalidate
 
-    report = revalidate(args.run_dir, split_overrides(args.pairs), require_measured=args.require_measured)
+    report = revalidate(args.run_dir, split_overrides(args.pairs), require_measured=args.require_measured,
+                        on_device=args.on_device)
+    if report.get("on_device") and "status" in report["on_device"]:
+        print(f"on-device measurement {report['on_device']['status']}")
     print(f"{report['gate']['verdict']}: {args.run_dir / 'report.md'}")
     for check in report["gate"]["checks"]:
         print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
@@ -161,13 +171,28 @@ def _cmd_predict(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "validate": _cmd_validate, "predict": _cmd_predict}
+def _cmd_build_engine(args: argparse.Namespace) -> int:
+    from compress.device import build_on_device
+
+    manifest = build_on_device(args.run_dir)
+    print(json.dumps(manifest, indent=2))
+    return 0
+
+
+COMMANDS = {"build-engine": _cmd_build_engine, "run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "validate": _cmd_validate,
+            "predict": _cmd_predict}
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``compress`` console script."""
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # key=value words may follow flags (`run --dry-run target=x`); argparse leaves those in ``extra``.
+    leftover = [word for word in extra if not (hasattr(args, "pairs") and "=" in word and not word.startswith("-"))]
+    if leftover:
+        parser.error(f"unrecognized arguments: {' '.join(leftover)}")
+    if hasattr(args, "pairs"):
+        args.pairs = list(args.pairs) + [word for word in extra if word not in leftover]
     _setup_logging(args.quiet)
     try:
         return COMMANDS[args.command](args)

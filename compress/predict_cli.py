@@ -34,7 +34,8 @@ def select_power_mode(target: Target, power: str) -> PowerMode:
             return mode
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*[wW]\s*", power)
     if not match:
-        raise UsageError(f"power={power!r}: not a mode of {target.name} ({', '.join(m.name for m in target.power_modes)}) nor a budget like 15W")
+        modes = ", ".join(m.name for m in target.power_modes)
+        raise UsageError(f"power={power!r}: not a mode of {target.name} ({modes}) nor a budget like 15W")
     budget = float(match.group(1))
     within = [m for m in target.power_modes if m.watts <= budget]
     if not within:

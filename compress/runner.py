@@ -248,9 +248,9 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
         if spec.name in seen:
             raise UsageError(f"recipe {recipe.name}: stage {spec.name} appears twice")
         seen.add(spec.name)
-        if stage.input_kind != previous_kind:
+        if not stage.accepts(previous_kind):
             raise UsageError(
-                f"recipe {recipe.name}: stage {spec.name} takes {stage.input_kind!r} but the step before it gives {previous_kind!r}"
+                f"recipe {recipe.name}: stage {spec.name} takes {_kinds(stage.input_kind)} but the step before it gives {previous_kind}"
             )
         config = stage.make_config(stage_options[spec.name])
         if stage.check_target is not None:
@@ -258,6 +258,10 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
         planned.append(PlannedStage(index, stage, config))
         previous_kind = stage.output_kind
     return planned
+
+
+def _kinds(kind: str | tuple[str, ...]) -> str:
+    return " or ".join(kind) if isinstance(kind, tuple) else kind
 
 
 def _assign_fingerprints(plan: Plan) -> None:

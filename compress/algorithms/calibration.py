@@ -6,6 +6,7 @@ peak memory grows with the calibration set and one block's activations, not with
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,10 +53,8 @@ def capture_first_block_inputs(model, windows: torch.Tensor) -> BlockInputs:
     try:
         with torch.no_grad():
             for row in windows:
-                try:
+                with contextlib.suppress(_Captured):
                     model(row[None], use_cache=False)
-                except _Captured:
-                    pass
     finally:
         blocks[0] = first
     return BlockInputs(hidden, shared)

@@ -17,10 +17,14 @@ if TYPE_CHECKING:
 REPORT_SCHEMA_VERSION = "1.0"
 
 
-def _last_path(records: list[StageRecord], kind: str, run_dir: Path) -> str | None:
+def _last_path(records: list[StageRecord], kind: str, run_dir: Path, deferred: bool = False) -> str | None:
+    """Path of the last artifact of ``kind``; a deferred engine is a build plan, not an engine."""
     for record in reversed(records):
-        if record.artifact.kind == kind:
-            return str(Path(record.artifact.path).relative_to(run_dir))
+        if record.artifact.kind == kind and bool(record.artifact.meta.get("deferred")) == deferred:
+            path = Path(record.artifact.path)
+            if kind == ENGINE and not deferred:
+                path = path / record.artifact.meta.get("engine_file", "")
+            return str(path.relative_to(run_dir))
     return None
 
 
@@ -41,7 +45,8 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
              "peak_rss_mb": r.record.get("peak_rss_mb"), "metrics": r.record.get("metrics", {})}
             for r in records
         ],
-        "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir)},
+        "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir),
+                      "engine_build_plan": _last_path(records, ENGINE, run_dir, deferred=True)},
         "predictions": validation.artifact.meta.get("predictions") if validation else None,
         "gate": gate,
     }

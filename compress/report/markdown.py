@@ -31,7 +31,7 @@ def _stage_summary(stage: dict[str, Any]) -> str:
         lat = metrics["host_latency"]
         parts.append(f"host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms")
     if metrics.get("reason"):
-        parts.append(str(metrics["reason"]))
+        parts.append(f"engine build deferred to the device ({metrics['reason']}); run `compress build-engine RUN_DIR` there")
     return "; ".join(parts)
 
 
@@ -66,7 +66,8 @@ def render_markdown(report: dict[str, Any]) -> str:
                   "| power mode | W | decode tokens/s | ms/token | TTFT ms | memory GB | J/token |", "|---|---|---|---|---|---|---|"]
         for mode in predictions["modes"]:
             lines.append(f"| {mode['power_mode']} | {_fmt(mode['watts'])} | {mode['decode_tokens_per_s']:.1f} | "
-                         f"{mode['decode_latency_ms']:.2f} | {mode['ttft_ms']:.1f} | {mode['memory_gb']:.2f} | {mode['joules_per_token']:.3f} |")
+                         f"{mode['decode_latency_ms']:.2f} | {mode['ttft_ms']:.1f} | {mode['memory_gb']:.2f} | "
+                         f"{mode['joules_per_token']:.3f} |")
     lines += ["", "## Artifacts", ""]
     for name, path in report["artifacts"].items():
         lines.append(f"- {name}: `{path}`" if path else f"- {name}: not produced")

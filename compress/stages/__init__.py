@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 StageFn = Callable[["Artifact", StrictModel, "RunContext"], "Artifact"]
 TargetCheck = Callable[[StrictModel, Target], None]
 
-_STAGE_MODULES = ("load", "quantize", "export_onnx", "validate")
+_STAGE_MODULES = ("load", "quantize", "export_onnx", "build_engine", "validate")
 
 
 @dataclass(frozen=True)
@@ -33,12 +33,16 @@ class StageDef:
 
     name: str
     summary: str
-    input_kind: str
+    input_kind: str | tuple[str, ...]
     output_kind: str
     config_cls: type[StrictModel]
     run: StageFn
     check_target: TargetCheck | None = None
     uses_target: bool = False
+
+    def accepts(self, kind: str) -> bool:
+        """Whether the stage takes an artifact of ``kind``."""
+        return kind in self.input_kind if isinstance(self.input_kind, tuple) else kind == self.input_kind
 
     def make_config(self, options: dict) -> StrictModel:
         """Validate options; an unknown key or wrong type is a usage error naming it."""

@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import PositiveInt
 
-from compress.artifact import HF_MODEL, ONNX, REPORT, Artifact
+from compress.artifact import ENGINE, HF_MODEL, ONNX, REPORT, Artifact
 from compress.config import StrictModel, Target
 from compress.data import EVAL_SKIP_CHARS, token_windows
 from compress.eval.latency import measure_decoder_latency
@@ -121,6 +121,7 @@ def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mod
 
 
 def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
+    source = ctx.last_artifact(ONNX) or source
     teacher = ctx.first_artifact(HF_MODEL)
     exported_from = ctx.last_artifact(HF_MODEL)
     metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation.text, config, ctx.progress,
@@ -142,7 +143,7 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
 STAGE = register(StageDef(
     name="validate",
     summary="measure perplexity, latency and memory; gate them against the target's budgets",
-    input_kind=ONNX,
+    input_kind=(ONNX, ENGINE),
     output_kind=REPORT,
     config_cls=ValidateConfig,
     run=run_validate,

@@ -1,0 +1,131 @@
+"""Work that needs the target device: ``compress build-engine RUN_DIR`` and ``compress validate RUN_DIR --on-device``.
+
+On a machine without TensorRT or a CUDA device both say "not run: ..." and change nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+from typing import Any
+
+from compress.config import load_target
+from compress.engine.builder import build_engine, cuda_device, local_build_support
+from compress.engine.plan import BuildPlan
+from compress.errors import MissingBackendError, UsageError
+from compress.fsutil import atomic_write_json, read_json, sha256_file
+from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout
+from compress.stages.build_engine import PLAN_FILE, timing_cache_path
+
+ENGINE_MANIFEST = "engine_manifest.json"
+MIN_ITERATIONS = 1024
+MAX_SECONDS = 60.0
+
+
+def _stage_dir(run_dir: Path, name: str) -> Path:
+    manifest = read_json(run_dir / "manifest.json")
+    for stage in manifest["stages"]:
+        if stage["name"] == name:
+            return run_dir / stage["dir"]
+    raise UsageError(f"{run_dir} has no {name} stage")
+
+
+def _engine_folder(run_dir: Path) -> tuple[Path, BuildPlan, Path]:
+    if not (run_dir / "manifest.json").is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no manifest.json)")
+    engine_dir = _stage_dir(run_dir, "build_engine") / "engine"
+    plan = BuildPlan.from_json(read_json(engine_dir / PLAN_FILE))
+    onnx_dir = _stage_dir(run_dir, "export_onnx") / "onnx"
+    return engine_dir, plan, onnx_dir
+
+
+def build_on_device(run_dir: Path) -> dict[str, Any]:
+    """Build the run's engine here, from its plan; refuses when this host cannot build for the target."""
+    engine_dir, plan, onnx_dir = _engine_folder(Path(run_dir))
+    support = local_build_support(plan.gpu_sm)
+    if not support.can_build:
+        raise MissingBackendError(support.reason)
+    cache = timing_cache_path(plan.target, support.tensorrt_version or "unknown")
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    built = build_engine(plan, onnx_dir / ONNX_FILE, engine_dir / plan.engine_file, cache)
+    manifest = {"target": plan.target, "gpu": support.device, "sm": plan.gpu_sm, "tensorrt_version": built["tensorrt_version"],
+                "engine_sha256": sha256_file(engine_dir / plan.engine_file), "onnx_sha256": sha256_file(onnx_dir / ONNX_FILE)}
+    atomic_write_json(engine_dir / ENGINE_MANIFEST, manifest)
+    report_path = Path(run_dir) / "report.json"
+    if report_path.is_file():
+        report = read_json(report_path)
+        report["artifacts"]["engine"] = str((engine_dir / plan.engine_file).relative_to(Path(run_dir)))
+        for stage in report["stages"]:
+            if stage["name"] == "build_engine":
+                stage["status"] = "done"
+                stage["metrics"] = {**stage.get("metrics", {}), "status": "built", **manifest}
+        atomic_write_json(report_path, report)
+    return manifest
+
+
+def check_engine_provenance(engine_dir: Path) -> dict[str, Any]:
+    """The engine was built by this TensorRT on this GPU, or a clear error telling to rebuild."""
+    device = cuda_device()
+    if device is None:
+        raise MissingBackendError("not run: no CUDA device")
+    manifest_path = engine_dir / ENGINE_MANIFEST
+    if not manifest_path.is_file():
+        raise UsageError(f"{engine_dir} has no built engine; run `compress build-engine RUN_DIR` on the device")
+    manifest = read_json(manifest_path)
+    from compress.engine.builder import tensorrt_version
+
+    here = tensorrt_version()
+    if here != manifest["tensorrt_version"] or device[1] != manifest["sm"]:
+        raise UsageError(f"engine built with TensorRT {manifest['tensorrt_version']} for sm_{manifest['sm']} "
+                         f"({manifest['gpu']}); this machine has TensorRT {here} on sm_{device[1]} ({device[0]}): "
+                         "rebuild it here with `compress build-engine RUN_DIR`")
+    return manifest
+
+
+def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str, Any]:
+    """CUDA-synchronised TTFT and decode latency of the run's engine (>= 1024 steps or 60 s), p50/p90/p99."""
+    from compress.eval.latency import percentiles
+    from compress.runtime.trt_decoder import TrtDecoder
+
+    run_dir = Path(run_dir)
+    engine_dir, plan, onnx_dir = _engine_folder(run_dir)
+    check_engine_provenance(engine_dir)
+    target = load_target(plan.target)
+    layout = DecoderLayout.load(onnx_dir)
+    decoder = TrtDecoder(engine_dir / plan.engine_file, layout)
+    import torch
+
+    prompt_len = prompt_len or target.budgets.prompt_length
+    prompt = torch.randint(0, 1000, (1, prompt_len), device="cuda")
+    mask = torch.ones_like(prompt)
+    for _ in range(3):
+        decoder.forward(prompt, mask, decoder.empty_past(1))
+    ttft = []
+    for _ in range(10):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits, past = decoder.forward(prompt, mask, decoder.empty_past(1))
+        torch.cuda.synchronize()
+        ttft.append((time.perf_counter() - start) * 1000)
+    steps: list[float] = []
+    started = time.perf_counter()
+    step_mask = mask
+    while len(steps) < MIN_ITERATIONS and time.perf_counter() - started < MAX_SECONDS:
+        if step_mask.shape[1] >= target.budgets.context_length - 1:
+            logits, past = decoder.forward(prompt, mask, decoder.empty_past(1))
+            step_mask = mask
+        token = logits[:, -1:].argmax(-1)
+        step_mask = torch.cat([step_mask, torch.ones((1, 1), dtype=step_mask.dtype, device="cuda")], dim=1)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        logits, past = decoder.forward(token, step_mask, past)
+        torch.cuda.synchronize()
+        steps.append((time.perf_counter() - start) * 1000)
+    decode = percentiles(steps)
+    engine_bytes = (engine_dir / plan.engine_file).stat().st_size
+    bandwidth = engine_bytes / (decode["p50_ms"] / 1000) / 1e9
+    return {"ttft_ms": percentiles(ttft)["p50_ms"], "decode": decode, "iterations": len(steps),
+            "tokens_per_s": 1000 / decode["mean_ms"], "achieved_bandwidth_gbps": bandwidth,
+            "bandwidth_utilisation": bandwidth / target.memory_bandwidth_gbps,
+            "engine_sha256": hashlib.sha256((engine_dir / plan.engine_file).read_bytes()).hexdigest()}

@@ -1,0 +1,1 @@
+"""TensorRT engines: static checks of an ONNX graph against a target, build plans, and the builder."""
