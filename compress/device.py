@@ -15,6 +15,7 @@ from compress.engine.builder import build_engine, cuda_device, local_build_suppo
 from compress.engine.plan import BuildPlan
 from compress.errors import MissingBackendError, UsageError
 from compress.fsutil import atomic_write_json, read_json, sha256_file
+from compress.perf_model import ModelShape, mode_tops
 from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout
 from compress.stages.build_engine import PLAN_FILE, timing_cache_path
 
@@ -109,6 +110,7 @@ def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str,
         torch.cuda.synchronize()
         ttft.append((time.perf_counter() - start) * 1000)
     steps: list[float] = []
+    energy_start = _energy_mj()
     started = time.perf_counter()
     step_mask = mask
     while len(steps) < MIN_ITERATIONS and time.perf_counter() - started < MAX_SECONDS:
@@ -122,10 +124,31 @@ def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str,
         logits, past = decoder.forward(token, step_mask, past)
         torch.cuda.synchronize()
         steps.append((time.perf_counter() - start) * 1000)
+    energy_end = _energy_mj()
     decode = percentiles(steps)
+    ttft_ms = percentiles(ttft)["p50_ms"]
     engine_bytes = (engine_dir / plan.engine_file).stat().st_size
     bandwidth = engine_bytes / (decode["p50_ms"] / 1000) / 1e9
-    return {"ttft_ms": percentiles(ttft)["p50_ms"], "decode": decode, "iterations": len(steps),
+    shape = ModelShape.from_config(read_json(onnx_dir / "config.json"))
+    prefill_flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
+    precision = "int8" if plan.int8 else "fp16"
+    peak_tops = mode_tops(target, target.power_mode(), precision)
+    joules = None if energy_start is None or energy_end is None else (energy_end - energy_start) / 1000 / len(steps)
+    return {"ttft_ms": ttft_ms, "decode": decode, "iterations": len(steps),
             "tokens_per_s": 1000 / decode["mean_ms"], "achieved_bandwidth_gbps": bandwidth,
             "bandwidth_utilisation": bandwidth / target.memory_bandwidth_gbps,
+            "prefill_tflops": prefill_flops / (ttft_ms / 1000) / 1e12,
+            "prefill_compute_utilisation": prefill_flops / (ttft_ms / 1000) / 1e12 / peak_tops,
+            "joules_per_token": joules, "energy_source": "nvml" if joules is not None else "not measured (no NVML)",
             "engine_sha256": hashlib.sha256((engine_dir / plan.engine_file).read_bytes()).hexdigest()}
+
+
+def _energy_mj() -> float | None:
+    """Total energy counter of GPU 0 in millijoules (NVML, desktop GPUs), or None."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return float(pynvml.nvmlDeviceGetTotalEnergyConsumption(pynvml.nvmlDeviceGetHandleByIndex(0)))
+    except Exception:  # NVML absent (Jetson, CPU hosts) or the counter unsupported
+        return None

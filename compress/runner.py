@@ -37,6 +37,7 @@ from compress.fsutil import (
     staging_dir,
 )
 from compress.models import DEFAULT_MODEL, ModelSource, resolve_model
+from compress.predict_cli import select_power_mode
 from compress.stages import StageDef, get_stage
 
 log = logging.getLogger("compress")
@@ -226,7 +227,7 @@ def build_plan(options: RunOptions) -> Plan:
     stage_options, budget_overrides = _stage_options(recipe, options.overrides)
     if budget_overrides:
         target = _apply_budget_overrides(target, budget_overrides)
-    power_mode = target.power_mode(options.power).name
+    power_mode = (select_power_mode(target, options.power) if options.power else target.power_mode()).name
     planned = _check_stage_chain(recipe, stage_options, target)
     out_dir = options.out or default_out_dir(options, target, recipe)
     _check_out_dir(out_dir)

@@ -68,6 +68,9 @@ def render_markdown(report: dict[str, Any]) -> str:
             lines.append(f"| {mode['power_mode']} | {_fmt(mode['watts'])} | {mode['decode_tokens_per_s']:.1f} | "
                          f"{mode['decode_latency_ms']:.2f} | {mode['ttft_ms']:.1f} | {mode['memory_gb']:.2f} | "
                          f"{mode['joules_per_token']:.3f} |")
+    if predictions and "lowest_power_mode_meeting_latency_budget" in predictions:
+        lowest = predictions["lowest_power_mode_meeting_latency_budget"]
+        lines += ["", f"Lowest-power mode that meets the decode-latency budget: **{lowest or 'none'}**."]
     lines += ["", "## Artifacts", ""]
     for name, path in report["artifacts"].items():
         lines.append(f"- {name}: `{path}`" if path else f"- {name}: not produced")

@@ -23,7 +23,7 @@ from compress.eval.perplexity import perplexity, torch_logits_fn
 from compress.fsutil import atomic_write_json, path_size
 from compress.gate import Check, gate_json, require_measured, upper_bound_check
 from compress.models import load_causal_lm, load_tokenizer
-from compress.perf_model import ModelShape, predict, predict_all_modes
+from compress.perf_model import ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
 from compress.quantization import attach_activation_quant, load_quantization
 from compress.runtime.onnx_decoder import ONNX_FILE, OnnxDecoder
 from compress.stages import StageDef, register
@@ -115,9 +115,11 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
 def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str) -> dict[str, Any]:
     """Latency-model predictions for every power mode and the chosen one."""
     shape = model_shape(onnx_dir)
-    modes = [p.to_json() for p in predict_all_modes(target, shape, precision)]
+    all_modes = predict_all_modes(target, shape, precision)
     chosen = predict(target, shape, precision, power_mode).to_json()
-    return {"target": target.name, "modes": modes, "chosen": chosen}
+    lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)
+    return {"target": target.name, "modes": [p.to_json() for p in all_modes], "chosen": chosen,
+            "lowest_power_mode_meeting_latency_budget": lowest.power_mode if lowest else None}
 
 
 def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
