@@ -404,6 +404,7 @@ def execute(plan: Plan) -> RunResult:
         raise disk_write_error(exc, out) from exc
     out = out.resolve()
     plan.out_dir = out
+    _remove_foreign_stage_dirs(out, {p.dirname for p in plan.stages})
     records: list[StageRecord] = []
     previous = Artifact(SOURCE, plan.model.path, {"spec": plan.model.spec})
     ctx = RunContext(plan=plan, run_dir=out, stage_dir=out, artifacts={}, progress=plan.options.progress)
@@ -440,6 +441,17 @@ def execute(plan: Plan) -> RunResult:
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
+
+
+def _remove_foreign_stage_dirs(out: Path, keep: set[str]) -> None:
+    """Stage folders of an earlier, different plan in the same run directory would mislead; remove them."""
+    import re
+    import shutil
+
+    for folder in out.iterdir():
+        if folder.is_dir() and re.fullmatch(r"\d\d_\w+", folder.name) and folder.name not in keep:
+            log.info("removing %s: not a stage of this plan", folder.name)
+            shutil.rmtree(folder)
 
 
 def _as_compress_error(exc: BaseException, out: Path) -> CompressError | None:

@@ -7,9 +7,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from compress.artifact import ENGINE, ONNX
-from compress.fsutil import atomic_write_json, atomic_write_text
+from compress.fsutil import atomic_write_json, atomic_write_text, read_json
 from compress.gate import NOT_MEASURED, exit_code_for
+from compress.report.html import render_html
 from compress.report.markdown import render_markdown
+from compress.report.model_card import render_model_card
+from compress.report.plots import make_plots
 
 if TYPE_CHECKING:
     from compress.runner import Plan, StageRecord
@@ -30,6 +33,8 @@ def _last_path(records: list[StageRecord], kind: str, run_dir: Path, deferred: b
 
 def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
     """The machine-readable report of a finished run."""
+    from compress.runner import library_versions
+
     run_dir = plan.out_dir
     validation = next((r for r in records if r.name == "validate"), None)
     gate = validation.artifact.meta["gate"] if validation else {
@@ -48,6 +53,9 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
         "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir),
                       "engine_build_plan": _last_path(records, ENGINE, run_dir, deferred=True)},
         "predictions": validation.artifact.meta.get("predictions") if validation else None,
+        "data": {"calibration": [{"path": str(t.path), "sha256": t.sha256} for t in plan.calibration],
+                 "evaluation": {"path": str(plan.evaluation.path), "sha256": plan.evaluation.sha256}},
+        "versions": library_versions(),
         "gate": gate,
     }
     report["exit_code"] = exit_code_for(gate["verdict"])
@@ -55,6 +63,13 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
 
 
 def write_reports(run_dir: Path, report: dict[str, Any]) -> None:
-    """Write ``report.json`` and ``report.md`` atomically."""
+    """Write ``report.json``, ``report.md``, ``report.html`` (with plots) and ``MODEL_CARD.md`` atomically."""
+    onnx_config = None
+    if report["artifacts"].get("onnx") and (run_dir / report["artifacts"]["onnx"] / "config.json").is_file():
+        onnx_config = read_json(run_dir / report["artifacts"]["onnx"] / "config.json")
+    plots = make_plots(report, onnx_config, run_dir / "plots")
+    report["plots"] = {name: str(path.relative_to(run_dir)) for name, path in plots.items()}
     atomic_write_json(run_dir / "report.json", report)
     atomic_write_text(run_dir / "report.md", render_markdown(report))
+    atomic_write_text(run_dir / "report.html", render_html(report, plots))
+    atomic_write_text(run_dir / "MODEL_CARD.md", render_model_card(report))

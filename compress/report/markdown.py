@@ -71,6 +71,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     if predictions and "lowest_power_mode_meeting_latency_budget" in predictions:
         lowest = predictions["lowest_power_mode_meeting_latency_budget"]
         lines += ["", f"Lowest-power mode that meets the decode-latency budget: **{lowest or 'none'}**."]
+    for name, path in (report.get("plots") or {}).items():
+        lines += ["", f"![{name}]({path})"]
     lines += ["", "## Artifacts", ""]
     for name, path in report["artifacts"].items():
         lines.append(f"- {name}: `{path}`" if path else f"- {name}: not produced")

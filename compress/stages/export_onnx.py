@@ -42,7 +42,9 @@ class ExportOnnxConfig(StrictModel):
     parity_new_tokens: PositiveInt = 16
     max_logit_diff: PositiveFloat = 1e-2
     max_logit_diff_quantized: PositiveFloat = 20.0
-    require_greedy_match: bool = True
+    # Quantized graphs flip activation roundings on ~1e-6 input differences, so their parity is
+    # judged by perplexity in validate; greedy tokens are still recorded.
+    require_greedy_match: Literal["always", "float-only", "never"] = "float-only"
 
 
 class _DecoderWithCache(torch.nn.Module):
@@ -195,7 +197,8 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     tolerance = config.max_logit_diff_quantized if quantized else config.max_logit_diff
     if parity["max_abs_logit_diff"] > tolerance:
         raise StageError(f"ONNX logits differ from torch by {parity['max_abs_logit_diff']:.3g} (> {tolerance})")
-    if config.require_greedy_match and not parity["greedy_match"]:
+    must_match = config.require_greedy_match == "always" or (config.require_greedy_match == "float-only" and not quantized)
+    if must_match and not parity["greedy_match"]:
         raise StageError(f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}")
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},

@@ -1,0 +1,142 @@
+"""Report plots as PNG files (matplotlib, no display needed)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from compress.perf_model import ModelShape, predict  # noqa: E402
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    partial = path.with_name(f".{path.stem}.partial.png")
+    fig.savefig(partial, dpi=110)
+    plt.close(fig)
+    os.replace(partial, path)
+    return path
+
+
+def _stage_size_and_ppl(report: dict[str, Any]) -> tuple[list[str], list[float | None], list[float | None]]:
+    names, sizes, ppls = [], [], []
+    validate = next((s["metrics"] for s in report["stages"] if s["name"] == "validate"), {})
+    for stage in report["stages"]:
+        metrics = stage.get("metrics") or {}
+        size = ppl = None
+        if stage["name"] == "load":
+            size = metrics.get("parameters", 0) * 4 / 1e6 or None
+            ppl = validate.get("perplexity_teacher")
+        elif stage["name"] == "quantize":
+            ppl = validate.get("perplexity_torch_quantized")
+        elif stage["name"] == "export_onnx":
+            size = metrics.get("onnx_size_bytes", 0) / 1e6 or None
+            ppl = validate.get("perplexity_onnx")
+        else:
+            continue
+        names.append(stage["name"])
+        sizes.append(size)
+        ppls.append(ppl)
+    return names, sizes, ppls
+
+
+def plot_stages(report: dict[str, Any], path: Path) -> Path:
+    """Size on disk and perplexity after each stage."""
+    names, sizes, ppls = _stage_size_and_ppl(report)
+    fig, left = plt.subplots(figsize=(6.5, 3.6))
+    positions = range(len(names))
+    left.bar(positions, [s or 0 for s in sizes], color="#4C72B0", width=0.5, label="size (MB)")
+    left.set_ylabel("size on disk (MB)")
+    left.set_xticks(list(positions), names)
+    right = left.twinx()
+    right.plot([p for p, v in zip(positions, ppls, strict=True) if v], [v for v in ppls if v], "o-", color="#C44E52",
+               label="perplexity")
+    right.set_ylabel("perplexity (evaluation text)")
+    left.set_title("Size and perplexity per stage")
+    return _save(fig, path)
+
+
+def plot_power_modes(report: dict[str, Any], path: Path) -> Path:
+    """Predicted decode latency per power mode against the budget."""
+    predictions = report["predictions"]
+    modes = predictions["modes"]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    labels = [f"{m['power_mode']}\n{m['watts']:g} W" for m in modes]
+    values = [m["decode_latency_ms"] for m in modes]
+    budget = report["target"]["budgets"]["max_decode_latency_ms"]
+    ax.bar(labels, values, color=["#55A868" if v <= budget else "#C44E52" for v in values])
+    ax.axhline(budget, color="black", linestyle="--", label=f"budget {budget:g} ms")
+    ax.set_ylabel("predicted decode latency (ms/token)")
+    ax.set_title(f"{predictions['target']}: decode latency per power mode (predicted)")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_pareto(report: dict[str, Any], onnx_config: dict[str, Any] | None, path: Path) -> Path:
+    """Accuracy against predicted latency: the teacher in FP16 and the final model at its precision."""
+    from compress.config import load_target
+
+    validate = next((s["metrics"] for s in report["stages"] if s["name"] == "validate"), {})
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    points = []
+    if onnx_config is not None:
+        target = load_target(report["target"]["name"])
+        shape = ModelShape.from_config(onnx_config)
+        mode = report["target"]["power_mode"]
+        teacher = predict(target, shape, "fp16", mode).decode_latency_ms
+        final = report["predictions"]["chosen"]
+        if validate.get("perplexity_teacher"):
+            points.append(("teacher (fp16)", teacher, validate["perplexity_teacher"]))
+        points.append((f"final ({final['precision']})", final["decode_latency_ms"], validate.get("perplexity_onnx")))
+    for label, latency, ppl in points:
+        if ppl is None:
+            continue
+        ax.scatter([latency], [ppl], s=60)
+        ax.annotate(label, (latency, ppl), textcoords="offset points", xytext=(6, 6))
+    budgets = report["target"]["budgets"]
+    ax.axvline(budgets["max_decode_latency_ms"], color="grey", linestyle=":", label="latency budget")
+    ax.set_xlabel("predicted decode latency (ms/token)")
+    ax.set_ylabel("perplexity")
+    ax.set_title("Accuracy vs latency")
+    ax.legend()
+    return _save(fig, path)
+
+
+def plot_sensitivity(report: dict[str, Any], path: Path) -> Path | None:
+    """Per-layer quantization SQNR, one line per linear kind; None when nothing was recorded."""
+    quant = next((s["metrics"] for s in report["stages"] if s["name"] == "quantize"), None)
+    if not quant or not quant.get("layer_sqnr_db"):
+        return None
+    series: dict[str, dict[int, float]] = {}
+    for row in quant["layer_sqnr_db"]:
+        match = re.search(r"layers\.(\d+)\.(?:\w+\.)?(\w+)$", row["name"])
+        if match:
+            series.setdefault(match.group(2), {})[int(match.group(1))] = row["sqnr_db"]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    for kind, values in sorted(series.items()):
+        layers = sorted(values)
+        ax.plot(layers, [values[i] for i in layers], marker=".", label=kind)
+    ax.set_xlabel("decoder layer")
+    ax.set_ylabel("output SQNR (dB, higher is better)")
+    ax.set_title(f"Quantization sensitivity per layer ({quant.get('method')})")
+    ax.legend(fontsize=7, ncol=4)
+    return _save(fig, path)
+
+
+def make_plots(report: dict[str, Any], onnx_config: dict[str, Any] | None, folder: Path) -> dict[str, Path]:
+    """Every plot the report has data for, written into ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    plots = {"stages": plot_stages(report, folder / "stages.png")}
+    if report.get("predictions"):
+        plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
+        plots["pareto"] = plot_pareto(report, onnx_config, folder / "pareto.png")
+    sensitivity = plot_sensitivity(report, folder / "sensitivity.png")
+    if sensitivity:
+        plots["sensitivity"] = sensitivity
+    return plots

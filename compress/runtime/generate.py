@@ -1,0 +1,252 @@
+"""Text generation over a run's output: greedy or sampled, streaming, stop strings, batches.
+
+``load(RUN_DIR)`` checks provenance first (the ONNX files still hash to what the run recorded;
+an engine was built by this TensorRT on this GPU) and then picks the backend: the TensorRT
+engine where ``tensorrt`` and a matching GPU are present, otherwise ONNX Runtime on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from compress.errors import CompressError, UsageError
+from compress.fsutil import read_json, sha256_path
+from compress.runtime.onnx_decoder import LAYOUT_FILE, OnnxDecoder
+
+log = logging.getLogger(__name__)
+
+
+class ProvenanceError(UsageError):
+    """What is on disk is not what the run produced, or was built for another machine."""
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How to decode."""
+
+    max_new_tokens: int = 64
+    greedy: bool = True
+    temperature: float = 0.7
+    top_k: int = 50
+    top_p: float = 0.9
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat: bool = True
+
+
+@dataclass
+class _Sequence:
+    prompt_len: int
+    tokens: list[int] = field(default_factory=list)
+    text: str = ""
+    done: bool = False
+
+
+def _sample(logits: np.ndarray, options: GenerationOptions, rng: np.random.Generator) -> int:
+    if options.greedy:
+        return int(logits.argmax())
+    scaled = logits.astype(np.float64) / max(options.temperature, 1e-5)
+    if 0 < options.top_k < scaled.shape[-1]:
+        cutoff = np.partition(scaled, -options.top_k)[-options.top_k]
+        scaled = np.where(scaled < cutoff, -np.inf, scaled)
+    probs = np.exp(scaled - scaled.max())
+    probs /= probs.sum()
+    order = np.argsort(-probs)
+    keep = np.cumsum(probs[order]) - probs[order] < options.top_p
+    mask = np.zeros_like(probs, dtype=bool)
+    mask[order[keep]] = True
+    probs = np.where(mask, probs, 0.0)
+    return int(rng.choice(len(probs), p=probs / probs.sum()))
+
+
+class TextGenerator:
+    """A loaded model and tokenizer with one generation API over the backends."""
+
+    def __init__(self, decoder, tokenizer, backend: str, provenance: dict) -> None:
+        self.decoder = decoder
+        self.tokenizer = tokenizer
+        self.backend = backend
+        self.provenance = provenance
+        self.eos = set(decoder.layout.eos_token_ids)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (decoder.layout.eos_token_ids or [0])[0]
+
+    def encode(self, prompt: str, chat: bool) -> list[int]:
+        from compress.stages.export_onnx import chat_prompt_ids
+
+        if chat:
+            return chat_prompt_ids(self.tokenizer, prompt)
+        return self.tokenizer(prompt, add_special_tokens=True).input_ids
+
+    def _batch_steps(self, prompts: Sequence[str], options: GenerationOptions) -> Iterator[list[_Sequence]]:
+        encoded = [self.encode(p, options.chat) for p in prompts]
+        width = max(len(ids) for ids in encoded)
+        ids = np.full((len(encoded), width), self.pad_id, dtype=np.int64)
+        mask = np.zeros_like(ids)
+        for row, tokens in enumerate(encoded):  # left padding keeps every sequence's last token aligned
+            ids[row, width - len(tokens):] = tokens
+            mask[row, width - len(tokens):] = 1
+        sequences = [_Sequence(len(tokens)) for tokens in encoded]
+        rng = np.random.default_rng(options.seed)
+        logits, past = self.decoder.forward(ids, mask, self.decoder.empty_past(len(encoded)))
+        for _ in range(options.max_new_tokens):
+            next_ids = np.full((len(encoded), 1), self.pad_id, dtype=np.int64)
+            for row, seq in enumerate(sequences):
+                if seq.done:
+                    continue
+                token = _sample(logits[row, -1], options, rng)
+                if token in self.eos:
+                    seq.done = True
+                    continue
+                seq.tokens.append(token)
+                seq.text = self.tokenizer.decode(seq.tokens, skip_special_tokens=True)
+                hit = next((s for s in options.stop if s in seq.text), None)
+                if hit is not None:
+                    seq.text = seq.text[: seq.text.index(hit)]
+                    seq.done = True
+                next_ids[row, 0] = token
+            yield sequences
+            if all(seq.done for seq in sequences):
+                return
+            mask = np.concatenate([mask, np.ones((len(encoded), 1), dtype=np.int64)], axis=1)
+            logits, past = self.decoder.forward(next_ids, mask, past)
+
+    def stream(self, prompt: str, **options) -> Iterator[str]:
+        """Yield the answer to one prompt piece by piece as it is decoded."""
+        opts = _options(options)
+        shown = 0
+        for sequences in self._batch_steps([prompt], opts):
+            text = sequences[0].text
+            if len(text) > shown:
+                yield text[shown:]
+                shown = len(text)
+
+    def generate(self, prompts: str | Sequence[str], **options) -> str | list[str]:
+        """Answer one prompt (returns a string) or a batch of prompts (returns a list)."""
+        opts = _options(options)
+        batch = [prompts] if isinstance(prompts, str) else list(prompts)
+        if not batch:
+            return []
+        final: list[_Sequence] = [_Sequence(0) for _ in batch]
+        for sequences in self._batch_steps(batch, opts):
+            final = sequences
+        texts = [seq.text for seq in final]
+        return texts[0] if isinstance(prompts, str) else texts
+
+    def stream_ids(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
+        """Greedy token ids for raw prompt ids, one at a time (EOS ends it, as in ``model.generate``)."""
+        logits, past = self.decoder.forward(np.asarray([prompt_ids]), np.ones((1, len(prompt_ids)), dtype=np.int64),
+                                            self.decoder.empty_past(1))
+        mask = np.ones((1, len(prompt_ids)), dtype=np.int64)
+        for _ in range(max_new_tokens):
+            token = int(logits[0, -1].argmax())
+            yield token
+            if token in self.eos:
+                return
+            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
+            logits, past = self.decoder.forward(np.asarray([[token]]), mask, past)
+
+    def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+        """Greedy token ids for raw prompt ids."""
+        return list(self.stream_ids(prompt_ids, max_new_tokens))
+
+
+def _options(options: dict) -> GenerationOptions:
+    unknown = set(options) - set(GenerationOptions.__dataclass_fields__)
+    if unknown:
+        raise UsageError(f"unknown generation option {sorted(unknown)[0]!r}")
+    if "stop" in options and isinstance(options["stop"], str):
+        options = {**options, "stop": (options["stop"],)}
+    return replace(GenerationOptions(), **{k: tuple(v) if k == "stop" else v for k, v in options.items()})
+
+
+class _TrtNumpyAdapter:
+    """Numpy in and out over :class:`~compress.runtime.trt_decoder.TrtDecoder`."""
+
+    def __init__(self, decoder) -> None:
+        import torch
+
+        self._torch = torch
+        self.inner = decoder
+        self.layout = decoder.layout
+
+    def empty_past(self, batch: int):
+        return self.inner.empty_past(batch)
+
+    def forward(self, input_ids, attention_mask, past):
+        torch = self._torch
+        logits, present = self.inner.forward(torch.from_numpy(np.asarray(input_ids)).cuda(),
+                                             torch.from_numpy(np.asarray(attention_mask)).cuda(), past)
+        return logits.float().cpu().numpy(), present
+
+
+def _run_stage_dir(run_dir: Path, name: str) -> Path | None:
+    manifest = read_json(run_dir / "manifest.json")
+    return next((run_dir / s["dir"] for s in manifest["stages"] if s["name"] == name), None)
+
+
+def _check_onnx_provenance(run_dir: Path) -> tuple[Path, dict]:
+    manifest = read_json(run_dir / "manifest.json")
+    if manifest.get("status") != "finished":
+        raise ProvenanceError(f"{run_dir} is not a finished run (status {manifest.get('status')}); rerun it to finish")
+    stage_dir = _run_stage_dir(run_dir, "export_onnx")
+    if stage_dir is None:
+        raise ProvenanceError(f"{run_dir} has no export_onnx stage")
+    record = read_json(stage_dir / "stage.json")
+    onnx_dir = stage_dir / record["output"]["path"]
+    actual = sha256_path(onnx_dir)
+    if actual != record["output"]["sha256"]:
+        raise ProvenanceError(f"{onnx_dir} does not match the hash recorded by the run ({record['output']['sha256'][:12]}…, "
+                              f"found {actual[:12]}…); rerun `compress run` to regenerate it")
+    return onnx_dir, {"run": str(run_dir), "onnx_sha256": actual, "target": manifest["target"]}
+
+
+def load(path: str | Path, backend: Literal["auto", "onnxruntime", "tensorrt"] = "auto", threads: int | None = None) -> TextGenerator:
+    """Load a run directory (or an exported ONNX folder) for generation."""
+    from compress.models import load_tokenizer
+
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        onnx_dir, provenance = _check_onnx_provenance(path)
+    elif (path / LAYOUT_FILE).is_file():
+        onnx_dir, provenance = path, {"onnx_folder": str(path)}
+    else:
+        raise UsageError(f"{path} is neither a run directory nor an exported ONNX folder")
+    tokenizer = load_tokenizer(onnx_dir)
+    decoder = None
+    if backend in ("auto", "tensorrt") and (path / "manifest.json").is_file():
+        decoder = _try_tensorrt(path, onnx_dir, required=backend == "tensorrt")
+    if decoder is not None:
+        return TextGenerator(_TrtNumpyAdapter(decoder), tokenizer, "tensorrt", provenance)
+    return TextGenerator(OnnxDecoder(onnx_dir, threads), tokenizer, "onnxruntime", provenance)
+
+
+def _try_tensorrt(run_dir: Path, onnx_dir: Path, required: bool):
+    from compress.device import ENGINE_MANIFEST, check_engine_provenance
+    from compress.runtime.onnx_decoder import DecoderLayout
+    from compress.runtime.trt_decoder import TrtDecoder
+
+    stage_dir = _run_stage_dir(run_dir, "build_engine")
+    engine_dir = stage_dir / "engine" if stage_dir else None
+    if engine_dir is None or not (engine_dir / ENGINE_MANIFEST).is_file():
+        if required:
+            raise ProvenanceError(f"{run_dir} has no built engine; run `compress build-engine {run_dir}` on the device")
+        return None
+    try:
+        manifest = check_engine_provenance(engine_dir)
+    except ProvenanceError:
+        raise
+    except UsageError as exc:
+        raise ProvenanceError(str(exc)) from exc
+    except CompressError as exc:
+        if required:
+            raise
+        log.info("TensorRT engine not used (%s); running the ONNX model in ONNX Runtime", exc)
+        return None
+    plan = read_json(engine_dir / "build_plan.json")
+    return TrtDecoder(engine_dir / plan["engine_file"], DecoderLayout.load(onnx_dir)) if manifest else None

@@ -1,0 +1,53 @@
+"""The encoder path on the real all-MiniLM-L6-v2: ONNX export, parity with torch, dynamic padding."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compress.models import BUILTIN_MODELS, resolve_model
+from compress.runtime.encoder import ENCODER_FILE, OnnxEncoder, export_encoder, mean_pool
+
+SENTENCES = ["The robot arm picks up the red block.", "Stop.", "Emma was handsome, clever, and rich, with a comfortable home.",
+             "Navigate to the charging dock and wait for instructions from the operator."]
+
+
+@pytest.fixture(scope="module")
+def minilm(tmp_path_factory):
+    from transformers import AutoModel, AutoTokenizer
+
+    source = resolve_model("all-minilm-l6-v2")
+    assert BUILTIN_MODELS["all-minilm-l6-v2"].license == "MIT"
+    model = AutoModel.from_pretrained(source.path).eval()
+    tokenizer = AutoTokenizer.from_pretrained(source.path)
+    folder = tmp_path_factory.mktemp("minilm")
+    export_encoder(model, folder / ENCODER_FILE)
+    tokenizer.save_pretrained(folder)
+    return model, tokenizer, folder
+
+
+def test_onnx_embeddings_match_torch(minilm):
+    model, tokenizer, folder = minilm
+    encoder = OnnxEncoder(folder)
+    onnx_embeddings = encoder.embed(SENTENCES, batch_size=3)
+    batch = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state.numpy()
+    reference = mean_pool(hidden, batch["attention_mask"].numpy())
+    assert onnx_embeddings.shape == (4, 384)
+    cosine = (onnx_embeddings * reference).sum(axis=1)
+    assert cosine.min() > 0.9999
+    similar = onnx_embeddings[0] @ onnx_embeddings[3]
+    unrelated = onnx_embeddings[1] @ onnx_embeddings[2]
+    assert similar > unrelated
+
+
+def test_batches_are_padded_to_their_longest_sentence(minilm):
+    _, tokenizer, folder = minilm
+    encoder = OnnxEncoder(folder)
+    encoder.embed(["Stop.", "Go."], batch_size=2)
+    assert encoder.last_batch_width == max(len(tokenizer(s).input_ids) for s in ["Stop.", "Go."])
+    padded_alone = encoder.embed(["Stop."], batch_size=1)
+    padded_with_long = encoder.embed(["Stop.", SENTENCES[3]], batch_size=2)[:1]
+    np.testing.assert_allclose(padded_alone, padded_with_long, atol=1e-5)
