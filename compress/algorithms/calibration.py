@@ -75,6 +75,7 @@ class InputStats:
     """Statistics of the input of one linear layer over the calibration set."""
 
     absmax: torch.Tensor | None = None
+    sq_sum: torch.Tensor | None = None
     hessian: torch.Tensor | None = None
     samples: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
@@ -83,6 +84,8 @@ class InputStats:
         rows = x.reshape(-1, x.shape[-1]).float()
         absmax = rows.abs().amax(dim=0)
         self.absmax = absmax if self.absmax is None else torch.maximum(self.absmax, absmax)
+        squares = rows.double().pow(2).sum(dim=0)
+        self.sq_sum = squares if self.sq_sum is None else self.sq_sum + squares
         if want_hessian:
             gram = rows.T.double() @ rows.double()
             self.hessian = gram if self.hessian is None else self.hessian + gram
@@ -95,12 +98,17 @@ class InputStats:
         rows = torch.cat(self.samples)
         return rows[:limit]
 
+    def column_norms(self) -> torch.Tensor:
+        """``||X_j||_2`` over every calibration token, per input channel."""
+        return self.sq_sum.sqrt().float()
+
     def mean_hessian(self) -> torch.Tensor:
         return (2 * self.hessian / self.tokens).float()
 
     def rescale(self, scales: torch.Tensor) -> None:
         """Statistics of ``x / scales`` (after a smoothing scale is folded into the producer)."""
         self.absmax = self.absmax / scales
+        self.sq_sum = self.sq_sum / scales.double().pow(2)
         self.samples = [s / scales for s in self.samples]
         if self.hessian is not None:
             inv = (1.0 / scales).double()

@@ -18,6 +18,7 @@ import torch
 from pydantic import PositiveFloat, PositiveInt
 
 from compress.algorithms.qdq import LinearForExport, apply_qdq
+from compress.algorithms.sparse import onnx_24_fraction
 from compress.artifact import HF_MODEL, ONNX, Artifact
 from compress.config import StrictModel
 from compress.errors import StageError
@@ -200,8 +201,12 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     must_match = config.require_greedy_match == "always" or (config.require_greedy_match == "float-only" and not quantized)
     if must_match and not parity["greedy_match"]:
         raise StageError(f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}")
+    if source.meta.get("sparse_24"):
+        qdq_stats["onnx_pattern_24_fraction"] = onnx_24_fraction(out / ONNX_FILE, skip_output_dim=model.config.vocab_size)
+        log.info("2:4 pattern holds for %.4f%% of the exported linear weights", 100 * qdq_stats["onnx_pattern_24_fraction"])
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
+        "sparse_24": bool(source.meta.get("sparse_24")) and qdq_stats.get("onnx_pattern_24_fraction", 0) >= 0.999999,
         "layout": layout.to_json(),
         "opset": config.opset,
         "metrics": {"onnx_size_bytes": path_size(out / ONNX_FILE), "parity": parity, **qdq_stats},

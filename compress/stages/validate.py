@@ -105,6 +105,9 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
         upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
                           f"weights + KV cache at {budgets.context_length} + runtime"),
     ]
+    if metrics.get("onnx_pattern_24_fraction") is not None:
+        checks.append(upper_bound_check("sparsity_24_violations_pct", 100.0 * (1.0 - metrics["onnx_pattern_24_fraction"]), 0.0,
+                                        "measured", "%", "share of exported linear weight 4-groups outside the 2:4 pattern"))
     if metrics.get("perplexity_torch_quantized") is not None:
         checks.append(upper_bound_check("onnx_vs_torch_quantized_pct", metrics["onnx_vs_torch_quantized_pct"],
                                         ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT, "measured", "%",
@@ -128,6 +131,9 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
     exported_from = ctx.last_artifact(HF_MODEL)
     metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation.text, config, ctx.progress,
                       Path(exported_from.path) if exported_from else None)
+    export_metrics = ctx.artifacts.get("export_onnx").meta.get("metrics", {}) if ctx.artifacts.get("export_onnx") else {}
+    if "onnx_pattern_24_fraction" in export_metrics:
+        metrics["onnx_pattern_24_fraction"] = export_metrics["onnx_pattern_24_fraction"]
     precision = source.meta.get("precision", "fp32")
     predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode)
     checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)
