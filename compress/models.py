@@ -242,6 +242,15 @@ def link_or_copy_tree(src: Path, dst: Path) -> None:
             shutil.copy2(item, target)
 
 
+def save_model_folder(model, tokenizer, source: Path, out: Path) -> None:
+    """Save a transformed model beside its tokenizer and the source's generation files."""
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    for extra in ("generation_config.json", "chat_template.jinja"):
+        if (Path(source) / extra).is_file() and not (out / extra).exists():
+            shutil.copy2(Path(source) / extra, out / extra)
+
+
 def count_parameters(model) -> int:
     """Unique parameters (tied embeddings counted once)."""
     seen: set[int] = set()

@@ -121,6 +121,21 @@ def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size
     return best_ratio
 
 
+def prepare_obs(weight: torch.Tensor, hessian: torch.Tensor, damp: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A working copy of ``weight`` and the upper Cholesky factor of the damped inverse Hessian.
+
+    Shared by GPTQ and SparseGPT (optimal brain surgeon updates); inputs never seen (zero Hessian
+    diagonal) get their weights zeroed.
+    """
+    w = weight.clone().float()
+    h = hessian.clone().double()
+    dead = torch.diag(h) == 0
+    h[dead, dead] = 1
+    w[:, dead] = 0
+    h += torch.eye(h.shape[0], dtype=h.dtype) * damp * torch.diag(h).mean()
+    return w, torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+
+
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None, damp: float = 0.01,
                   block_size: int = 128, clip_ratio: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ: quantize columns in order, feeding each column's error back through the inverse Hessian.
@@ -129,15 +144,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
     the group's first column is reached. Exact zeros of ``weight`` (a sparsity mask) stay zero.
     Returns the dequantized weight and its scales.
     """
-    w = weight.clone().float()
+    w, h_inv = prepare_obs(weight, hessian, damp)
     out_features, in_features = w.shape
     zero_mask = weight == 0
-    h = hessian.clone().double()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h += torch.eye(in_features, dtype=h.dtype) * damp * torch.diag(h).mean()
-    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
     group = group_size or in_features
     if group_size is None:
         scales = weight_scales(w, bits, None, clip_ratio)[:, None]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from compress.algorithms.quant import prepare_obs
+
 
 def _mask_from_scores(scores: torch.Tensor, pattern: str, ratio: float) -> torch.Tensor:
     """True where a weight is kept."""
@@ -38,14 +40,8 @@ def wanda_mask(weight: torch.Tensor, input_norms: torch.Tensor, pattern: str, ra
 def sparsegpt_prune(weight: torch.Tensor, hessian: torch.Tensor, pattern: str, ratio: float = 0.5, damp: float = 0.01,
                     block_size: int = 128) -> torch.Tensor:
     """SparseGPT: choose the mask block by block from ``w^2 / [H^-1]_jj^2`` and update the kept weights."""
-    w = weight.clone().float()
-    out_features, in_features = w.shape
-    h = hessian.clone().double()
-    dead = torch.diag(h) == 0
-    h[dead, dead] = 1
-    w[:, dead] = 0
-    h += torch.eye(in_features, dtype=h.dtype) * damp * torch.diag(h).mean()
-    h_inv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
+    w, h_inv = prepare_obs(weight, hessian, damp)
+    in_features = w.shape[1]
     for start in range(0, in_features, block_size):
         end = min(start + block_size, in_features)
         w_block = w[:, start:end].clone()

@@ -8,13 +8,12 @@ turns that into real Q/DQ nodes.
 from __future__ import annotations
 
 import logging
-import shutil
 
 from compress.artifact import HF_MODEL, Artifact
 from compress.config import Target
 from compress.data import calibration_windows
 from compress.errors import UsageError
-from compress.models import load_causal_lm, load_tokenizer
+from compress.models import load_causal_lm, load_tokenizer, save_model_folder
 from compress.quantization import QuantizeConfig, quantize_model, save_quantization
 from compress.stages import StageDef, register
 
@@ -38,11 +37,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
     result = quantize_model(model, windows, config, progress=ctx.progress)
     out = ctx.stage_dir / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    for extra in ("generation_config.json", "chat_template.jinja"):
-        if (source.path / extra).is_file() and not (out / extra).exists():
-            shutil.copy2(source.path / extra, out / extra)
+    save_model_folder(model, tokenizer, source.path, out)
     save_quantization(result, out)
     outliers = result.outliers()
     if outliers:

@@ -7,11 +7,10 @@ build asks TensorRT for sparse weights.
 from __future__ import annotations
 
 import logging
-import shutil
 
 from compress.artifact import HF_MODEL, Artifact
 from compress.data import calibration_windows
-from compress.models import count_parameters, load_causal_lm, load_tokenizer
+from compress.models import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
 from compress.sparsity import SparsifyConfig, sparsify_model
 from compress.stages import StageDef, register
 
@@ -28,11 +27,7 @@ def run_sparsify(source: Artifact, config: SparsifyConfig, ctx) -> Artifact:
     log.info("sparsifying (%s, %s) on %d calibration tokens", config.pattern, config.method, windows.numel())
     result = sparsify_model(model, windows, config, progress=ctx.progress)
     out = ctx.stage_dir / "model"
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    for extra in ("generation_config.json", "chat_template.jinja"):
-        if (source.path / extra).is_file() and not (out / extra).exists():
-            shutil.copy2(source.path / extra, out / extra)
+    save_model_folder(model, tokenizer, source.path, out)
     fraction = result["pattern_fraction"]
     sparse_24 = fraction is not None and fraction >= PATTERN_COMPLETE
     zeros = sum(float((p == 0).sum()) for n, p in model.named_parameters() if n.endswith("_proj.weight"))
