@@ -1,8 +1,8 @@
-"""Sparsity figures side by side, on the quantize benchmark's protocol, in one run.
+"""Sparsity and head-pruning figures side by side, on the quantize benchmark's protocol, in one run.
 
-2:4 with magnitude, Wanda and SparseGPT, and 50% unstructured SparseGPT, no retraining. Each row
-is a ``compress run`` (sparsify -> export_onnx -> validate) into ``bench_runs/sparse/<row>``;
-perplexity is measured in ONNX Runtime on the exported graph.
+2:4 with magnitude, Wanda and SparseGPT, 50% unstructured SparseGPT, and 25% / 50% of attention
+heads pruned, all without retraining. Each row is a ``compress run`` (-> export_onnx -> validate)
+into ``bench_runs/sparse/<row>``; perplexity is measured in ONNX Runtime on the exported graph.
 
     .venv/bin/python bench/sparsity_table.py
 """
@@ -17,29 +17,33 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench_runs" / "sparse"
 
-ROWS: dict[str, list[str]] = {
-    "2:4 magnitude": ["sparsify.method=magnitude"],
-    "2:4 wanda": ["sparsify.method=wanda"],
-    "2:4 sparsegpt": ["sparsify.method=sparsegpt"],
-    "50% unstructured sparsegpt": ["sparsify.method=sparsegpt", "sparsify.pattern=unstructured", "sparsify.ratio=0.5"],
+ROWS: dict[str, tuple[str, list[str]]] = {
+    "2:4 magnitude": ("sparse24", ["sparsify.method=magnitude"]),
+    "2:4 wanda": ("sparse24", ["sparsify.method=wanda"]),
+    "2:4 sparsegpt": ("sparse24", ["sparsify.method=sparsegpt"]),
+    "50% unstructured sparsegpt": ("sparse24", ["sparsify.method=sparsegpt", "sparsify.pattern=unstructured", "sparsify.ratio=0.5"]),
+    "heads -25%": ("prune-heads", ["prune_heads.fraction=0.25"]),
+    "heads -50%": ("prune-heads", ["prune_heads.fraction=0.5"]),
 }
 
 
 def run_row(name: str) -> dict:
     out = OUT / name.replace(" ", "-").replace(":", "").replace("%", "pct")
-    cmd = [str(REPO / ".venv" / "bin" / "compress"), "run", "target=jetson-orin", "recipe=sparse24", f"out={out}", "--no-progress",
-           *ROWS[name]]
+    recipe, extra = ROWS[name]
+    cmd = [str(REPO / ".venv" / "bin" / "compress"), "run", "target=jetson-orin", f"recipe={recipe}", f"out={out}", "--no-progress",
+           *extra]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=False)
     report = json.loads((out / "report.json").read_text())
     stages = {s["name"]: s for s in report["stages"]}
     validate = stages["validate"]["metrics"]
-    sparsify = stages["sparsify"]["metrics"]
+    step = stages.get("sparsify") or stages["prune_heads"]
+    metrics = step["metrics"]
     return {"row": name, "ppl": validate["perplexity_onnx"], "teacher": validate["perplexity_teacher"],
             "ratio": validate["perplexity_onnx"] / validate["perplexity_teacher"],
-            "nonzero_parameters": sparsify["nonzero_parameters"], "parameters": sparsify["parameters"],
+            "nonzero_parameters": metrics.get("nonzero_parameters", metrics["parameters"]), "parameters": metrics["parameters"],
             "pattern_24": stages["export_onnx"]["metrics"].get("onnx_pattern_24_fraction"),
-            "onnx_mb": validate["model_size_bytes"] / 1e6, "seconds": sparsify["seconds"]}
+            "onnx_mb": validate["model_size_bytes"] / 1e6, "seconds": step["duration_s"]}
 
 
 def main() -> None:
@@ -47,7 +51,7 @@ def main() -> None:
     rows = [run_row(name) for name in names]
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps(rows, indent=2))
-    print("| row | ppl (ONNX Runtime) | × dense | non-zero params | 2:4 in ONNX | ONNX MB | sparsify s |")
+    print("| row | ppl (ONNX Runtime) | × dense | non-zero params | 2:4 in ONNX | ONNX MB | stage s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         pattern = f"{100 * r['pattern_24']:.2f}%" if r["pattern_24"] is not None else "—"
