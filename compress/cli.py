@@ -93,7 +93,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from compress.runner import RunOptions, build_plan, execute
 
     options = RunOptions.from_pairs(split_overrides(args.pairs), require_measured=args.require_measured,
-                                    progress=not args.no_progress and sys.stderr.isatty())
+                                    progress=not args.no_progress and sys.stderr.isatty(), dry_run=args.dry_run)
     plan = build_plan(options)
     if args.dry_run:
         print(json.dumps(plan.describe(), indent=2))

@@ -73,7 +73,7 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def resolve_model(spec: str) -> ModelSource:
+def resolve_model(spec: str, weights_required: bool = True) -> ModelSource:
     """Turn ``model=`` into a checked :class:`ModelSource`, or raise a usage error naming the problem."""
     if spec in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[spec]
@@ -91,7 +91,7 @@ def resolve_model(spec: str) -> ModelSource:
         if path.is_file() and path.suffix != ".gguf":
             raise UsageError(f"model file {spec} is not a .gguf file; give a Hugging Face folder or a .gguf file")
         source = ModelSource(spec, "gguf" if path.is_file() else "hf-folder", path.resolve(), _folder_license(path))
-    check_model_files(source)
+    check_model_files(source, weights_required)
     return source
 
 
@@ -121,7 +121,7 @@ def gguf_architecture(path: Path) -> str:
         raise UsageError(f"{path} is a corrupt GGUF file: {type(exc).__name__}: {exc}") from exc
 
 
-def check_model_files(source: ModelSource) -> None:
+def check_model_files(source: ModelSource, weights_required: bool = True) -> None:
     """Cheap checks before any work: the files are there, parse, and are of a supported kind."""
     if source.kind == "gguf":
         arch = gguf_architecture(source.path)
@@ -141,7 +141,7 @@ def check_model_files(source: ModelSource) -> None:
     if weights:
         for file in weights:
             _check_safetensors(file)
-    elif not any(source.path.glob("*.bin")):
+    elif weights_required and not any(source.path.glob("*.bin")):
         raise UsageError(f"{source.path} has no weights (*.safetensors or *.bin)")
 
 

@@ -63,6 +63,7 @@ class RunOptions:
     overrides: dict[str, str] = field(default_factory=dict)
     require_measured: bool = False
     progress: bool = True
+    dry_run: bool = False
 
     @classmethod
     def from_pairs(cls, pairs: dict[str, str], **flags: Any) -> RunOptions:
@@ -119,7 +120,7 @@ class Plan:
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration and stage plan, as printed by ``--dry-run``."""
-        return {
+        description = {
             "target": self.target.name,
             "power_mode": self.power_mode,
             "budgets": self.target.budgets.model_dump(),
@@ -134,6 +135,14 @@ class Plan:
                 for p in self.stages
             ],
         }
+        config_file = self.model.path / "config.json" if self.model.kind == "hf-folder" else None
+        for planned, entry in zip(self.stages, description["stages"], strict=True):
+            if planned.stage.name == "distill" and config_file is not None and config_file.is_file():
+                from compress.distillation import plan_from_config
+
+                model_config = json.loads(config_file.read_text(encoding="utf-8"))
+                entry["plan"] = plan_from_config(model_config, planned.config, gpu_memory_gb=self.target.memory_gb)
+        return description
 
 
 @dataclass
@@ -145,6 +154,8 @@ class RunContext:
     stage_dir: Path
     artifacts: dict[str, Artifact]
     progress: bool = True
+    stage_name: str = ""
+    fingerprint: str = ""
 
     @property
     def target(self) -> Target:
@@ -231,7 +242,7 @@ def build_plan(options: RunOptions) -> Plan:
     planned = _check_stage_chain(recipe, stage_options, target)
     out_dir = options.out or default_out_dir(options, target, recipe)
     _check_out_dir(out_dir)
-    model = resolve_model(options.model)
+    model = resolve_model(options.model, weights_required=not options.dry_run)
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = read_text_file(Path(options.eval) if options.eval else DEFAULT_EVALUATION, "evaluation")
     check_disjoint(calibration, evaluation)
@@ -334,6 +345,8 @@ def _reuse(stage_dir: Path, fingerprint: str) -> tuple[Artifact, dict[str, Any]]
 def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final_dir: Path) -> tuple[Artifact, dict[str, Any]]:
     with staging_dir(final_dir) as tmp:
         ctx.stage_dir = tmp
+        ctx.stage_name = planned.dirname
+        ctx.fingerprint = planned.fingerprint
         _reset_peak_rss()
         started = time.perf_counter()
         artifact = planned.stage.run(previous, planned.config, ctx)

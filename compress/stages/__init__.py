@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 StageFn = Callable[["Artifact", StrictModel, "RunContext"], "Artifact"]
 TargetCheck = Callable[[StrictModel, Target], None]
 
-_STAGE_MODULES = ("load", "prune_heads", "sparsify", "quantize", "export_onnx", "build_engine", "validate")
+_STAGE_MODULES = ("load", "distill", "prune_heads", "sparsify", "quantize", "export_onnx", "build_engine", "validate")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,103 @@
+"""``distill``: build a smaller student from the teacher and train it with knowledge distillation.
+
+Checkpoints live outside the stage's staging folder (``RUN_DIR/checkpoints/``), so a killed run
+resumes training from the last checkpoint and continues to the same step count.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from compress.artifact import HF_MODEL, Artifact
+from compress.data import EVAL_SKIP_CHARS, calibration_windows, token_windows
+from compress.distillation import DistillConfig, Distiller, build_student, student_shape, write_job
+from compress.errors import StageError
+from compress.eval.perplexity import perplexity, torch_logits_fn
+from compress.models import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
+from compress.stages import StageDef, register
+
+log = logging.getLogger(__name__)
+
+
+def _evaluator(model, windows):
+    return lambda: perplexity(torch_logits_fn(model), windows, progress=False)
+
+
+def _train_distributed(student_dir: Path, teacher_dir: Path, windows: torch.Tensor, config: DistillConfig, checkpoints: Path,
+                       out: Path, kept_layers: list[int], work: Path) -> list[dict]:
+    torch.save(windows, work / "windows.pt")
+    job = work / "job.json"
+    write_job(job, {"student": str(student_dir), "teacher": str(teacher_dir), "windows": str(work / "windows.pt"),
+                    "config": config.model_dump(mode="json"), "checkpoints": str(checkpoints), "out": str(out),
+                    "kept_layers": kept_layers})
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={config.processes}",
+               "-m", "compress.distill_worker", "--job", str(job)]
+    log.info("launching: %s", " ".join(command))
+    if subprocess.run(command, check=False).returncode != 0:
+        raise StageError(f"distributed distillation failed ({' '.join(command)})")
+    return json.loads((out / "history.json").read_text())
+
+
+def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
+    tokenizer = load_tokenizer(source.path)
+    teacher = load_causal_lm(source.path)
+    shape = student_shape(teacher.config.to_dict(), config)
+    calib = calibration_windows(tokenizer, ctx.plan.calibration, 512, 8)
+    train = calibration_windows(tokenizer, ctx.plan.calibration, config.seq_len, config.train_windows)
+    evaluation = token_windows(tokenizer, ctx.plan.evaluation.text, 512, config.eval_windows * 512, skip_chars=EVAL_SKIP_CHARS)
+    student = copy.deepcopy(teacher)
+    log.info("building the student: %s", shape)
+    built = build_student(student, calib, shape)
+    student_params = count_parameters(student)
+    ppl_before = perplexity(torch_logits_fn(student), evaluation, progress=False)
+    ppl_teacher = perplexity(torch_logits_fn(teacher), evaluation, progress=False)
+    log.info("student: %s parameters (teacher %s); perplexity before training %.2f (teacher %.2f)",
+             f"{student_params:,}", f"{count_parameters(teacher):,}", ppl_before, ppl_teacher)
+    checkpoints = ctx.run_dir / "checkpoints" / f"{ctx.stage_name}-{ctx.fingerprint[:16]}"
+    out = ctx.stage_dir / "model"
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    if config.processes > 1:
+        init = ctx.stage_dir / "student_init"
+        save_model_folder(student, tokenizer, source.path, init)
+        history = _train_distributed(init, source.path, train, config, checkpoints, out, built["kept_layers"], ctx.stage_dir)
+        shutil.rmtree(init)
+        student = load_causal_lm(out)
+        tokenizer.save_pretrained(out)
+    else:
+        distiller = Distiller(student, teacher if config.loss == "kd" else None, train, config, checkpoints, built["kept_layers"])
+        history = distiller.run(_evaluator(student, evaluation), progress=ctx.progress)
+        save_model_folder(student, tokenizer, source.path, out)
+    seconds = time.perf_counter() - started
+    ppl_after = perplexity(torch_logits_fn(student), evaluation, progress=False)
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    meta = {
+        **{k: v for k, v in source.meta.items() if k != "metrics"},
+        "metrics": {"parameters": student_params, "teacher_parameters": count_parameters(teacher), "student_shape": shape,
+                    "kept_layers": built["kept_layers"], "layer_influence": built["layer_influence"],
+                    "loss": config.loss, "steps": config.steps, "tokens_trained": config.steps * config.batch_size * config.seq_len,
+                    "train_seconds": round(seconds, 1),
+                    "tokens_per_s": round(config.steps * config.batch_size * config.seq_len / max(seconds, 1e-9), 1),
+                    "perplexity_teacher": ppl_teacher, "perplexity_before": ppl_before, "perplexity_after": ppl_after,
+                    "eval_tokens": int(evaluation.numel()), "curve": history},
+    }
+    return Artifact(HF_MODEL, out, meta)
+
+
+STAGE = register(StageDef(
+    name="distill",
+    summary="build a smaller student (depth/width pruning) and train it by distillation from the teacher",
+    input_kind=HF_MODEL,
+    output_kind=HF_MODEL,
+    config_cls=DistillConfig,
+    run=run_distill,
+))
