@@ -56,7 +56,8 @@ def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
         parts += [f"<h2>Predicted on {escape(predictions['target'])} (latency model)</h2>",
                   _table(["power mode", "W", "tokens/s", "ms/token", "TTFT ms", "memory GB", "J/token"], rows)]
     titles = {"stages": "Size and perplexity per stage", "power_modes": "Decode latency per power mode",
-              "pareto": "Accuracy vs latency", "sensitivity": "Per-layer quantization sensitivity"}
+              "pareto": "Accuracy vs latency", "sensitivity": "Per-layer quantization sensitivity",
+              "distill_curve": "Distillation: perplexity vs steps"}
     for key, path in plots.items():
         parts += [f"<h2>{escape(titles.get(key, key))}</h2>", _image(path, titles.get(key, key))]
     parts.append("</body></html>")

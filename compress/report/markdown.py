@@ -20,6 +20,16 @@ def _stage_summary(stage: dict[str, Any]) -> str:
     parts = []
     if "parameters" in metrics:
         parts.append(f"{metrics['parameters']:,} parameters")
+    if "perplexity_after" in metrics:
+        parts.append(f"student {metrics['student_shape']}, ppl {metrics['perplexity_before']:.1f} → {metrics['perplexity_after']:.1f} "
+                     f"after {metrics['steps']} {metrics['loss']} steps (teacher {metrics['perplexity_teacher']:.1f})")
+    if "heads_kept_per_layer" in metrics:
+        parts.append(f"heads {metrics['heads_before']} → {metrics['heads_after']} per layer")
+    if metrics.get("pattern_24_fraction") is not None:
+        parts.append(f"2:4 pattern {100 * metrics['pattern_24_fraction']:.2f}% ({metrics['method']})")
+    if metrics.get("method") in ("int8", "int4", "rtn") and "median_sqnr_db" in metrics:
+        parts.append(f"{metrics['method']} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
+                     f"{len(metrics.get('outlier_layers', []))} outlier linears")
     if "onnx_size_bytes" in metrics:
         parts.append(f"ONNX {metrics['onnx_size_bytes'] / 1e6:.1f} MB")
     parity = metrics.get("parity")

@@ -129,6 +129,25 @@ def plot_sensitivity(report: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+def plot_distill_curve(report: dict[str, Any], path: Path) -> Path | None:
+    """Student perplexity against training steps, with the teacher's as a reference line."""
+    distill = next((s["metrics"] for s in report["stages"] if s["name"] == "distill"), None)
+    points = [p for p in (distill or {}).get("curve", []) if "perplexity" in p]
+    if not points:
+        return None
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    steps = [0] + [p["step"] for p in points]
+    values = [distill["perplexity_before"]] + [p["perplexity"] for p in points]
+    ax.plot(steps, values, "o-", label=f"student ({distill['loss']})")
+    ax.axhline(distill["perplexity_teacher"], color="black", linestyle="--", label="teacher")
+    ax.set_yscale("log")
+    ax.set_xlabel("training step")
+    ax.set_ylabel("perplexity (log scale)")
+    ax.set_title("Distillation: perplexity vs steps")
+    ax.legend()
+    return _save(fig, path)
+
+
 def make_plots(report: dict[str, Any], onnx_config: dict[str, Any] | None, folder: Path) -> dict[str, Path]:
     """Every plot the report has data for, written into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -136,7 +155,8 @@ def make_plots(report: dict[str, Any], onnx_config: dict[str, Any] | None, folde
     if report.get("predictions"):
         plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
         plots["pareto"] = plot_pareto(report, onnx_config, folder / "pareto.png")
-    sensitivity = plot_sensitivity(report, folder / "sensitivity.png")
-    if sensitivity:
-        plots["sensitivity"] = sensitivity
+    for name, plot in (("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve)):
+        made = plot(report, folder / f"{name}.png")
+        if made:
+            plots[name] = made
     return plots
