@@ -78,7 +78,7 @@ def interleaved_latency(names: list[str], rounds: int = 5, prompt_tokens: int = 
 
 def table(rows: list[dict]) -> str:
     fp32 = next((r for r in rows if r["row"] == "fp32"), None)
-    lines = ["| row | ppl (ONNX Runtime) | vs fp32 teacher | ppl torch fake-quant | ONNX MB | size vs fp32 | "
+    lines = ["| row | ppl (ONNX Runtime) | vs fp32 teacher | ppl torch simulated-quant | ONNX MB | size vs fp32 | "
              "ORT decode ms/token (interleaved) | latency vs fp32 | calibration s | quantize peak RSS MB |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:

@@ -10,7 +10,7 @@ the producer of each input, so the float function is unchanged:
 * MLP hidden -> ``up_proj`` rows; down_proj columns
 
 Weights are then quantized (RTN, AWQ clipping, GPTQ), written back dequantized, and the block's
-outputs (with activation fake-quant for W8A8) become the next block's inputs.
+outputs (with simulated activation quantization for W8A8) become the next block's inputs.
 """
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ from compress.algorithms.calibration import (
 from compress.algorithms.quant import (
     awq_search_clip,
     awq_search_scales,
-    fake_quantize_activation,
-    fake_quantize_weight,
+    quantize_dequantize_activation,
+    quantize_dequantize_weight,
     gptq_quantize,
     qmax,
     smoothquant_scales,
@@ -187,10 +187,10 @@ def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, red
 
 def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor) -> float:
     x = samples / scales
-    x_q = fake_quantize_activation(x, float((absmax / scales).max()) / qmax(8))
+    x_q = quantize_dequantize_activation(x, float((absmax / scales).max()) / qmax(8))
     error = 0.0
     for w in weights:
-        w_q, _ = fake_quantize_weight(w * scales, 8, None)
+        w_q, _ = quantize_dequantize_weight(w * scales, 8, None)
         error += (samples @ w.T - x_q @ w_q.T).pow(2).mean().item()
     return error
 
@@ -221,7 +221,7 @@ def _quantize_weight(config: QuantizeConfig, name: str, weight: torch.Tensor, st
     use_gptq = (config.method == "int4" and "gptq" in config.algorithm) or (config.method == "int8" and config.weight_algorithm == "gptq")
     if use_gptq:
         return gptq_quantize(weight, stats.mean_hessian(), bits, group, damp=config.gptq_damp, clip_ratio=clip)
-    return fake_quantize_weight(weight, bits, group, clip)
+    return quantize_dequantize_weight(weight, bits, group, clip)
 
 
 def activation_scale(samples: torch.Tensor, absmax: float, rule: str, steps: int = 20) -> float:
@@ -232,7 +232,7 @@ def activation_scale(samples: torch.Tensor, absmax: float, rule: str, steps: int
     best = (float("inf"), scale)
     for step in range(steps):
         candidate = scale * (1.0 - 0.8 * step / steps)
-        error = (fake_quantize_activation(samples, candidate) - samples).pow(2).mean().item()
+        error = (quantize_dequantize_activation(samples, candidate) - samples).pow(2).mean().item()
         if error < best[0]:
             best = (error, candidate)
     return best[1]
@@ -265,7 +265,7 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             linear = linears[name]
             weight = linear.weight.detach().clone()
             dequantized, weight_scales = _quantize_weight(config, name, weight, stats[point])
-            x_q = fake_quantize_activation(samples, input_scale) if input_scale else samples
+            x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
             error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
             with torch.no_grad():
                 linear.weight.copy_(dequantized)
@@ -282,7 +282,7 @@ def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
         scale = quant.input_scale
 
         def hook(_module, args, scale=scale):
-            return (fake_quantize_activation(args[0], scale),) + tuple(args[1:])
+            return (quantize_dequantize_activation(args[0], scale),) + tuple(args[1:])
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
     return handles

@@ -8,8 +8,8 @@ import torch
 from compress.algorithms.quant import (
     awq_search_clip,
     awq_search_scales,
-    fake_quantize_activation,
-    fake_quantize_weight,
+    quantize_dequantize_activation,
+    quantize_dequantize_weight,
     gptq_quantize,
     qmax,
     smoothquant_scales,
@@ -29,8 +29,8 @@ def _layer(seed=0, out_features=96, in_features=128, tokens=512, outliers=4, out
 def test_sqnr_bounds_per_scheme():
     weight, x = _layer(outliers=0)
     reference = x @ weight.T
-    int8, _ = fake_quantize_weight(weight, 8, None)
-    int4, _ = fake_quantize_weight(weight, 4, 64)
+    int8, _ = quantize_dequantize_weight(weight, 8, None)
+    int4, _ = quantize_dequantize_weight(weight, 4, 64)
     assert sqnr_db(reference, x @ int8.T) > 38
     assert 14 < sqnr_db(reference, x @ int4.T) < 30
     assert sqnr_db(reference, reference) == float("inf")
@@ -40,7 +40,7 @@ def test_levels_are_on_the_grid_and_zeros_stay_zero():
     weight, _ = _layer()
     weight[:, ::4] = 0
     for bits, group in ((8, None), (4, 32)):
-        dq, scales = fake_quantize_weight(weight, bits, group)
+        dq, scales = quantize_dequantize_weight(weight, bits, group)
         expanded = scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], 1)
         levels = dq / expanded
         assert torch.allclose(levels, levels.round(), atol=1e-4)
@@ -55,7 +55,7 @@ def test_gptq_beats_rtn_and_keeps_sparsity_zeros():
     weight[:, 1::4] = 0
     hessian = 2 * x.T @ x / x.shape[0]
     reference = x @ weight.T
-    rtn, _ = fake_quantize_weight(weight, 4, 32)
+    rtn, _ = quantize_dequantize_weight(weight, 4, 32)
     gptq, scales = gptq_quantize(weight, hessian, 4, 32)
     assert sqnr_db(reference, x @ gptq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
     assert (gptq[:, 1::4] == 0).all()
@@ -65,11 +65,11 @@ def test_gptq_beats_rtn_and_keeps_sparsity_zeros():
 def test_awq_beats_rtn_on_outlier_channels():
     weight, x = _layer()
     reference = x @ weight.T
-    rtn, _ = fake_quantize_weight(weight, 4, 32)
+    rtn, _ = quantize_dequantize_weight(weight, 4, 32)
     scales, ratio = awq_search_scales(x, [weight], 4, 32)
     scaled = weight * scales
     clip = awq_search_clip(x / scales, scaled, 4, 32)
-    awq, _ = fake_quantize_weight(scaled, 4, 32, clip)
+    awq, _ = quantize_dequantize_weight(scaled, 4, 32, clip)
     assert ratio > 0
     assert sqnr_db(reference, (x / scales) @ awq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
 
@@ -79,8 +79,8 @@ def test_smoothquant_beats_naive_w8a8_on_activation_outliers():
     reference = x @ weight.T
 
     def w8a8(x_in, w_in):
-        w_q, _ = fake_quantize_weight(w_in, 8, None)
-        return fake_quantize_activation(x_in, x_in.abs().max().item() / 127) @ w_q.T
+        w_q, _ = quantize_dequantize_weight(w_in, 8, None)
+        return quantize_dequantize_activation(x_in, x_in.abs().max().item() / 127) @ w_q.T
 
     naive = sqnr_db(reference, w8a8(x, weight))
     scales = smoothquant_scales(x.abs().amax(dim=0), [weight], alpha=0.5)
@@ -95,7 +95,7 @@ def test_mse_activation_scale_clips_and_lowers_error():
     absmax = x.abs().max().item()
     mse_scale = activation_scale(x, absmax, "mse")
     assert mse_scale < absmax / 127
-    err = lambda s: (fake_quantize_activation(x, s) - x).pow(2).mean().item()  # noqa: E731
+    err = lambda s: (quantize_dequantize_activation(x, s) - x).pow(2).mean().item()  # noqa: E731
     assert err(mse_scale) < err(absmax / 127)
 
 

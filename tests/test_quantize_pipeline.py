@@ -94,7 +94,7 @@ def test_onnx_size_reflects_bit_width(runs):
     assert sizes["int8"] - sizes["int4"] > 0.3 * linear_params  # ~half a byte more
 
 
-def test_onnx_runtime_perplexity_matches_torch_fake_quant(runs):
+def test_onnx_runtime_perplexity_matches_torch_simulated_quant(runs):
     for recipe in ("int8", "int4"):
         out = runs[recipe][1]
         metrics = json.loads((out / "04_validate" / "validation.json").read_text())["metrics"]

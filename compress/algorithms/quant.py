@@ -42,14 +42,14 @@ def dequantize_weight(levels: torch.Tensor, scales: torch.Tensor) -> torch.Tenso
     return levels * _expand(scales, levels.shape[1])
 
 
-def fake_quantize_weight(weight: torch.Tensor, bits: int, group_size: int | None, clip_ratio: torch.Tensor | float = 1.0
+def quantize_dequantize_weight(weight: torch.Tensor, bits: int, group_size: int | None, clip_ratio: torch.Tensor | float = 1.0
                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest: the dequantized weight and its scales."""
     scales = weight_scales(weight, bits, group_size, clip_ratio)
     return dequantize_weight(quantize_weight(weight, scales, bits), scales), scales
 
 
-def fake_quantize_activation(x: torch.Tensor, scale: float, bits: int = 8) -> torch.Tensor:
+def quantize_dequantize_activation(x: torch.Tensor, scale: float, bits: int = 8) -> torch.Tensor:
     """Static per-tensor symmetric activation quantization."""
     return torch.clamp(torch.round(x / scale), -qmax(bits) - 1, qmax(bits)) * scale
 
@@ -88,7 +88,7 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int, g
         scales = scales / (scales.max() * scales.min()).sqrt()
         error = 0.0
         for w, ref in zip(weights, reference, strict=True):
-            wq, _ = fake_quantize_weight(w * scales, bits, group_size)
+            wq, _ = quantize_dequantize_weight(w * scales, bits, group_size)
             error += (ref - (x / scales) @ wq.T).pow(2).mean().item()
         if error < best[0]:
             best = (error, scales, ratio)
@@ -113,7 +113,7 @@ def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size
     best_ratio = torch.ones(out_features, groups)
     for step in range(grid):
         ratio = 1 - max_shrink * step / grid
-        wq, _ = fake_quantize_weight(weight, bits, group_size, ratio)
+        wq, _ = quantize_dequantize_weight(weight, bits, group_size, ratio)
         error = (torch.einsum("tng,ong->tno", xg, wq.reshape(out_features, groups, group_size)) - reference).pow(2).mean(dim=0)
         better = error < best_error
         best_error = torch.where(better, error, best_error)

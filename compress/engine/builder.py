@@ -2,7 +2,7 @@
 
 :func:`local_build_support` says whether this host can build for a target: ``tensorrt``
 importable, a CUDA device present, and its compute capability equal to the target's. Otherwise
-the build is deferred to the device with the written plan; no engine is ever faked.
+the build is deferred to the device with the written plan; no engine is written without a real build.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Before anything is built the ONNX graph is checked against the target (operators, data types,
 opset, shapes). When ``tensorrt`` and a CUDA device of the target's compute capability are
 present, the engine is built here; otherwise the stage is ``deferred``: the plan, the ``trtexec``
-command and ``compress build-engine RUN_DIR`` are written for the device. No engine is faked.
+command and ``compress build-engine RUN_DIR`` are written for the device. No engine is written without a real build.
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class ValidateConfig(StrictModel):
 
 
 def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> float | None:
-    """Perplexity of the torch model the ONNX graph was exported from, with its activation fake-quant."""
+    """Perplexity of the torch model the ONNX graph was exported from, with its simulated activation quantization."""
     quantized = load_quantization(model_dir)
     if quantized is None:
         return None
@@ -111,7 +111,7 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
     if metrics.get("perplexity_torch_quantized") is not None:
         checks.append(upper_bound_check("onnx_vs_torch_quantized_pct", metrics["onnx_vs_torch_quantized_pct"],
                                         ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT, "measured", "%",
-                                        "|ppl ONNX Runtime / ppl torch fake-quant - 1| of the quantized model"))
+                                        "|ppl ONNX Runtime / ppl torch simulated-quant - 1| of the quantized model"))
     return require_measured(checks) if must_measure else checks
 
 
