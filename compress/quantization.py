@@ -38,10 +38,10 @@ from compress.algorithms.calibration import (
 from compress.algorithms.quant import (
     awq_search_clip,
     awq_search_scales,
-    quantize_dequantize_activation,
-    quantize_dequantize_weight,
     gptq_quantize,
     qmax,
+    quantize_dequantize_activation,
+    quantize_dequantize_weight,
     smoothquant_scales,
     sqnr_db,
 )

@@ -76,7 +76,8 @@ def test_training_lowers_the_loss_and_is_deterministic(llama4, tmp_path):
     for run in range(2):
         torch.manual_seed(0)
         student, built = _student(llama4, windows[:4])
-        history = Distiller(student, _load(llama4), windows, _config(steps=8), tmp_path / f"c{run}", built["kept_layers"]).run(progress=False)
+        distiller = Distiller(student, _load(llama4), windows, _config(steps=8), tmp_path / f"c{run}", built["kept_layers"])
+        history = distiller.run(progress=False)
         results.append((history, {k: v.clone() for k, v in student.state_dict().items()}))
     (h0, w0), (h1, w1) = results
     assert [p["loss"] for p in h0] == [p["loss"] for p in h1]

@@ -8,10 +8,10 @@ import torch
 from compress.algorithms.quant import (
     awq_search_clip,
     awq_search_scales,
-    quantize_dequantize_activation,
-    quantize_dequantize_weight,
     gptq_quantize,
     qmax,
+    quantize_dequantize_activation,
+    quantize_dequantize_weight,
     smoothquant_scales,
     sqnr_db,
 )
