@@ -51,3 +51,45 @@ def test_batches_are_padded_to_their_longest_sentence(minilm):
     padded_alone = encoder.embed(["Stop."], batch_size=1)
     padded_with_long = encoder.embed(["Stop.", SENTENCES[3]], batch_size=2)[:1]
     np.testing.assert_allclose(padded_alone, padded_with_long, atol=1e-5)
+
+
+def test_encoder_head_pruning_through_onnx(minilm, tmp_path):
+    import copy
+
+    from compress.encoder_pruning import (
+        encoder_head_importance,
+        load_pruned_encoder,
+        plan_encoder_heads,
+        prune_encoder_heads,
+        save_pruned_encoder,
+    )
+
+    model, tokenizer, _ = minilm
+    batch = dict(tokenizer(SENTENCES, padding=True, return_tensors="pt"))
+    scores = encoder_head_importance(model, [batch])
+    assert scores.shape == (6, 12) and (scores > 0).all()
+    plan = plan_encoder_heads(scores, 0.25)
+    assert all(len(kept) == 9 for kept in plan)
+    head_size = 32
+    masked = copy.deepcopy(model)
+    handles = []
+    for layer, kept in zip(masked.encoder.layer, plan, strict=True):
+        mask = torch.zeros(384)
+        for h in kept:
+            mask[h * head_size:(h + 1) * head_size] = 1
+        handles.append(layer.attention.output.dense.register_forward_pre_hook(lambda _m, args, mask=mask: (args[0] * mask,)))
+    with torch.no_grad():
+        reference = masked(**batch).last_hidden_state
+    pruned = copy.deepcopy(model)
+    prune_encoder_heads(pruned, plan)
+    assert pruned.encoder.layer[0].attention.self.query.out_features == 9 * head_size
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(**batch).last_hidden_state, reference, atol=1e-5, rtol=1e-5)
+    save_pruned_encoder(pruned, tokenizer, plan, tmp_path / "pruned")
+    reloaded = load_pruned_encoder(tmp_path / "pruned")
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(**batch).last_hidden_state, reference, atol=1e-5, rtol=1e-5)
+    export_encoder(reloaded, tmp_path / "pruned" / ENCODER_FILE)
+    onnx_embeddings = OnnxEncoder(tmp_path / "pruned").embed(SENTENCES, batch_size=4)
+    torch_embeddings = mean_pool(reference.numpy(), batch["attention_mask"].numpy())
+    assert (onnx_embeddings * torch_embeddings).sum(axis=1).min() > 0.9999

@@ -1,0 +1,96 @@
+"""Attention-head pruning for BERT-family encoders.
+
+Heads are scored by the mean norm of their context output (the input of ``attention.output.dense``)
+over calibration sentences, and removed physically: smaller query/key/value rows and output
+columns, per layer (layers may keep different numbers of heads; never fewer than one).
+
+transformers 5 derives BERT's head size from ``hidden_size / num_attention_heads`` and no longer
+has ``prune_heads``, so a pruned BERT cannot be described by its config alone. The pruned model is
+saved with its weights plus ``pruned_heads.json`` and reloaded with :func:`load_pruned_encoder`
+(build from the config, apply the plan, load the weights); its ONNX export needs nothing special.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from compress.pruning import _select
+
+PLAN_FILE = "pruned_heads.json"
+
+
+def _layers(model):
+    return model.encoder.layer
+
+
+def encoder_head_importance(model, batches: list[dict[str, torch.Tensor]]) -> torch.Tensor:
+    """``(layers, heads)`` mean output norm per head over the (masked) tokens of every batch."""
+    heads = model.config.num_attention_heads
+    head_size = model.config.hidden_size // heads
+    scores = torch.zeros(len(_layers(model)), heads, dtype=torch.float64)
+    current_mask: list[torch.Tensor] = []
+    handles = []
+    for index, layer in enumerate(_layers(model)):
+        def hook(_module, args, index=index):
+            x = args[0].reshape(*args[0].shape[:-1], -1, head_size).norm(dim=-1)
+            mask = current_mask[0][..., None].to(x.dtype)
+            scores[index, : x.shape[-1]] += ((x * mask).sum(dim=(0, 1)) / mask.sum()).double()
+        handles.append(layer.attention.output.dense.register_forward_pre_hook(hook))
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                current_mask[:] = [batch["attention_mask"]]
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return scores
+
+
+def plan_encoder_heads(scores: torch.Tensor, fraction: float) -> list[list[int]]:
+    """Keep the most important ``1 - fraction`` of heads in each layer (at least one)."""
+    heads = scores.shape[1]
+    keep = max(1, round(heads * (1 - fraction)))
+    return [sorted(torch.argsort(row, descending=True)[:keep].tolist()) for row in scores]
+
+
+def prune_encoder_heads(model, plan: list[list[int]]) -> None:
+    """Remove heads physically, layer by layer."""
+    head_size = model.config.hidden_size // model.config.num_attention_heads
+    for layer, kept in zip(_layers(model), plan, strict=True):
+        if not kept:
+            raise ValueError("a layer cannot lose its last head")
+        rows = torch.cat([torch.arange(h * head_size, (h + 1) * head_size) for h in kept])
+        attention = layer.attention.self
+        attention.query = _select(attention.query, rows, dim=0)
+        attention.key = _select(attention.key, rows, dim=0)
+        attention.value = _select(attention.value, rows, dim=0)
+        attention.num_attention_heads = len(kept)
+        attention.all_head_size = len(kept) * head_size
+        layer.attention.output.dense = _select(layer.attention.output.dense, rows, dim=1)
+
+
+def save_pruned_encoder(model, tokenizer, plan: list[list[int]], folder: Path) -> None:
+    """Weights, config, tokenizer and the head plan."""
+    folder = Path(folder)
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / PLAN_FILE).write_text(json.dumps({"heads_kept_per_layer": plan}))
+
+
+def load_pruned_encoder(folder: Path):
+    """Rebuild a pruned encoder saved by :func:`save_pruned_encoder`."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModel
+
+    folder = Path(folder)
+    model = AutoModel.from_config(AutoConfig.from_pretrained(folder))
+    prune_encoder_heads(model, json.loads((folder / PLAN_FILE).read_text())["heads_kept_per_layer"])
+    state = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    model.load_state_dict(state, strict=True)
+    return model.eval()
