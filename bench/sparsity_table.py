@@ -24,6 +24,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "50% unstructured sparsegpt": ("sparse24", ["sparsify.method=sparsegpt", "sparsify.pattern=unstructured", "sparsify.ratio=0.5"]),
     "heads -25%": ("prune-heads", ["prune_heads.fraction=0.25"]),
     "heads -50%": ("prune-heads", ["prune_heads.fraction=0.5"]),
+    "heads -25% + 60 KD steps": ("distill", ["distill.target_fraction=null", "distill.heads_per_group=2", "distill.steps=60",
+                                            "distill.eval_every=60", "distill.checkpoint_every=60"]),
 }
 
 
@@ -37,7 +39,7 @@ def run_row(name: str) -> dict:
     report = json.loads((out / "report.json").read_text())
     stages = {s["name"]: s for s in report["stages"]}
     validate = stages["validate"]["metrics"]
-    step = stages.get("sparsify") or stages["prune_heads"]
+    step = stages.get("sparsify") or stages.get("prune_heads") or stages["distill"]
     metrics = step["metrics"]
     return {"row": name, "ppl": validate["perplexity_onnx"], "teacher": validate["perplexity_teacher"],
             "ratio": validate["perplexity_onnx"] / validate["perplexity_teacher"],
