@@ -17,7 +17,7 @@ from compress.gate import NOT_MEASURED, Check, exit_code_for, gate_json, upper_b
 from compress.gate import require_measured as require_measured_checks
 from compress.predict_cli import select_power_mode
 from compress.report.markdown import render_markdown
-from compress.runner import _apply_budget_overrides
+from compress.runner import apply_budget_overrides
 from compress.stages.validate import gate_checks, target_predictions
 
 REVALIDATE_KEYS = ("target", "power")
@@ -58,7 +58,7 @@ def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = Fa
     report = read_json(run_dir / "report.json")
     target = load_target(pairs.get("target", report["target"]["name"]))
     if budget_overrides:
-        target = _apply_budget_overrides(target, budget_overrides)
+        target = apply_budget_overrides(target, budget_overrides)
     mode = (select_power_mode(target, pairs["power"]) if "power" in pairs else target.power_mode()).name
     validation = _stage_record(run_dir, "validate")
     metrics = validation["metrics"]

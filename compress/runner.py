@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import platform
 import sys
 import time
@@ -21,6 +20,8 @@ from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from pydantic import ValidationError
 
 from compress import __version__
 from compress.artifact import SOURCE, Artifact
@@ -191,15 +192,15 @@ class RunResult:
     exit_code: int
 
 
-def _apply_budget_overrides(target: Target, overrides: dict[str, str]) -> Target:
+def apply_budget_overrides(target: Target, overrides: dict[str, str]) -> Target:
+    """The target with ``budgets.KEY=VALUE`` overrides applied and validated."""
     budgets = target.budgets.model_dump()
     for key, raw in overrides.items():
         budgets[key] = parse_override_value(raw)
     try:
         new_budgets = Budgets.model_validate(budgets)
-    except Exception as exc:
-        message = format_validation_error(exc, "budgets") if hasattr(exc, "errors") else str(exc)
-        raise UsageError(message) from exc
+    except ValidationError as exc:
+        raise UsageError(format_validation_error(exc, "budgets")) from exc
     return target.model_copy(update={"budgets": new_budgets})
 
 
@@ -237,7 +238,7 @@ def build_plan(options: RunOptions) -> Plan:
     recipe = load_recipe(options.recipe)
     stage_options, budget_overrides = _stage_options(recipe, options.overrides)
     if budget_overrides:
-        target = _apply_budget_overrides(target, budget_overrides)
+        target = apply_budget_overrides(target, budget_overrides)
     power_mode = (select_power_mode(target, options.power) if options.power else target.power_mode()).name
     planned = _check_stage_chain(recipe, stage_options, target)
     out_dir = options.out or default_out_dir(options, target, recipe)
@@ -500,8 +501,3 @@ def run_python(target: str, recipe: str = "default", model: str = DEFAULT_MODEL,
     for key, value in overrides.items():
         pairs[key.replace("__", ".")] = value if isinstance(value, str) else json.dumps(value)
     return run(RunOptions.from_pairs(pairs, require_measured=require_measured, progress=progress))
-
-
-def environment_summary() -> dict[str, Any]:
-    """Host facts recorded beside measurements."""
-    return {"machine": platform.machine(), "cpus": os.cpu_count(), "platform": platform.platform()}
