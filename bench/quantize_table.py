@@ -56,7 +56,7 @@ def run_row(name: str) -> dict:
     }
 
 
-def interleaved_latency(names: list[str], rounds: int = 5, prompt_tokens: int = 128, new_tokens: int = 32) -> dict[str, float]:
+def interleaved_latency(names: list[str], rounds: int = 3, prompt_tokens: int = 128, new_tokens: int = 16) -> dict[str, float]:
     """Median ORT decode ms/token per row, measured round-robin so machine noise hits every row alike."""
     from compress.data import DEFAULT_EVALUATION, EVAL_SKIP_CHARS
     from compress.eval.latency import measure_decoder_latency
