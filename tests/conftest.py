@@ -65,3 +65,15 @@ TINY_SMOKE = [
     "validate.latency_prompt_tokens=16",
     "validate.latency_new_tokens=4",
 ]
+
+
+def cached_decode_logits(decoder, ids, prefill: int):
+    """Logits from prefilling ``ids[:, :prefill]`` then decoding the rest one token at a time with the KV cache."""
+    import numpy as np
+
+    logits, past = decoder.forward(ids[:, :prefill], np.ones((1, prefill), dtype=np.int64), decoder.empty_past(1))
+    steps = [logits]
+    for i in range(prefill, ids.shape[1]):
+        logits, past = decoder.forward(ids[:, i:i + 1], np.ones((1, i + 1), dtype=np.int64), past)
+        steps.append(logits)
+    return np.concatenate(steps, axis=1)

@@ -10,7 +10,7 @@ import torch
 
 from compress.cli import main
 from compress.runtime.onnx_decoder import OnnxDecoder
-from tests.conftest import TINY_SMOKE
+from tests.conftest import TINY_SMOKE, cached_decode_logits
 
 
 def _run(tmp_path, model, *extra, recipe="baseline"):
@@ -74,13 +74,7 @@ def test_kv_cache_decoding_matches_full_forward(tiny_run):
     _, out = tiny_run
     decoder = OnnxDecoder(out / "02_export_onnx" / "onnx")
     ids = np.arange(5, 17, dtype=np.int64)[None, :]
-    full = decoder.logits(ids)
-    logits, past = decoder.forward(ids[:, :8], np.ones((1, 8), dtype=np.int64), decoder.empty_past(1))
-    step_logits = [logits]
-    for i in range(8, 12):
-        logits, past = decoder.forward(ids[:, i:i + 1], np.ones((1, i + 1), dtype=np.int64), past)
-        step_logits.append(logits)
-    np.testing.assert_allclose(np.concatenate(step_logits, axis=1), full, atol=1e-4)
+    np.testing.assert_allclose(cached_decode_logits(decoder, ids, 8), decoder.logits(ids), atol=1e-4)
 
 
 def test_validate_measures_identical_perplexity_for_baseline(tiny_run):

@@ -10,7 +10,7 @@ import pytest
 from onnx import numpy_helper
 
 from compress.cli import main
-from tests.conftest import TINY_SMOKE
+from tests.conftest import TINY_SMOKE, cached_decode_logits
 
 QUANT_SMALL = ["quantize.calib_windows=8", "quantize.calib_window=256", "quantize.min_calib_tokens=1024",
                "quantize.sample_tokens=256"]
@@ -140,10 +140,4 @@ def test_kv_cache_path_agrees_with_full_forward_on_quantized_graph(runs):
 
     decoder = OnnxDecoder(runs["int4"][1] / "03_export_onnx" / "onnx")
     ids = np.arange(3, 15, dtype=np.int64)[None, :]
-    full = decoder.logits(ids)
-    logits, past = decoder.forward(ids[:, :6], np.ones((1, 6), dtype=np.int64), decoder.empty_past(1))
-    steps = [logits]
-    for i in range(6, 12):
-        logits, past = decoder.forward(ids[:, i:i + 1], np.ones((1, i + 1), dtype=np.int64), past)
-        steps.append(logits)
-    np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-3)
+    np.testing.assert_allclose(cached_decode_logits(decoder, ids, 6), decoder.logits(ids), atol=1e-3)

@@ -17,7 +17,7 @@ import numpy as np
 
 from compress.errors import CompressError, UsageError
 from compress.fsutil import read_json, sha256_path
-from compress.runtime.onnx_decoder import LAYOUT_FILE, OnnxDecoder
+from compress.runtime.onnx_decoder import LAYOUT_FILE, OnnxDecoder, greedy_stream
 
 log = logging.getLogger(__name__)
 
@@ -140,16 +140,7 @@ class TextGenerator:
 
     def stream_ids(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
         """Greedy token ids for raw prompt ids, one at a time (EOS ends it, as in ``model.generate``)."""
-        logits, past = self.decoder.forward(np.asarray([prompt_ids]), np.ones((1, len(prompt_ids)), dtype=np.int64),
-                                            self.decoder.empty_past(1))
-        mask = np.ones((1, len(prompt_ids)), dtype=np.int64)
-        for _ in range(max_new_tokens):
-            token = int(logits[0, -1].argmax())
-            yield token
-            if token in self.eos:
-                return
-            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
-            logits, past = self.decoder.forward(np.asarray([[token]]), mask, past)
+        return greedy_stream(self.decoder, prompt_ids, max_new_tokens)
 
     def generate_ids(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy token ids for raw prompt ids."""

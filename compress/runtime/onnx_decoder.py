@@ -79,6 +79,23 @@ def make_session(model_path: Path, threads: int | None = None, int8_activations:
     return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
 
 
+def greedy_stream(decoder, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
+    """Greedy decoding with the KV cache over any decoder with ``forward``/``empty_past``/``layout``.
+
+    Yields token ids; an end-of-sequence token is yielded and ends the stream.
+    """
+    ids = np.asarray([prompt_ids], dtype=np.int64)
+    mask = np.ones_like(ids)
+    logits, past = decoder.forward(ids, mask, decoder.empty_past(1))
+    for _ in range(max_new_tokens):
+        token = int(logits[0, -1].argmax())
+        yield token
+        if token in decoder.layout.eos_token_ids:
+            return
+        mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
+        logits, past = decoder.forward(np.asarray([[token]], dtype=np.int64), mask, past)
+
+
 class OnnxDecoder:
     """Run an exported decoder step by step in ONNX Runtime."""
 
@@ -110,16 +127,7 @@ class OnnxDecoder:
 
     def stream_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
         """Greedy decoding with the KV cache, yielding token ids until EOS or the limit."""
-        ids = np.asarray([prompt_ids], dtype=np.int64)
-        mask = np.ones_like(ids)
-        logits, past = self.forward(ids, mask, self.empty_past(1))
-        for _ in range(max_new_tokens):
-            token = int(logits[0, -1].argmax())
-            yield token
-            if token in self.layout.eos_token_ids:
-                return
-            mask = np.concatenate([mask, np.ones((1, 1), dtype=np.int64)], axis=1)
-            logits, past = self.forward(np.asarray([[token]], dtype=np.int64), mask, past)
+        return greedy_stream(self, prompt_ids, max_new_tokens)
 
     def greedy(self, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
         """Greedy continuation of one prompt."""

@@ -10,6 +10,7 @@ import logging
 
 from compress.artifact import HF_MODEL, Artifact
 from compress.data import calibration_windows
+from compress.errors import UsageError
 from compress.models import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
 from compress.pruning import (
     PruneHeadsConfig,
@@ -29,8 +30,6 @@ def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx) -> Artifact
     tokenizer = load_tokenizer(source.path)
     model = load_causal_lm(source.path)
     if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model.model.layers[0], "self_attn"):
-        from compress.errors import UsageError
-
         raise UsageError(f"prune_heads supports Llama-family decoders; got {type(model).__name__}")
     windows = calibration_windows(tokenizer, ctx.plan.calibration, config.calib_window, config.calib_windows,
                                   min_tokens=config.min_calib_tokens)
