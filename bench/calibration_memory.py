@@ -4,7 +4,8 @@ Each case runs in its own process. The model's weights are loaded first; then th
 reset and quantization runs. If calibration held activations for every layer, the extra memory
 would double with depth; walking the blocks one by one keeps it flat.
 
-    .venv/bin/python bench/calibration_memory.py
+    .venv/bin/python bench/calibration_memory.py            # int8 and int4
+    .venv/bin/python bench/calibration_memory.py int8
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ print(json.dumps({"layers": layers, "method": method, "weights_mb": round(weight
 
 def main() -> None:
     rows = []
-    for method in ("int8", "int4"):
+    for method in sys.argv[1:] or ("int8", "int4"):
         for layers in (15, 30):
             proc = subprocess.run([sys.executable, "-c", CHILD, str(layers), method], cwd=REPO,
                                   capture_output=True, text=True, check=True)

@@ -5,9 +5,11 @@ over calibration sentences, and removed physically: smaller query/key/value rows
 columns, per layer (layers may keep different numbers of heads; never fewer than one).
 
 transformers 5 derives BERT's head size from ``hidden_size / num_attention_heads`` and no longer
-has ``prune_heads``, so a pruned BERT cannot be described by its config alone. The pruned model is
-saved with its weights plus ``pruned_heads.json`` and reloaded with :func:`load_pruned_encoder`
-(build from the config, apply the plan, load the weights); its ONNX export needs nothing special.
+has ``prune_heads``, so a pruned BERT cannot be described by ``BertConfig`` alone. It is saved as
+``compress-pruned-bert``: a ``BertConfig`` plus ``heads_kept_per_layer``, with a ``BertModel``
+subclass that builds the smaller attention layers before the weights load. Importing this module
+registers both with the transformers Auto classes, so ``AutoModel.from_pretrained(folder)`` reloads
+the pruned model; its ONNX export needs nothing special.
 """
 
 from __future__ import annotations
@@ -16,10 +18,37 @@ import json
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModel, BertConfig, BertModel
 
 from compress.pruning import _select
 
 PLAN_FILE = "pruned_heads.json"
+PRUNED_BERT_TYPE = "compress-pruned-bert"
+
+
+class PrunedBertConfig(BertConfig):
+    """``BertConfig`` with the heads each layer kept (indices into the unpruned layer)."""
+
+    model_type = PRUNED_BERT_TYPE
+
+    def __init__(self, heads_kept_per_layer: list[list[int]] | None = None, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.heads_kept_per_layer = heads_kept_per_layer or []
+
+
+class PrunedBertModel(BertModel):
+    """``BertModel`` whose attention layers have the shapes of ``config.heads_kept_per_layer``."""
+
+    config_class = PrunedBertConfig
+
+    def __init__(self, config: PrunedBertConfig, add_pooling_layer: bool = True) -> None:
+        super().__init__(config, add_pooling_layer=add_pooling_layer)
+        if config.heads_kept_per_layer:
+            prune_encoder_heads(self, config.heads_kept_per_layer)
+
+
+AutoConfig.register(PRUNED_BERT_TYPE, PrunedBertConfig, exist_ok=True)
+AutoModel.register(PrunedBertConfig, PrunedBertModel, exist_ok=True)
 
 
 def _layers(model):
@@ -74,23 +103,15 @@ def prune_encoder_heads(model, plan: list[list[int]]) -> None:
 
 
 def save_pruned_encoder(model, tokenizer, plan: list[list[int]], folder: Path) -> None:
-    """Weights, config, tokenizer and the head plan."""
+    """Weights, a ``compress-pruned-bert`` config, the tokenizer and the head plan (also as ``pruned_heads.json``)."""
     folder = Path(folder)
+    base = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "heads_kept_per_layer", "architectures")}
+    model.config = PrunedBertConfig(heads_kept_per_layer=plan, architectures=[PrunedBertModel.__name__], **base)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     (folder / PLAN_FILE).write_text(json.dumps({"heads_kept_per_layer": plan}))
 
 
 def load_pruned_encoder(folder: Path):
-    """Rebuild a pruned encoder saved by :func:`save_pruned_encoder`."""
-    from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModel
-
-    folder = Path(folder)
-    model = AutoModel.from_config(AutoConfig.from_pretrained(folder))
-    prune_encoder_heads(model, json.loads((folder / PLAN_FILE).read_text())["heads_kept_per_layer"])
-    state = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    model.load_state_dict(state, strict=True)
-    return model.eval()
+    """Reload a pruned encoder saved by :func:`save_pruned_encoder` (``AutoModel.from_pretrained`` in eval mode)."""
+    return AutoModel.from_pretrained(Path(folder)).eval()

@@ -33,6 +33,7 @@ from compress.algorithms.calibration import (
     capture_first_block_inputs,
     collect_input_stats,
     decoder_blocks,
+    release_freed_memory,
     run_block,
 )
 from compress.algorithms.quant import (
@@ -71,6 +72,7 @@ class QuantizeConfig(StrictModel):
     min_calib_tokens: PositiveInt = 2048
     sample_tokens: PositiveInt = 1024
     gptq_damp: float = Field(0.01, gt=0.0, lt=1.0)
+    gptq_act_order: bool = True
     act_scale: Literal["absmax", "mse"] = "absmax"
     float_activations: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
 
@@ -171,7 +173,10 @@ def _scale_rows(linear: torch.nn.Linear, factors: torch.Tensor) -> None:
         linear.bias.mul_(factors)
 
 
-ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
+# GPTQ lowers the weight error, so with GPTQ weights the best alpha sits at or above the one an
+# RTN proxy picks; this many larger grid values are re-ranked with the weights actually shipped.
+ALPHA_REFINE_STEPS = 2
 
 
 def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, reduce: torch.Tensor | None) -> torch.Tensor:
@@ -185,14 +190,36 @@ def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, red
     return (act.clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
 
 
-def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor) -> float:
+def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
+                gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> float:
+    """Output MSE of the W8A8 linears after smoothing by ``scales``; RTN weights, or GPTQ given (Hessian, config)."""
     x = samples / scales
     x_q = quantize_dequantize_activation(x, float((absmax / scales).max()) / qmax(8))
+    hessian = gptq[0] / (scales[:, None] * scales[None, :]) if gptq else None
     error = 0.0
     for w in weights:
-        w_q, _ = quantize_dequantize_weight(w * scales, 8, None)
+        if gptq:
+            w_q, _ = gptq_quantize(w * scales, hessian, 8, None, damp=gptq[1].gptq_damp, act_order=gptq[1].gptq_act_order)
+        else:
+            w_q, _ = quantize_dequantize_weight(w * scales, 8, None)
         error += (samples @ w.T - x_q @ w_q.T).pow(2).mean().item()
     return error
+
+
+def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor], reduce: torch.Tensor | None) -> float:
+    """The SmoothQuant strength with the least output error: an RTN proxy over the grid, then GPTQ re-ranking."""
+    samples = stats.sample_matrix(config.sample_tokens)
+
+    def error(alpha: float, gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> float:
+        return _w8a8_error(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, gptq)
+
+    best = min(ALPHA_GRID, key=error)
+    if config.weight_algorithm != "gptq":
+        return best
+    start = ALPHA_GRID.index(best)
+    candidates = ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]
+    hessian = stats.mean_hessian()
+    return min(candidates, key=lambda alpha: error(alpha, (hessian, config)))
 
 
 def _migration_scales(config: QuantizeConfig, point: str, stats: InputStats, weights: list[torch.Tensor],
@@ -203,9 +230,7 @@ def _migration_scales(config: QuantizeConfig, point: str, stats: InputStats, wei
     if config.method == "int8":
         if config.alpha != "auto":
             return _smoothing(stats, weights, config.alpha, reduce), config.alpha
-        samples = stats.sample_matrix(config.sample_tokens)
-        trials = [(_w8a8_error(samples, weights, _smoothing(stats, weights, a, reduce), stats.absmax), a) for a in ALPHA_GRID]
-        best_alpha = min(trials)[1]
+        best_alpha = _search_alpha(config, stats, weights, reduce)
         return _smoothing(stats, weights, best_alpha, reduce), best_alpha
     if config.method == "int4" and "awq" in config.algorithm:
         return awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, bits, group, reduce=reduce)
@@ -220,7 +245,8 @@ def _quantize_weight(config: QuantizeConfig, name: str, weight: torch.Tensor, st
         clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, bits, group)
     use_gptq = (config.method == "int4" and "gptq" in config.algorithm) or (config.method == "int8" and config.weight_algorithm == "gptq")
     if use_gptq:
-        return gptq_quantize(weight, stats.mean_hessian(), bits, group, damp=config.gptq_damp, clip_ratio=clip)
+        act_order = config.gptq_act_order and group is None
+        return gptq_quantize(weight, stats.mean_hessian(), bits, group, damp=config.gptq_damp, clip_ratio=clip, act_order=act_order)
     return quantize_dequantize_weight(weight, bits, group, clip)
 
 
@@ -307,6 +333,7 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
         finally:
             for handle in handles:
                 handle.remove()
+        release_freed_memory()
         log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
     result.seconds = time.perf_counter() - started
     return result

@@ -14,7 +14,14 @@ import torch
 from pydantic import Field, PositiveInt
 from tqdm import tqdm
 
-from compress.algorithms.calibration import BlockInputs, capture_first_block_inputs, collect_input_stats, decoder_blocks, run_block
+from compress.algorithms.calibration import (
+    BlockInputs,
+    capture_first_block_inputs,
+    collect_input_stats,
+    decoder_blocks,
+    release_freed_memory,
+    run_block,
+)
 from compress.algorithms.sparse import fraction_in_24_pattern, magnitude_mask, sparsegpt_prune, wanda_mask
 from compress.config import StrictModel
 from compress.errors import UsageError
@@ -79,6 +86,7 @@ def sparsify_model(model, windows: torch.Tensor, config: SparsifyConfig, progres
         else:
             sparsity = sparsify_block(block, inputs, config)
             inputs = BlockInputs(run_block(block, inputs), inputs.kwargs)
+            release_freed_memory()
         layers.append({"layer": index, **{k.split(".")[-1]: round(v, 4) for k, v in sparsity.items()}})
     return {"layers": layers, "pattern_fraction": pattern_fraction(model) if config.pattern == "2:4" else None,
             "seconds": time.perf_counter() - started}

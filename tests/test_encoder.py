@@ -86,7 +86,12 @@ def test_encoder_head_pruning_through_onnx(minilm, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(pruned(**batch).last_hidden_state, reference, atol=1e-5, rtol=1e-5)
     save_pruned_encoder(pruned, tokenizer, plan, tmp_path / "pruned")
-    reloaded = load_pruned_encoder(tmp_path / "pruned")
+    from transformers import AutoModel
+
+    reloaded = AutoModel.from_pretrained(tmp_path / "pruned").eval()
+    assert reloaded.encoder.layer[0].attention.self.query.out_features == 9 * head_size
+    assert reloaded.config.heads_kept_per_layer == plan
+    assert load_pruned_encoder(tmp_path / "pruned").encoder.layer[5].attention.output.dense.in_features == 9 * head_size
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).last_hidden_state, reference, atol=1e-5, rtol=1e-5)
     export_encoder(reloaded, tmp_path / "pruned" / ENCODER_FILE)

@@ -62,6 +62,52 @@ def test_gptq_beats_rtn_and_keeps_sparsity_zeros():
     assert scales.shape == (96, 4)
 
 
+def _smoothed_outlier_layer(seed=0):
+    """A W8A8 layer after strong smoothing: correlated inputs, a few weight columns carry the activation outliers."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(128, 256, generator=gen) * 0.05
+    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen) + 0.2 * torch.randn(2048, 256, generator=gen)
+    x[:, :8] *= 30
+    scales = smoothquant_scales(x.abs().amax(dim=0), [weight], alpha=0.9)
+    return weight * scales, x / scales
+
+
+def test_gptq_act_order_lowers_error_on_outlier_columns_and_keeps_zeros():
+    weight, x = _smoothed_outlier_layer()
+    weight[:, 2::4] = 0
+    hessian = 2 * x.T @ x / x.shape[0]
+    reference = x @ weight.T
+    in_order, scales = gptq_quantize(weight, hessian, 8, None)
+    by_energy, scales_ao = gptq_quantize(weight, hessian, 8, None, act_order=True)
+    assert sqnr_db(reference, x @ by_energy.T) > sqnr_db(reference, x @ in_order.T) + 0.5
+    assert (by_energy[:, 2::4] == 0).all()
+    torch.testing.assert_close(scales_ao, scales)
+    levels = by_energy / scales[:, None]
+    assert torch.allclose(levels, levels.round(), atol=1e-4)
+    with pytest.raises(ValueError, match="act_order"):
+        gptq_quantize(weight, hessian, 4, 32, act_order=True)
+
+
+def test_alpha_search_reranks_with_the_shipped_gptq_weights():
+    from compress.algorithms.calibration import InputStats
+    from compress.quantization import ALPHA_GRID, _search_alpha, _smoothing, _w8a8_error
+
+    weight, x = _layer(seed=4, out_features=128, in_features=256, tokens=1024, outliers=6, outlier_gain=80.0)
+    stats = InputStats()
+    stats.add(x, want_hessian=True, sample_rows=1024, generator=torch.Generator().manual_seed(0))
+    rtn_config = QuantizeConfig(method="int8", weight_algorithm="rtn")
+    gptq_config = QuantizeConfig(method="int8", weight_algorithm="gptq")
+    rtn_choice = _search_alpha(rtn_config, stats, [weight], None)
+    gptq_choice = _search_alpha(gptq_config, stats, [weight], None)
+    assert rtn_choice == min(ALPHA_GRID, key=lambda a: _w8a8_error(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax))
+    assert gptq_choice >= rtn_choice
+
+    def shipped_error(alpha):
+        return _w8a8_error(x, [weight], _smoothing(stats, [weight], alpha, None), stats.absmax, (stats.mean_hessian(), gptq_config))
+
+    assert shipped_error(gptq_choice) <= shipped_error(rtn_choice)
+
+
 def test_awq_beats_rtn_on_outlier_channels():
     weight, x = _layer()
     reference = x @ weight.T

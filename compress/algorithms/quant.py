@@ -137,13 +137,23 @@ def prepare_obs(weight: torch.Tensor, hessian: torch.Tensor, damp: float) -> tup
 
 
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None, damp: float = 0.01,
-                  block_size: int = 128, clip_ratio: torch.Tensor | float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+                  block_size: int = 128, clip_ratio: torch.Tensor | float = 1.0, act_order: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ: quantize columns in order, feeding each column's error back through the inverse Hessian.
 
     Per-channel scales come from the original weight; group scales from the updated weight when
     the group's first column is reached. Exact zeros of ``weight`` (a sparsity mask) stay zero.
-    Returns the dequantized weight and its scales.
+    ``act_order`` (per-channel scales only) visits columns by decreasing Hessian diagonal, so the
+    inputs with the most energy are quantized first, while most columns are left to absorb
+    their error. Returns the dequantized weight and its scales.
     """
+    if act_order:
+        if group_size is not None:
+            raise ValueError("act_order needs per-channel scales (group_size=None)")
+        order = torch.argsort(torch.diag(hessian), descending=True, stable=True)
+        restore = torch.argsort(order)
+        dequantized, scales = gptq_quantize(weight[:, order], hessian[order][:, order], bits, None, damp, block_size, clip_ratio)
+        return dequantized[:, restore], scales
     w, h_inv = prepare_obs(weight, hessian, damp)
     out_features, in_features = w.shape
     zero_mask = weight == 0
