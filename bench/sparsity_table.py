@@ -1,7 +1,10 @@
 """Sparsity and head-pruning figures side by side, on the quantize benchmark's protocol, in one run.
 
 2:4 with magnitude, Wanda and SparseGPT, 50% unstructured SparseGPT, and 25% / 50% of attention
-heads pruned, all without retraining. Each row is a ``compress run`` (-> export_onnx -> validate)
+heads pruned, all without retraining; then both head cuts again with 60 steps of distillation from
+the unpruned model. SmolLM2 has 9 query heads in 3 KV groups and every group keeps the same number,
+so a head fraction is rounded to whole heads per group, upwards: 25% removes 3 of 9 heads per
+layer, 50% removes 6 of 9. Each row is a ``compress run`` (-> export_onnx -> validate)
 into ``bench_runs/sparse/<row>``; perplexity is measured in ONNX Runtime on the exported graph.
 
     .venv/bin/python bench/sparsity_table.py
@@ -25,6 +28,8 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "heads -25%": ("prune-heads", ["prune_heads.fraction=0.25"]),
     "heads -50%": ("prune-heads", ["prune_heads.fraction=0.5"]),
     "heads -25% + 60 KD steps": ("distill", ["distill.target_fraction=null", "distill.heads_per_group=2", "distill.steps=60",
+                                            "distill.eval_every=60", "distill.checkpoint_every=60"]),
+    "heads -50% + 60 KD steps": ("distill", ["distill.target_fraction=null", "distill.heads_per_group=1", "distill.steps=60",
                                             "distill.eval_every=60", "distill.checkpoint_every=60"]),
 }
 

@@ -75,7 +75,7 @@ def release_freed_memory() -> None:
     """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
 
     Each block frees its inputs, statistics and Hessians before the next one allocates its own;
-    without trimming, glibc keeps those pages and fragments them, and RSS creeps up with depth.
+    trimming keeps glibc from holding those pages between blocks.
     """
     trim = _malloc_trim()
     if trim is not None:
