@@ -14,7 +14,6 @@ the pruned model; its ONNX export needs nothing special.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -22,7 +21,6 @@ from transformers import AutoConfig, AutoModel, BertConfig, BertModel
 
 from compress.pruning import _select
 
-PLAN_FILE = "pruned_heads.json"
 PRUNED_BERT_TYPE = "compress-pruned-bert"
 
 
@@ -103,13 +101,12 @@ def prune_encoder_heads(model, plan: list[list[int]]) -> None:
 
 
 def save_pruned_encoder(model, tokenizer, plan: list[list[int]], folder: Path) -> None:
-    """Weights, a ``compress-pruned-bert`` config, the tokenizer and the head plan (also as ``pruned_heads.json``)."""
+    """Weights, tokenizer and a ``compress-pruned-bert`` config carrying the head plan (also set on ``model``)."""
     folder = Path(folder)
     base = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "heads_kept_per_layer", "architectures")}
     model.config = PrunedBertConfig(heads_kept_per_layer=plan, architectures=[PrunedBertModel.__name__], **base)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
-    (folder / PLAN_FILE).write_text(json.dumps({"heads_kept_per_layer": plan}))
 
 
 def load_pruned_encoder(folder: Path):

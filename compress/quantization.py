@@ -173,9 +173,11 @@ def _scale_rows(linear: torch.nn.Linear, factors: torch.Tensor) -> None:
         linear.bias.mul_(factors)
 
 
-ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95, 1.0)
-# GPTQ lowers the weight error, so with GPTQ weights the best alpha sits at or above the one an
-# RTN proxy picks; this many larger grid values are re-ranked with the weights actually shipped.
+ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+# GPTQ lowers the weight error, so with GPTQ weights the best alpha sits at or above the one the
+# RTN proxy picks; the proxy's choice and the next larger values (up to 1.0, all difficulty in the
+# weights, which only GPTQ can afford) are re-ranked with the weights actually shipped.
+GPTQ_ALPHA_GRID = (*ALPHA_GRID, 1.0)
 ALPHA_REFINE_STEPS = 2
 
 
@@ -216,8 +218,8 @@ def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch
     best = min(ALPHA_GRID, key=error)
     if config.weight_algorithm != "gptq":
         return best
-    start = ALPHA_GRID.index(best)
-    candidates = ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]
+    start = GPTQ_ALPHA_GRID.index(best)
+    candidates = GPTQ_ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]
     hessian = stats.mean_hessian()
     return min(candidates, key=lambda alpha: error(alpha, (hessian, config)))
 
