@@ -106,8 +106,10 @@ def student_shape(cfg: dict[str, Any], config: DistillConfig) -> dict[str, int]:
     kv = cfg.get("num_key_value_heads") or n_heads
     if config.target_parameters is None and config.target_fraction is None:
         heads = kv * config.heads_per_group if config.heads_per_group else n_heads
-        return {"num_layers": config.num_layers or cfg["num_hidden_layers"],
-                "intermediate_size": config.intermediate_size or cfg["intermediate_size"], "num_attention_heads": heads}
+        shape = {"num_layers": config.num_layers or cfg["num_hidden_layers"],
+                 "intermediate_size": config.intermediate_size or cfg["intermediate_size"], "num_attention_heads": heads}
+        _check_not_larger(shape, cfg)
+        return shape
     target = config.target_parameters or config.target_fraction * decoder_parameters(cfg)
     floor = _round64(cfg["intermediate_size"] * config.min_width_fraction)
     # Width first (Minitron found width pruning cheaper to recover), down to min_width_fraction; then depth.
@@ -118,6 +120,14 @@ def student_shape(cfg: dict[str, Any], config: DistillConfig) -> dict[str, int]:
         if width >= floor:
             return {"num_layers": layers, "intermediate_size": min(width, cfg["intermediate_size"]), "num_attention_heads": n_heads}
     raise UsageError(f"target of {target:,.0f} parameters is below what one layer at {config.min_width_fraction:.0%} MLP width gives")
+
+
+def _check_not_larger(shape: dict[str, int], cfg: dict[str, Any]) -> None:
+    teacher = {"num_layers": cfg["num_hidden_layers"], "intermediate_size": cfg["intermediate_size"],
+               "num_attention_heads": cfg["num_attention_heads"]}
+    larger = [f"{key} {shape[key]} > {teacher[key]}" for key in teacher if shape[key] > teacher[key]]
+    if larger:
+        raise UsageError(f"the student cannot be larger than the teacher: {', '.join(larger)}")
 
 
 def _round64(value: float) -> int:

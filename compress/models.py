@@ -187,6 +187,19 @@ def materialize(source: ModelSource) -> Path:
     return cached
 
 
+def model_config(source: ModelSource) -> dict | None:
+    """The model's config as a dict, without loading weights; None when the source has none."""
+    if source.kind == "hf-folder":
+        file = source.path / "config.json"
+        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name).to_dict()
+    except Exception as exc:
+        raise UsageError(f"cannot read the config of GGUF model {source.path}: {exc}") from exc
+
+
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -37,7 +37,7 @@ from compress.fsutil import (
     sha256_path,
     staging_dir,
 )
-from compress.models import DEFAULT_MODEL, ModelSource, resolve_model
+from compress.models import DEFAULT_MODEL, ModelSource, model_config, resolve_model
 from compress.predict_cli import select_power_mode
 from compress.stages import StageDef, get_stage
 
@@ -136,13 +136,13 @@ class Plan:
                 for p in self.stages
             ],
         }
-        config_file = self.model.path / "config.json" if self.model.kind == "hf-folder" else None
-        for planned, entry in zip(self.stages, description["stages"], strict=True):
-            if planned.stage.name == "distill" and config_file is not None and config_file.is_file():
+        distill = [(p, e) for p, e in zip(self.stages, description["stages"], strict=True) if p.stage.name == "distill"]
+        config = model_config(self.model) if distill else None
+        for planned, entry in distill:
+            if config is not None:
                 from compress.distillation import plan_from_config
 
-                model_config = json.loads(config_file.read_text(encoding="utf-8"))
-                entry["plan"] = plan_from_config(model_config, planned.config, gpu_memory_gb=self.target.memory_gb)
+                entry["plan"] = plan_from_config(config, planned.config, gpu_memory_gb=self.target.memory_gb)
         return description
 
 

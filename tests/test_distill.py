@@ -148,6 +148,42 @@ def test_7b_plan_from_config_alone(tmp_path, capsys):
     assert one_gpu["memory_per_gpu_gb"] > plan["memory_per_gpu_gb"] * 4
 
 
+def test_default_recipe_plans_a_mild_width_pruned_student_of_smollm2(capsys):
+    assert main(["run", "target=jetson-orin", "--dry-run"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert [s["name"] for s in stages] == ["load", "distill", "quantize", "export_onnx", "build_engine", "validate"]
+    plan = next(s for s in stages if s["name"] == "distill")["plan"]
+    assert plan["student_shape"] == {"num_layers": 30, "intermediate_size": 1472, "num_attention_heads": 9}
+    assert plan["student_parameters"] == 131_197_248 and plan["teacher_parameters"] == 134_515_008
+
+
+def test_default_recipe_composes_distill_quantize_export_validate(llama4, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"model={llama4}", f"out={out}", "--no-progress",
+                           "distill.target_fraction=0.7", "distill.steps=2", "distill.seq_len=64", "distill.eval_every=1000",
+                           "distill.eval_windows=1", "quantize.calib_windows=8", *TINY_SMOKE],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
+    assert list(stages) == ["load", "distill", "quantize", "export_onnx", "build_engine", "validate"]
+    shape = stages["distill"]["metrics"]["student_shape"]
+    assert stages["distill"]["metrics"]["parameters"] < 0.75 * stages["distill"]["metrics"]["teacher_parameters"]
+    assert stages["quantize"]["metrics"]["quantized_linears"] == shape["num_layers"] * 7
+    assert stages["export_onnx"]["metrics"]["quantized_linears"] == shape["num_layers"] * 7
+    student = json.loads((out / "02_distill" / "model" / "config.json").read_text())
+    assert (student["num_hidden_layers"], student["intermediate_size"]) == (shape["num_layers"], shape["intermediate_size"])
+    assert stages["validate"]["metrics"]["perplexity_onnx"] > 0
+
+
+def test_explicit_student_larger_than_teacher_is_refused(llama4, tmp_path):
+    recipe = tmp_path / "wide.yaml"
+    recipe.write_text("name: wide\nstages:\n  - load\n  - distill: {intermediate_size: 4096, steps: 1}\n  - export_onnx\n  - validate\n")
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={llama4}",
+                           f"out={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "cannot be larger than the teacher: intermediate_size 4096 > 128" in proc.stderr
+
+
 def test_distill_stage_resumes_after_sigkill(llama4, tmp_path):
     recipe = tmp_path / "d.yaml"
     recipe.write_text("name: d\nstages:\n  - load\n  - distill: {num_layers: 2, intermediate_size: 64, steps: 150, batch_size: 2,"

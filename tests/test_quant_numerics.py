@@ -108,6 +108,20 @@ def test_alpha_search_reranks_with_the_shipped_gptq_weights():
     assert shipped_error(gptq_choice) <= shipped_error(rtn_choice)
 
 
+def test_sampled_rows_leave_out_the_attention_sink_but_statistics_keep_it():
+    from compress.algorithms.calibration import InputStats
+
+    x = torch.randn(3, 64, 16, generator=torch.Generator().manual_seed(0))
+    x[:, 0, 3] = 1000.0
+    stats = InputStats()
+    stats.add(x, want_hessian=True, sample_rows=10_000, generator=torch.Generator().manual_seed(0))
+    samples = stats.sample_matrix(10_000)
+    assert samples.shape == (3 * 63, 16)
+    assert samples[:, 3].abs().max() < 10
+    assert stats.absmax[3] == 1000.0 and stats.tokens == 3 * 64
+    assert stats.hessian[3, 3] >= 3 * 1000.0**2
+
+
 def test_awq_beats_rtn_on_outlier_channels():
     weight, x = _layer()
     reference = x @ weight.T

@@ -92,6 +92,13 @@ def run_block(block, inputs: BlockInputs) -> list[torch.Tensor]:
     return outputs
 
 
+# The first position of every window is an attention sink: its activations are orders of magnitude
+# larger than other tokens' in a few channels. Kept in the statistics (absmax, Hessian), it is left
+# out of the sampled rows, where a single sink row would dominate the output-error searches (AWQ
+# scales and clipping, SmoothQuant strength) and tune them to a token attention mostly ignores.
+SINK_POSITIONS = 1
+
+
 @dataclass
 class InputStats:
     """Statistics of the input of one linear layer over the calibration set."""
@@ -113,8 +120,9 @@ class InputStats:
             self.hessian = gram if self.hessian is None else self.hessian + gram
         self.tokens += rows.shape[0]
         if sample_rows:
-            picks = torch.randperm(rows.shape[0], generator=generator)[:sample_rows]
-            self.samples.append(rows[picks])
+            pool = _without_sink_positions(x).reshape(-1, x.shape[-1]).float()
+            picks = torch.randperm(pool.shape[0], generator=generator)[:sample_rows]
+            self.samples.append(pool[picks])
 
     def sample_matrix(self, limit: int) -> torch.Tensor:
         rows = torch.cat(self.samples)
@@ -135,6 +143,13 @@ class InputStats:
         if self.hessian is not None:
             inv = (1.0 / scales).double()
             self.hessian = self.hessian * inv[:, None] * inv[None, :]
+
+
+def _without_sink_positions(x: torch.Tensor) -> torch.Tensor:
+    """``x`` (batch, tokens, channels) without its first ``SINK_POSITIONS`` tokens, if longer than that."""
+    if x.dim() == 3 and x.shape[1] > SINK_POSITIONS:
+        return x[:, SINK_POSITIONS:]
+    return x
 
 
 def collect_input_stats(block, inputs: BlockInputs, linears: dict[str, torch.nn.Module], want_hessian: bool,
