@@ -75,6 +75,7 @@ class QuantizeConfig(StrictModel):
     gptq_act_order: bool = True
     act_scale: Literal["absmax", "mse"] = "absmax"
     float_activations: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
+    float_activations_below_db: float | None = None
 
     def scheme(self) -> tuple[int, bool, int | None]:
         """(weight bits, activations quantized?, group size or None for per-channel)."""
@@ -110,6 +111,12 @@ class QuantResult:
     def layer_errors(self) -> list[dict[str, Any]]:
         return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio}
                 for name, q in self.linears.items()]
+
+    def float_input_linears(self) -> list[str]:
+        """Linears of a W8A8 result that keep float inputs (by ``float_activations`` or the SQNR fallback)."""
+        if not self.config.scheme()[1]:
+            return []
+        return [name for name, q in self.linears.items() if q.input_scale is None]
 
     def outliers(self) -> list[dict[str, Any]]:
         """Linears whose SQNR is more than 10 dB below the median."""
@@ -295,6 +302,10 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             dequantized, weight_scales = _quantize_weight(config, name, weight, stats[point])
             x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
             error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
+            if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
+                # Mixed-precision fallback: this linear keeps INT8 weights but float inputs.
+                input_scale = None
+                error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
             with torch.no_grad():
                 linear.weight.copy_(dequantized)
             result[f"{prefix}.{name}"] = LinearQuant(weight_scales, input_scale, error, ratios.get(point))

@@ -141,3 +141,22 @@ def test_kv_cache_path_agrees_with_full_forward_on_quantized_graph(runs):
     decoder = OnnxDecoder(runs["int4"][1] / "03_export_onnx" / "onnx")
     ids = np.arange(3, 15, dtype=np.int64)[None, :]
     np.testing.assert_allclose(cached_decode_logits(decoder, ids, 6), decoder.logits(ids), atol=1e-3)
+
+
+def test_linears_below_the_sqnr_floor_keep_float_inputs_and_int8_weights(runs, tiny_llama, tmp_path):
+    _, plain_out = runs["int8"]
+    plain = json.loads((plain_out / "02_quantize" / "stage.json").read_text())["metrics"]
+    assert plain["float_input_linears"] == []
+    floor = plain["median_sqnr_db"]
+    code, out = _run(tmp_path, tiny_llama, "int8", f"quantize.float_activations_below_db={floor}")
+    assert code in (0, 1)
+    metrics = json.loads((out / "02_quantize" / "stage.json").read_text())["metrics"]
+    fallback = metrics["float_input_linears"]
+    assert 0 < len(fallback) < 2 * 7
+    layer0_below = {r["name"] for r in plain["layer_sqnr_db"] if r["name"].startswith("model.layers.0.") and r["sqnr_db"] < floor}
+    assert {n for n in fallback if n.startswith("model.layers.0.")} == layer0_below
+    graph = _graph(out)
+    assert len([n for n in graph.graph.node if n.op_type == "QuantizeLinear"]) == 2 * 7 - len(fallback)
+    inits = {i.name for i in graph.graph.initializer}
+    int8_weights = [n for n in graph.graph.node if n.op_type == "DequantizeLinear" and n.input[0] in inits]
+    assert len(int8_weights) == 2 * 7
