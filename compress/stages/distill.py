@@ -6,6 +6,7 @@ resumes training from the last checkpoint and continues to the same step count.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -80,6 +81,8 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
     seconds = time.perf_counter() - started
     ppl_after = perplexity(torch_logits_fn(student), evaluation, progress=False)
     shutil.rmtree(checkpoints, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        checkpoints.parent.rmdir()  # only when no other stage keeps checkpoints there
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "metrics": {"parameters": student_params, "teacher_parameters": count_parameters(teacher), "student_shape": shape,
