@@ -138,10 +138,10 @@ class Plan:
         }
         distill = [(p, e) for p, e in zip(self.stages, description["stages"], strict=True) if p.stage.name == "distill"]
         config = model_config(self.model) if distill else None
-        for planned, entry in distill:
-            if config is not None:
-                from compress.distillation import plan_from_config
+        if config is not None:
+            from compress.distillation import plan_from_config
 
+            for planned, entry in distill:
                 entry["plan"] = plan_from_config(config, planned.config, gpu_memory_gb=self.target.memory_gb)
         return description
 

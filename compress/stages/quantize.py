@@ -44,8 +44,9 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
         worst = sorted(outliers, key=lambda o: o["sqnr_db"])[:5]
         log.warning("%d linears with outlying quantization error, worst: %s", len(outliers),
                     ", ".join(f"{o['name']} ({o['sqnr_db']} dB)" for o in worst))
-    if result.float_input_linears():
-        log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(result.float_input_linears()))
+    float_inputs = result.float_input_linears()
+    if float_inputs:
+        log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(float_inputs))
     bits, acts, group = config.scheme()
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
@@ -65,7 +66,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
             "median_sqnr_db": round(sorted(q.sqnr_db for q in result.linears.values())[len(result.linears) // 2], 2),
             "layer_sqnr_db": result.layer_errors(),
             "outlier_layers": outliers,
-            "float_input_linears": result.float_input_linears(),
+            "float_input_linears": float_inputs,
         },
     }
     return Artifact(HF_MODEL, out, meta)
