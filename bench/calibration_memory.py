@@ -41,7 +41,9 @@ weights_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**
 Path("/proc/self/clear_refs").write_text("5")
 before = rss("VmRSS:")
 start = time.perf_counter()
-quantize_model(model, windows, QuantizeConfig(method=method), progress=False)
+# The recipes' settings: int8 with the Hadamard down_proj rotation, int4 AWQ + GPTQ.
+config = QuantizeConfig(method=method, hadamard_block=128 if method == "int8" else 0)
+quantize_model(model, windows, config, progress=False)
 print(json.dumps({"layers": layers, "method": method, "weights_mb": round(weights_mb, 1), "rss_before_mb": round(before, 1),
                   "peak_rss_mb": round(rss("VmHWM:"), 1), "extra_mb": round(rss("VmHWM:") - before, 1),
                   "seconds": round(time.perf_counter() - start, 1)}))

@@ -23,6 +23,7 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "fp32": ("baseline", []),
     "rtn-w8a8": ("int8", ["quantize.method=rtn", "quantize.bits=8"]),
     "int8": ("int8", []),
+    "int8-smoothquant": ("int8", ["quantize.hadamard_block=0"]),
     "int8-fallback20": ("int8", ["quantize.float_activations_below_db=20"]),
     "rtn-int4-g64": ("int4", ["quantize.method=rtn", "quantize.bits=4", "quantize.group_size=64"]),
     "int4-awq": ("int4", ["quantize.algorithm=awq"]),

@@ -9,6 +9,12 @@ the producer of each input, so the float function is unchanged:
 * MLP input -> ``post_attention_layernorm`` weight; gate/up columns
 * MLP hidden -> ``up_proj`` rows; down_proj columns
 
+For W8A8 with ``hadamard_block``, the MLP hidden state may instead be rotated by a block-diagonal
+Hadamard matrix in front of ``down_proj`` (kept where it gives the lower output error on the
+calibration samples). The rotation cannot be folded through the gated product, so it stays in
+the deployed graph as a small ``MatMul``; the saved weight is the rotated-back quantized weight,
+so the saved folder stays an exact float model.
+
 Weights are then quantized (RTN, AWQ clipping, GPTQ), written back dequantized, and the block's
 outputs (with simulated activation quantization for W8A8) become the next block's inputs.
 """
@@ -23,7 +29,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import Field, PositiveInt
+from pydantic import Field, PositiveInt, model_validator
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
@@ -46,6 +52,7 @@ from compress.algorithms.quant import (
     smoothquant_scales,
     sqnr_db,
 )
+from compress.algorithms.rotation import rotate
 from compress.config import StrictModel
 from compress.errors import UsageError
 from compress.fsutil import atomic_write_json, read_json
@@ -76,6 +83,15 @@ class QuantizeConfig(StrictModel):
     act_scale: Literal["absmax", "mse"] = "absmax"
     float_activations: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
     float_activations_below_db: float | None = None
+    # Largest Hadamard block for the down_proj input rotation (the largest power of two up to this
+    # that divides the layer's width is used); 0 turns the rotation off.
+    hadamard_block: Literal[0, 32, 64, 128, 256] = 0
+
+    @model_validator(mode="after")
+    def _rotation_needs_int8_activations(self) -> QuantizeConfig:
+        if self.hadamard_block and not self.scheme()[1]:
+            raise ValueError("hadamard_block applies to W8A8 (method int8, or rtn with bits 8) only")
+        return self
 
     def scheme(self) -> tuple[int, bool, int | None]:
         """(weight bits, activations quantized?, group size or None for per-channel)."""
@@ -97,6 +113,7 @@ class LinearQuant:
     input_scale: float | None
     sqnr_db: float
     migration_ratio: float | None = None
+    rotation: int = 0  # Hadamard block size applied to the input before quantization; 0 = none
 
 
 @dataclass
@@ -109,8 +126,12 @@ class QuantResult:
     seconds: float = 0.0
 
     def layer_errors(self) -> list[dict[str, Any]]:
-        return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio}
+        return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
                 for name, q in self.linears.items()]
+
+    def rotated_linears(self) -> list[str]:
+        """Linears whose input is Hadamard-rotated."""
+        return [name for name, q in self.linears.items() if q.rotation]
 
     def float_input_linears(self) -> list[str]:
         """Linears of a W8A8 result that keep float inputs (by ``float_activations`` or the SQNR fallback)."""
@@ -136,6 +157,11 @@ _GROUPS = (
 )
 
 
+# The MLP hidden state, the input of down_proj, is the one input a rotation may be chosen for.
+ROTATED_POINT = "mlp_hidden"
+ROTATED_LINEAR = "mlp.down_proj"
+
+
 def _linears(block) -> dict[str, torch.nn.Linear]:
     names = [name for _, consumers, _ in _GROUPS for name in consumers]
     return {name: block.get_submodule(name) for name in names}
@@ -146,6 +172,14 @@ def _check_shapes(model, group_size: int | None) -> None:
         for name, linear in _linears(block).items():
             if group_size and linear.in_features % group_size:
                 raise UsageError(f"group_size={group_size} does not divide layers.{index}.{name} (in_features {linear.in_features})")
+
+
+def rotation_block(width: int, limit: int) -> int:
+    """The largest power-of-two Hadamard block up to ``limit`` that divides ``width`` (0 when none above 1)."""
+    block = limit
+    while block > 1 and width % block:
+        block //= 2
+    return block if block > 1 else 0
 
 
 def _kv_groups(block, config) -> torch.Tensor:
@@ -199,51 +233,114 @@ def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, red
     return (act.clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
 
 
-def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
-                gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> float:
-    """Output MSE of the W8A8 linears after smoothing by ``scales``; RTN weights, or GPTQ given (Hessian, config)."""
+@dataclass
+class _Candidate:
+    """One way to prepare a group's input, scored by the output error of its W8A8 linears."""
+
+    error: float
+    gptq_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (dequantized, scales) per consumer
+
+
+def _w8a8_candidate(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
+                    gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> _Candidate:
+    """Output MSE of the W8A8 linears after smoothing by ``scales``; RTN weights, or GPTQ given (Hessian, config).
+
+    GPTQ weights are kept so that the chosen candidate's weights ship without a second GPTQ pass.
+    """
     x = samples / scales
     x_q = quantize_dequantize_activation(x, float((absmax / scales).max()) / qmax(8))
     hessian = gptq[0] / (scales[:, None] * scales[None, :]) if gptq else None
-    error = 0.0
+    error, kept = 0.0, []
     for w in weights:
         if gptq:
-            w_q, _ = gptq_quantize(w * scales, hessian, 8, None, damp=gptq[1].gptq_damp, act_order=gptq[1].gptq_act_order)
+            w_q, w_scales = gptq_quantize(w * scales, hessian, 8, None, damp=gptq[1].gptq_damp, act_order=gptq[1].gptq_act_order)
+            kept.append((w_q, w_scales))
         else:
             w_q, _ = quantize_dequantize_weight(w * scales, 8, None)
         error += (samples @ w.T - x_q @ w_q.T).pow(2).mean().item()
-    return error
+    return _Candidate(error, kept if gptq else None)
 
 
-def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor], reduce: torch.Tensor | None) -> float:
-    """The SmoothQuant strength with the least output error: an RTN proxy over the grid, then GPTQ re-ranking."""
+def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
+                gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> float:
+    """:func:`_w8a8_candidate`'s error alone."""
+    return _w8a8_candidate(samples, weights, scales, absmax, gptq).error
+
+
+def _gptq_error_args(config: QuantizeConfig, stats: InputStats) -> tuple[torch.Tensor, QuantizeConfig] | None:
+    return (stats.mean_hessian(), config) if config.method == "int8" and config.weight_algorithm == "gptq" else None
+
+
+def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor], reduce: torch.Tensor | None
+                  ) -> tuple[float, _Candidate]:
+    """The SmoothQuant strength with the least output error (an RTN proxy over the grid, then GPTQ
+    re-ranking), and its candidate with the weights actually shipped."""
     samples = stats.sample_matrix(config.sample_tokens)
 
-    def error(alpha: float, gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> float:
-        return _w8a8_error(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, gptq)
+    def candidate(alpha: float, gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> _Candidate:
+        return _w8a8_candidate(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, gptq)
 
-    best = min(ALPHA_GRID, key=error)
-    if config.weight_algorithm != "gptq":
-        return best
+    scored = {alpha: candidate(alpha) for alpha in ALPHA_GRID}
+    best = min(scored, key=lambda alpha: scored[alpha].error)
+    gptq = _gptq_error_args(config, stats)
+    if gptq is None:
+        return best, scored[best]
     start = GPTQ_ALPHA_GRID.index(best)
-    candidates = GPTQ_ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]
-    hessian = stats.mean_hessian()
-    return min(candidates, key=lambda alpha: error(alpha, (hessian, config)))
+    refined = {alpha: candidate(alpha, gptq) for alpha in GPTQ_ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]}
+    best = min(refined, key=lambda alpha: refined[alpha].error)
+    return best, refined[best]
 
 
-def _migration_scales(config: QuantizeConfig, point: str, stats: InputStats, weights: list[torch.Tensor],
-                      kv_groups: torch.Tensor) -> tuple[torch.Tensor | None, float | None]:
-    """Scales to fold into the producer of ``point`` (SmoothQuant or AWQ), and the ratio chosen."""
+def _rotation_candidate(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor]) -> _Candidate:
+    """The W8A8 linears on Hadamard-rotated inputs, without smoothing."""
+    rotated = stats.rotated_view()
+    samples = rotated.sample_matrix(config.sample_tokens)
+    rotated_weights = [rotate(w, stats.rotation) for w in weights]
+    ones = torch.ones(samples.shape[1])
+    return _w8a8_candidate(samples, rotated_weights, ones, rotated.absmax, _gptq_error_args(config, rotated))
+
+
+@dataclass
+class Migration:
+    """How the input of one group of linears is prepared for quantization."""
+
+    scales: torch.Tensor | None = None  # folded into the producer (SmoothQuant or AWQ)
+    ratio: float | None = None  # the SmoothQuant strength or AWQ exponent chosen
+    rotation: int = 0  # Hadamard block size, instead of folded scales
+    gptq_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # from the search, per consumer
+
+
+def _smoothquant(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor],
+                 reduce: torch.Tensor | None) -> Migration:
+    if config.alpha == "auto":
+        alpha, smoothed = _search_alpha(config, stats, weights, reduce)
+    elif stats.rotation:
+        alpha = config.alpha
+        smoothed = _w8a8_candidate(stats.sample_matrix(config.sample_tokens), weights, _smoothing(stats, weights, alpha, reduce),
+                                   stats.absmax, _gptq_error_args(config, stats))
+    else:
+        return Migration(_smoothing(stats, weights, config.alpha, reduce), config.alpha)
+    if stats.rotation:
+        rotated = _rotation_candidate(config, stats, weights)
+        if rotated.error < smoothed.error:
+            return Migration(rotation=stats.rotation, gptq_weights=rotated.gptq_weights)
+    return Migration(_smoothing(stats, weights, alpha, reduce), alpha, gptq_weights=smoothed.gptq_weights)
+
+
+def _migration(config: QuantizeConfig, point: str, stats: InputStats, weights: list[torch.Tensor],
+               kv_groups: torch.Tensor) -> Migration:
+    """Scales to fold into the producer of ``point`` (SmoothQuant or AWQ), or a Hadamard rotation."""
     bits, _, group = config.scheme()
     reduce = kv_groups if point == "attn_out" else None
     if config.method == "int8":
-        if config.alpha != "auto":
-            return _smoothing(stats, weights, config.alpha, reduce), config.alpha
-        best_alpha = _search_alpha(config, stats, weights, reduce)
-        return _smoothing(stats, weights, best_alpha, reduce), best_alpha
+        return _smoothquant(config, stats, weights, reduce)
     if config.method == "int4" and "awq" in config.algorithm:
-        return awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, bits, group, reduce=reduce)
-    return None, None
+        return Migration(*awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, bits, group, reduce=reduce))
+    if stats.rotation:
+        plain = _w8a8_error(stats.sample_matrix(config.sample_tokens), weights, torch.ones_like(stats.absmax), stats.absmax)
+        if _rotation_candidate(config, stats, weights).error < plain:
+            return Migration(rotation=stats.rotation)
+    return Migration()
 
 
 def _quantize_weight(config: QuantizeConfig, name: str, weight: torch.Tensor, stats: InputStats) -> tuple[torch.Tensor, torch.Tensor]:
@@ -280,26 +377,34 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
     points = {point: linears[consumers[0]] for point, consumers, _ in _GROUPS}
     want_hessian = "gptq" in (config.algorithm if config.method == "int4" else config.weight_algorithm if config.method == "int8" else "")
     per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
-    stats = collect_input_stats(block, inputs, points, want_hessian, per_window)
+    block_size = rotation_block(linears[ROTATED_LINEAR].in_features, config.hadamard_block)
+    rotations = {ROTATED_POINT: block_size} if block_size else None
+    stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
     kv_groups = _kv_groups(block, model_config)
-    ratios: dict[str, float] = {}
+    migrations: dict[str, Migration] = {}
     for point, consumers, producer in _GROUPS:
         weights = [linears[name].weight.detach() for name in consumers]
-        scales, ratio = _migration_scales(config, point, stats[point], weights, kv_groups)
-        if ratio is not None:
-            ratios[point] = ratio
-        if scales is not None:
-            _fold(block, producer, scales, consumers, kv_groups)
-            stats[point].rescale(scales)
+        migration = migrations[point] = _migration(config, point, stats[point], weights, kv_groups)
+        if migration.scales is not None:
+            _fold(block, producer, migration.scales, consumers, kv_groups)
+            stats[point].rescale(migration.scales)
+        elif migration.rotation:
+            stats[point] = stats[point].rotated_view()
     result: dict[str, LinearQuant] = {}
     for point, consumers, _ in _GROUPS:
         samples = stats[point].sample_matrix(config.sample_tokens)
+        rotation, searched = migrations[point].rotation, migrations[point].gptq_weights
         point_scale = activation_scale(samples, float(stats[point].absmax.max()), config.act_scale) if quantize_acts else None
-        for name in consumers:
+        for index, name in enumerate(consumers):
             input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
             linear = linears[name]
             weight = linear.weight.detach().clone()
-            dequantized, weight_scales = _quantize_weight(config, name, weight, stats[point])
+            if rotation:
+                weight = rotate(weight, rotation)
+            if searched:
+                dequantized, weight_scales = searched[index]
+            else:
+                dequantized, weight_scales = _quantize_weight(config, name, weight, stats[point])
             x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
             error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
             if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
@@ -307,8 +412,9 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
                 input_scale = None
                 error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
             with torch.no_grad():
-                linear.weight.copy_(dequantized)
-            result[f"{prefix}.{name}"] = LinearQuant(weight_scales, input_scale, error, ratios.get(point))
+                # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
+                linear.weight.copy_(rotate(dequantized, rotation) if rotation else dequantized)
+            result[f"{prefix}.{name}"] = LinearQuant(weight_scales, input_scale, error, migrations[point].ratio, rotation)
     return result
 
 
@@ -318,9 +424,12 @@ def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
     for name, quant in linears.items():
         if quant.input_scale is None:
             continue
-        scale = quant.input_scale
+        scale, block = quant.input_scale, quant.rotation
 
-        def hook(_module, args, scale=scale):
+        def hook(_module, args, scale=scale, block=block):
+            if block:
+                # Quantized in the rotated basis, rotated back for the stored (rotated-back) weight.
+                return (rotate(quantize_dequantize_activation(rotate(args[0], block), scale), block),) + tuple(args[1:])
             return (quantize_dequantize_activation(args[0], scale),) + tuple(args[1:])
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
@@ -363,7 +472,8 @@ def save_quantization(result: QuantResult, folder: Path) -> None:
         "weight_bits": bits,
         "group_size": group,
         "activations": "int8-static-per-tensor" if quantize_acts else "float",
-        "linears": {name: {"input_scale": q.input_scale, "sqnr_db": q.sqnr_db, "migration_ratio": q.migration_ratio}
+        "linears": {name: {"input_scale": q.input_scale, "sqnr_db": q.sqnr_db, "migration_ratio": q.migration_ratio,
+                           "rotation": q.rotation}
                     for name, q in result.linears.items()},
     })
 
@@ -375,6 +485,7 @@ def load_quantization(folder: Path) -> tuple[dict[str, Any], dict[str, LinearQua
         return None
     meta = read_json(folder / QUANT_CONFIG_FILE)
     scales = load_file(str(folder / QUANT_SCALES_FILE))
-    linears = {name: LinearQuant(scales[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"))
+    linears = {name: LinearQuant(scales[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
+                                 info.get("rotation", 0))
                for name, info in meta["linears"].items()}
     return meta, linears

@@ -97,8 +97,8 @@ def test_alpha_search_reranks_with_the_shipped_gptq_weights():
     stats.add(x, want_hessian=True, sample_rows=1024, generator=torch.Generator().manual_seed(0))
     rtn_config = QuantizeConfig(method="int8", weight_algorithm="rtn")
     gptq_config = QuantizeConfig(method="int8", weight_algorithm="gptq")
-    rtn_choice = _search_alpha(rtn_config, stats, [weight], None)
-    gptq_choice = _search_alpha(gptq_config, stats, [weight], None)
+    rtn_choice, _ = _search_alpha(rtn_config, stats, [weight], None)
+    gptq_choice, shipped = _search_alpha(gptq_config, stats, [weight], None)
     assert rtn_choice == min(ALPHA_GRID, key=lambda a: _w8a8_error(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax))
     assert gptq_choice >= rtn_choice
 
@@ -106,6 +106,13 @@ def test_alpha_search_reranks_with_the_shipped_gptq_weights():
         return _w8a8_error(x, [weight], _smoothing(stats, [weight], alpha, None), stats.absmax, (stats.mean_hessian(), gptq_config))
 
     assert shipped_error(gptq_choice) <= shipped_error(rtn_choice)
+    # The search hands over the GPTQ weights it scored: on the per-channel grid, with exactly that error.
+    scales = _smoothing(stats, [weight], gptq_choice, None)
+    (dequantized, weight_scales), = shipped.gptq_weights
+    levels = dequantized / weight_scales[:, None]
+    assert torch.allclose(levels, levels.round(), atol=1e-3) and levels.abs().max() <= 128
+    x_q = quantize_dequantize_activation(x / scales, float((stats.absmax / scales).max()) / 127)
+    assert shipped.error == pytest.approx((x @ weight.T - x_q @ dequantized.T).pow(2).mean().item(), rel=1e-5)
 
 
 def test_sampled_rows_leave_out_the_attention_sink_but_statistics_keep_it():
@@ -168,3 +175,75 @@ def test_config_round_trip_and_unknown_keys():
         QuantizeConfig.model_validate({"method": "int8", "colour": 1})
     with pytest.raises(ValueError):
         QuantizeConfig.model_validate({"method": "int4", "group_size": 48})
+
+
+def test_hadamard_rotation_is_orthogonal_and_preserves_the_linear():
+    from compress.algorithms.rotation import hadamard, rotate, rotate_gram
+    from compress.quantization import rotation_block
+
+    h = hadamard(64)
+    assert torch.allclose(h @ h, torch.eye(64, dtype=h.dtype), atol=1e-12) and torch.equal(h, h.T)
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(32, 192, generator=gen), torch.randn(48, 192, generator=gen)
+    assert torch.allclose(rotate(x, 64) @ rotate(weight, 64).T, x @ weight.T, atol=1e-4)
+    assert torch.allclose(rotate(rotate(x, 64), 64), x, atol=1e-5)
+    gram = x.double().T @ x.double()
+    rotated = rotate(x.double(), 64)
+    assert torch.allclose(rotate_gram(gram, 64), rotated.T @ rotated, atol=1e-9)
+    assert [rotation_block(w, 128) for w in (1536, 1472, 96, 7)] == [128, 64, 32, 0]
+
+
+def _mlp_hidden_stats(x: torch.Tensor, block: int):
+    from compress.algorithms.calibration import InputStats
+
+    stats = InputStats(rotation=block)
+    stats.add(x, want_hessian=True, sample_rows=10_000, generator=torch.Generator().manual_seed(0))
+    return stats
+
+
+def test_rotation_is_chosen_for_scattered_outliers_and_refused_for_a_sink():
+    from compress.quantization import _migration
+
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(64, 256, generator=gen) * 0.05
+    config = QuantizeConfig(method="int8", hadamard_block=64)
+    kv_groups = torch.arange(256)
+
+    scattered = torch.randn(4, 128, 256, generator=gen)  # every token has one large value, in a random channel
+    channels = torch.randint(0, 256, (4, 128), generator=gen)
+    scattered.scatter_(2, channels[..., None], 60.0)
+    migration = _migration(config, "mlp_hidden", _mlp_hidden_stats(scattered, 64), [weight], kv_groups)
+    assert migration.rotation == 64 and migration.scales is None
+
+    sink = torch.randn(4, 128, 256, generator=gen)
+    sink[:, 0, :4] = 500.0  # a massive activation on the first position only, in fixed channels
+    migration = _migration(config, "mlp_hidden", _mlp_hidden_stats(sink, 64), [weight], kv_groups)
+    assert migration.rotation == 0 and migration.scales is not None
+
+    without = _migration(QuantizeConfig(method="int8"), "mlp_hidden", _mlp_hidden_stats(scattered, 0), [weight], kv_groups)
+    assert without.rotation == 0
+
+
+def test_rotated_w8a8_beats_smoothquant_on_scattered_outliers():
+    from compress.algorithms.rotation import rotate
+
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.randn(64, 256, generator=gen) * 0.05
+    x = torch.randn(512, 256, generator=gen)
+    x.scatter_(1, torch.randint(0, 256, (512, 1), generator=gen), 60.0)
+    reference = x @ weight.T
+
+    def w8a8(x_in, w_in):
+        w_q, _ = quantize_dequantize_weight(w_in, 8, None)
+        return quantize_dequantize_activation(x_in, x_in.abs().max().item() / 127) @ w_q.T
+
+    scales = smoothquant_scales(x.abs().amax(dim=0), [weight], alpha=0.5)
+    smoothed = sqnr_db(reference, w8a8(x / scales, weight * scales))
+    rotated = sqnr_db(reference, w8a8(rotate(x, 64), rotate(weight, 64)))
+    assert rotated > smoothed + 3.0
+
+
+def test_hadamard_block_needs_quantized_activations():
+    with pytest.raises(ValueError, match="hadamard_block"):
+        QuantizeConfig(method="int4", hadamard_block=128)
+    assert QuantizeConfig(method="rtn", bits=8, hadamard_block=64).hadamard_block == 64

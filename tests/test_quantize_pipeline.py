@@ -68,6 +68,38 @@ def _assert_no_float_copy(out, graph):
         assert tensor.T.contiguous().numpy().tobytes() not in float_inits, f"float copy of {name} left in the graph"
 
 
+def test_rotated_down_proj_is_rotated_in_the_graph_and_exact_in_the_saved_folder(runs):
+    from safetensors.torch import load_file
+
+    from compress.algorithms.rotation import hadamard
+
+    _, out = runs["int8"]
+    rotated = json.loads((out / "02_quantize" / "stage.json").read_text())["metrics"]["rotated_linears"]
+    assert rotated and all(name.endswith("mlp.down_proj") for name in rotated)
+    graph = _graph(out)
+    inits = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
+    producers = {o: n for n in graph.graph.node for o in n.output}
+    rotations = [n for n in graph.graph.node if n.op_type == "MatMul" and n.input[1].startswith("hadamard_")]
+    assert len(rotations) == len(rotated)
+    np.testing.assert_allclose(inits[rotations[0].input[1]], hadamard(128).numpy(), atol=1e-7)
+    for node in rotations:
+        merge = next(n for n in graph.graph.node if node.output[0] in n.input)
+        quantize = next(n for n in graph.graph.node if merge.output[0] in n.input)
+        assert (merge.op_type, quantize.op_type) == ("Reshape", "QuantizeLinear")
+        dequantize = next(n for n in graph.graph.node if quantize.output[0] in n.input)
+        matmul = next(n for n in graph.graph.node if dequantize.output[0] in n.input)
+        weight_dq = producers[matmul.input[1]]
+        assert matmul.op_type == "MatMul" and inits[weight_dq.input[0]].dtype == np.int8
+    # The saved folder keeps the rotated-back weight: the rotated integer weight times its scales.
+    saved = load_file(str(out / "02_quantize" / "model" / "model.safetensors"))
+    scales = load_file(str(out / "02_quantize" / "model" / "quant_scales.safetensors"))
+    name = rotated[0]
+    weight = saved[f"{name}.weight"].double()
+    grid = (weight.reshape(weight.shape[0], -1, 128) @ hadamard(128)).reshape(weight.shape)
+    levels = grid / scales[f"{name}.weight_scale"].double()[:, None]
+    assert (levels - levels.round()).abs().max() < 1e-3 and levels.abs().max() <= 128
+
+
 def test_int4_graph_is_blockwise_weight_only(runs):
     code, out = runs["int4"]
     assert code in (0, 1)
@@ -89,9 +121,23 @@ def test_onnx_size_reflects_bit_width(runs):
         out = runs[recipe][1]
         stage = "02_export_onnx" if recipe == "baseline" else "03_export_onnx"
         sizes[recipe] = (out / stage / "onnx" / "model.onnx").stat().st_size
+    # The int8 recipe's Hadamard rotation adds one float block matrix, shared by every rotated layer.
+    sizes["int8"] -= sum(4 * int(np.prod(i.dims)) for i in _graph(runs["int8"][1]).graph.initializer if i.name.startswith("hadamard_"))
     linear_params = 2 * (4 * 64 * 64 - 2 * 64 * 32 + 3 * 64 * 128)  # q,o full; k,v GQA halves; gate, up, down
     assert sizes["baseline"] - sizes["int8"] > 0.7 * linear_params * 3  # ~3 bytes saved per weight
     assert sizes["int8"] - sizes["int4"] > 0.3 * linear_params  # ~half a byte more
+
+
+def test_tied_embedding_is_stored_once(runs):
+    for recipe, stage in (("baseline", "02_export_onnx"), ("int8", "03_export_onnx")):
+        graph = onnx.load(str(runs[recipe][1] / stage / "onnx" / "model.onnx"))
+        tables = [i for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT and 512 in i.dims]
+        assert len(tables) == 1, recipe  # the (vocab, hidden) embedding, no (hidden, vocab) copy
+        transpose = next(n for n in graph.graph.node if n.op_type == "Transpose" and n.input[0] == tables[0].name)
+        head = next(n for n in graph.graph.node if n.op_type == "MatMul" and n.output[0] == "logits")
+        assert head.input[1] == transpose.output[0]
+        metrics = json.loads((runs[recipe][1] / stage / "stage.json").read_text())["metrics"]
+        assert metrics["parity"]["max_abs_logit_diff"] < (1e-4 if recipe == "baseline" else 1e-2)
 
 
 def test_onnx_runtime_perplexity_matches_torch_simulated_quant(runs):

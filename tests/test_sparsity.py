@@ -59,7 +59,7 @@ def sparse_int8_run(tiny_llama, tmp_path_factory):
     recipe = base / "sparse-int8.yaml"
     recipe.write_text("name: sparse-int8\nstages:\n  - load\n  - sparsify: {method: sparsegpt, calib_window: 256, calib_windows: 8,"
                       " min_calib_tokens: 1024}\n  - quantize: {method: int8, calib_window: 256, calib_windows: 8,"
-                      " min_calib_tokens: 1024}\n  - export_onnx\n  - build_engine\n  - validate\n")
+                      " min_calib_tokens: 1024, hadamard_block: 128}\n  - export_onnx\n  - build_engine\n  - validate\n")
     out = base / "run"
     code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny_llama}", f"out={out}", *TINY_SMOKE])
     return code, out
@@ -71,6 +71,7 @@ def test_pattern_survives_int8_quantization_and_export(sparse_int8_run):
     report = json.loads((out / "report.json").read_text())
     stages = {s["name"]: s for s in report["stages"]}
     assert stages["sparsify"]["metrics"]["pattern_24_fraction"] == 1.0
+    assert stages["quantize"]["metrics"]["rotated_linears"] == []  # a rotation would break the 2:4 pattern
     assert stages["export_onnx"]["metrics"]["onnx_pattern_24_fraction"] == 1.0
     assert onnx_24_fraction(out / "04_export_onnx" / "onnx" / "model.onnx", skip_output_dim=512) == 1.0
     check = next(c for c in report["gate"]["checks"] if c["name"] == "sparsity_24_violations_pct")

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from compress.algorithms.rotation import rotate, rotate_gram
+
 
 class _Captured(Exception):
     """Raised by the stand-in first block to stop the forward pass once its inputs are captured."""
@@ -108,6 +110,9 @@ class InputStats:
     hessian: torch.Tensor | None = None
     samples: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
+    rotation: int = 0
+    rotated_absmax: torch.Tensor | None = None
+    rotated_sq_sum: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, want_hessian: bool, sample_rows: int, generator: torch.Generator) -> None:
         rows = x.reshape(-1, x.shape[-1]).float()
@@ -119,10 +124,30 @@ class InputStats:
             gram = rows.T.double() @ rows.double()
             self.hessian = gram if self.hessian is None else self.hessian + gram
         self.tokens += rows.shape[0]
+        if self.rotation:
+            self._add_rotated(rotate(rows, self.rotation))
         if sample_rows:
             pool = _without_sink_positions(x).reshape(-1, x.shape[-1]).float()
             picks = torch.randperm(pool.shape[0], generator=generator)[:sample_rows]
             self.samples.append(pool[picks])
+
+    def _add_rotated(self, rows: torch.Tensor) -> None:
+        absmax = rows.abs().amax(dim=0)
+        self.rotated_absmax = absmax if self.rotated_absmax is None else torch.maximum(self.rotated_absmax, absmax)
+        squares = rows.double().pow(2).sum(dim=0)
+        self.rotated_sq_sum = squares if self.rotated_sq_sum is None else self.rotated_sq_sum + squares
+
+    def rotated_view(self) -> InputStats:
+        """The statistics of the input after its Hadamard rotation (requires ``rotation`` set before ``add``)."""
+        if not self.rotation or self.rotated_absmax is None:
+            raise ValueError("these statistics were gathered without a rotation")
+        return InputStats(
+            absmax=self.rotated_absmax,
+            sq_sum=self.rotated_sq_sum,
+            hessian=None if self.hessian is None else rotate_gram(self.hessian, self.rotation),
+            samples=[rotate(s, self.rotation) for s in self.samples],
+            tokens=self.tokens,
+        )
 
     def sample_matrix(self, limit: int) -> torch.Tensor:
         rows = torch.cat(self.samples)
@@ -153,9 +178,10 @@ def _without_sink_positions(x: torch.Tensor) -> torch.Tensor:
 
 
 def collect_input_stats(block, inputs: BlockInputs, linears: dict[str, torch.nn.Module], want_hessian: bool,
-                        sample_rows_per_window: int, seed: int = 0) -> dict[str, InputStats]:
-    """Run the block once with hooks on the given linears' inputs."""
-    stats = {name: InputStats() for name in linears}
+                        sample_rows_per_window: int, seed: int = 0, rotations: dict[str, int] | None = None
+                        ) -> dict[str, InputStats]:
+    """Run the block once with hooks on the given linears' inputs (``rotations``: also the rotated view's ranges)."""
+    stats = {name: InputStats(rotation=(rotations or {}).get(name, 0)) for name in linears}
     generator = torch.Generator().manual_seed(seed)
     handles = []
 

@@ -5,7 +5,9 @@ the transposed dequantized weight. The initializer is found by value (exporters 
 initializers freely), replaced by integer levels plus a ``DequantizeLinear`` (INT8 per output
 channel, or INT4 block-wise along the input dimension, opset 21), and for W8A8 the activation
 input of the ``MatMul`` gets a ``QuantizeLinear``/``DequantizeLinear`` pair with the static scale.
-No float copy of a quantized weight is kept.
+A linear quantized on a Hadamard-rotated input gets the rotation in front of that pair
+(``Reshape`` to blocks, ``MatMul`` by the Hadamard block, ``Reshape`` back) and its integer weight
+in the rotated basis. No float copy of a quantized weight is kept.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from compress.algorithms.rotation import hadamard, rotate_numpy
 from compress.errors import StageError
 
 QDQ_OPSET = 21
@@ -32,6 +35,11 @@ class LinearForExport:
     scales: np.ndarray  # (out,) or (out, groups)
     bits: int
     input_scale: float | None
+    rotation: int = 0  # Hadamard block size of the input rotation; ``dequantized`` is stored rotated back
+
+    def grid_weight(self) -> np.ndarray:
+        """The weight on its quantization grid (in the rotated basis for a rotated linear)."""
+        return rotate_numpy(self.dequantized, self.rotation) if self.rotation else self.dequantized
 
 
 def _digest(array: np.ndarray) -> str:
@@ -39,11 +47,12 @@ def _digest(array: np.ndarray) -> str:
 
 
 def _levels(linear: LinearForExport) -> np.ndarray:
+    weight = linear.grid_weight()
     scales = linear.scales if linear.scales.ndim == 2 else linear.scales[:, None]
-    expanded = np.repeat(scales, linear.dequantized.shape[1] // scales.shape[1], axis=1)
-    levels = np.round(linear.dequantized / expanded)
+    expanded = np.repeat(scales, weight.shape[1] // scales.shape[1], axis=1)
+    levels = np.round(weight / expanded)
     limit = 2 ** (linear.bits - 1)
-    if np.abs(levels * expanded - linear.dequantized).max() > 1e-5 * max(1.0, np.abs(linear.dequantized).max()):
+    if np.abs(levels * expanded - weight).max() > 1e-5 * max(1.0, np.abs(weight).max()):
         raise StageError(f"{linear.name}: stored weight is not on its quantization grid")
     return np.clip(levels, -limit, limit - 1).astype(np.int8)
 
@@ -72,6 +81,24 @@ def _activation_qdq(input_name: str, scale: float, tag: str) -> tuple[list[onnx.
     return [s, z], nodes, dequantized
 
 
+def _rotation(input_name: str, linear: LinearForExport, tag: str, shared: dict[str, onnx.TensorProto]
+              ) -> tuple[list[onnx.NodeProto], str]:
+    """Nodes rotating ``input_name`` (any rank, last axis = in_features) by the block-diagonal Hadamard matrix."""
+    block, width = linear.rotation, linear.dequantized.shape[1]
+    matrix = f"hadamard_{block}"
+    if matrix not in shared:
+        shared[matrix] = numpy_helper.from_array(hadamard(block).numpy().astype(np.float32), matrix)
+    blocks_shape = f"hadamard_{block}_blocks_of_{width}"
+    if blocks_shape not in shared:
+        shared[blocks_shape] = numpy_helper.from_array(np.array([-1, width // block, block], dtype=np.int64), blocks_shape)
+    shape, blocks, rotated, out = f"{tag}_rot_shape", f"{tag}_rot_blocks", f"{tag}_rot_rotated", f"{tag}_rot"
+    nodes = [helper.make_node("Shape", [input_name], [shape], name=f"{tag}_rot_Shape"),
+             helper.make_node("Reshape", [input_name, blocks_shape], [blocks], name=f"{tag}_rot_split"),
+             helper.make_node("MatMul", [blocks, matrix], [rotated], name=f"{tag}_rot_MatMul"),
+             helper.make_node("Reshape", [rotated, shape], [out], name=f"{tag}_rot_merge")]
+    return nodes, out
+
+
 def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[str, int]:
     """Rewrite ``model`` in place; every linear must be found exactly once."""
     by_digest = {_digest(lin.dequantized.T): lin for lin in linears}
@@ -86,6 +113,8 @@ def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[st
     new_inits: list[onnx.TensorProto] = []
     new_nodes: list[onnx.NodeProto] = []
     before: dict[int, list[onnx.NodeProto]] = {}  # node position -> nodes to insert before it
+    shared: dict[str, onnx.TensorProto] = {}
+    activation_pairs = rotations = 0
     for init_index, init in enumerate(graph.initializer):
         is_matrix = init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2
         linear = by_digest.get(_digest(numpy_helper.to_array(init))) if is_matrix else None
@@ -96,32 +125,38 @@ def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[st
         tensors, dq = _weight_dq(linear, init.name)
         new_inits.extend(tensors)
         new_nodes.append(dq)
-        if linear.input_scale is not None:
-            matmuls = [p for p in consumers.get(init.name, []) if original_nodes[p].op_type == "MatMul"]
-            for index, position in enumerate(matmuls):
-                node = original_nodes[position]
-                tag = f"{init.name}_{index}"
-                tensors, nodes, out = _activation_qdq(node.input[0], linear.input_scale, tag)
+        matmuls = [p for p in consumers.get(init.name, []) if original_nodes[p].op_type == "MatMul"]
+        for index, position in enumerate(matmuls if linear.input_scale is not None or linear.rotation else []):
+            node = original_nodes[position]
+            tag = f"{init.name}_{index}"
+            source = node.input[0]
+            if linear.rotation:
+                nodes, source = _rotation(source, linear, tag, shared)
+                before.setdefault(position, []).extend(nodes)
+                rotations += 1
+            if linear.input_scale is not None:
+                tensors, nodes, source = _activation_qdq(source, linear.input_scale, tag)
                 new_inits.extend(tensors)
                 before.setdefault(position, []).extend(nodes)
-                node.input[0] = out
+                activation_pairs += 1
+            node.input[0] = source
     missing = sorted({lin.name for lin in linears} - set(found))
     if missing:
         raise StageError(f"quantized linears not found in the exported graph: {', '.join(missing[:5])}")
     for init_index in reversed(replaced):
         del graph.initializer[init_index]
     graph.initializer.extend(new_inits)
+    graph.initializer.extend(shared.values())
     nodes = list(new_nodes)
     for position, node in enumerate(original_nodes):
         nodes.extend(before.get(position, []))
         detached = onnx.NodeProto()
         detached.CopyFrom(node)
         nodes.append(detached)
-    activation_pairs = sum(len(v) for v in before.values()) // 2
     del graph.node[:]
     graph.node.extend(nodes)
     _set_opset(model, QDQ_OPSET)
-    return {"quantized_linears": len(found), "activation_qdq_pairs": activation_pairs}
+    return {"quantized_linears": len(found), "activation_qdq_pairs": activation_pairs, "hadamard_rotations": rotations}
 
 
 def _set_opset(model: onnx.ModelProto, version: int) -> None:

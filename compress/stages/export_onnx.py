@@ -83,13 +83,48 @@ def write_qdq(path: Path, model, quant_meta: dict, linears: dict) -> dict:
 
     bits = int(quant_meta["weight_bits"])
     export = [
-        LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), bits, q.input_scale)
+        LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), bits, q.input_scale,
+                        q.rotation)
         for name, q in linears.items()
     ]
     graph = onnx.load(str(path))
     stats = apply_qdq(graph, export)
     onnx.save(graph, str(path))
     return stats
+
+
+def share_tied_embedding(path: Path) -> bool:
+    """Store a tied embedding once: the LM head reads the transposed embedding table instead of a copy.
+
+    The exporter writes the tied matrix twice (the ``Gather`` table and the head's ``(hidden, vocab)``
+    ``MatMul`` weight). The copy is replaced by a ``Transpose`` of the table, which runtimes fold
+    when the session is built. Returns whether a copy was removed.
+    """
+    import onnx
+    from onnx import helper, numpy_helper
+
+    graph_model = onnx.load(str(path))
+    graph = graph_model.graph
+    initializers = {init.name: init for init in graph.initializer}
+    tables = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in initializers
+              and len(initializers[n.input[0]].dims) == 2}
+    for table_name in tables:
+        table = numpy_helper.to_array(initializers[table_name])
+        for node in graph.node:
+            weight = initializers.get(node.input[1]) if node.op_type == "MatMul" else None
+            if weight is None or list(weight.dims) != list(table.shape[::-1]):
+                continue
+            if not np.array_equal(numpy_helper.to_array(weight), table.T):
+                continue
+            transposed = f"{table_name}_transposed"
+            graph.node.insert(0, helper.make_node("Transpose", [table_name], [transposed], name=f"{table_name}_Transpose",
+                                                  perm=[1, 0]))
+            copy_name, node.input[1] = node.input[1], transposed
+            if not any(copy_name in n.input for n in graph.node):
+                graph.initializer.remove(weight)
+            onnx.save(graph_model, str(path))
+            return True
+    return False
 
 
 def _example_inputs(layout: DecoderLayout, batch: int = 2, seq: int = 5, past: int = 3):
@@ -187,6 +222,8 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
         log.info("writing Q/DQ nodes (%s, %d-bit weights)", meta["method"], meta["weight_bits"])
         qdq_stats = write_qdq(out / ONNX_FILE, model, meta, linears)
         attach_activation_quant(model, linears)
+    if getattr(model.config, "tie_word_embeddings", False) and share_tied_embedding(out / ONNX_FILE):
+        log.info("tied embedding stored once (the LM head reads the transposed table)")
     atomic_write_json(out / LAYOUT_FILE, layout.to_json())
     for name in _SIDE_FILES:
         if (Path(source.path) / name).is_file():

@@ -33,6 +33,9 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
                                   min_tokens=config.min_calib_tokens)
     if windows.numel() < config.min_calib_tokens:
         raise UsageError(f"too little calibration text: {windows.numel()} tokens, need at least {config.min_calib_tokens}")
+    if config.hadamard_block and source.meta.get("sparse_24"):
+        log.warning("hadamard_block ignored: rotating down_proj inputs would break the model's 2:4 sparsity")
+        config = config.model_copy(update={"hadamard_block": 0})
     model = load_causal_lm(source.path)
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
     result = quantize_model(model, windows, config, progress=ctx.progress)
@@ -47,6 +50,10 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
     float_inputs = result.float_input_linears()
     if float_inputs:
         log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(float_inputs))
+    rotated = result.rotated_linears()
+    if config.hadamard_block:
+        log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %d)", len(rotated),
+                 len(model.model.layers), config.hadamard_block)
     bits, acts, group = config.scheme()
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
@@ -67,6 +74,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
             "layer_sqnr_db": result.layer_errors(),
             "outlier_layers": outliers,
             "float_input_linears": float_inputs,
+            "rotated_linears": rotated,
         },
     }
     return Artifact(HF_MODEL, out, meta)
