@@ -21,7 +21,7 @@ OUT = REPO / "bench_runs" / "quant"
 
 ROWS: dict[str, tuple[str, list[str]]] = {
     "fp32": ("baseline", []),
-    "rtn-w8a8": ("int8", ["quantize.method=rtn", "quantize.bits=8"]),
+    "rtn-w8a8": ("int8", ["quantize.method=rtn", "quantize.bits=8", "quantize.hadamard_block=0"]),
     "int8": ("int8", []),
     "int8-smoothquant": ("int8", ["quantize.hadamard_block=0"]),
     "int8-fallback20": ("int8", ["quantize.float_activations_below_db=20"]),

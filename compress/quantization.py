@@ -312,6 +312,7 @@ class Migration:
 
 def _smoothquant(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor],
                  reduce: torch.Tensor | None) -> Migration:
+    """The SmoothQuant strength (searched or fixed), or the Hadamard rotation when its output error is lower."""
     if config.alpha == "auto":
         alpha, smoothed = _search_alpha(config, stats, weights, reduce)
     elif stats.rotation:
@@ -380,7 +381,21 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
     block_size = rotation_block(linears[ROTATED_LINEAR].in_features, config.hadamard_block)
     rotations = {ROTATED_POINT: block_size} if block_size else None
     stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
-    kv_groups = _kv_groups(block, model_config)
+    migrations = _prepare_inputs(block, linears, stats, config, _kv_groups(block, model_config))
+    result: dict[str, LinearQuant] = {}
+    for point, consumers, _ in _GROUPS:
+        samples = stats[point].sample_matrix(config.sample_tokens)
+        point_scale = activation_scale(samples, float(stats[point].absmax.max()), config.act_scale) if quantize_acts else None
+        for index, name in enumerate(consumers):
+            input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
+            result[f"{prefix}.{name}"] = _quantize_linear(config, name, linears[name], stats[point], samples, input_scale,
+                                                          migrations[point], index)
+    return result
+
+
+def _prepare_inputs(block, linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats], config: QuantizeConfig,
+                    kv_groups: torch.Tensor) -> dict[str, Migration]:
+    """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated view."""
     migrations: dict[str, Migration] = {}
     for point, consumers, producer in _GROUPS:
         weights = [linears[name].weight.detach() for name in consumers]
@@ -390,32 +405,29 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             stats[point].rescale(migration.scales)
         elif migration.rotation:
             stats[point] = stats[point].rotated_view()
-    result: dict[str, LinearQuant] = {}
-    for point, consumers, _ in _GROUPS:
-        samples = stats[point].sample_matrix(config.sample_tokens)
-        rotation, searched = migrations[point].rotation, migrations[point].gptq_weights
-        point_scale = activation_scale(samples, float(stats[point].absmax.max()), config.act_scale) if quantize_acts else None
-        for index, name in enumerate(consumers):
-            input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
-            linear = linears[name]
-            weight = linear.weight.detach().clone()
-            if rotation:
-                weight = rotate(weight, rotation)
-            if searched:
-                dequantized, weight_scales = searched[index]
-            else:
-                dequantized, weight_scales = _quantize_weight(config, name, weight, stats[point])
-            x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
-            error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
-            if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
-                # Mixed-precision fallback: this linear keeps INT8 weights but float inputs.
-                input_scale = None
-                error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
-            with torch.no_grad():
-                # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
-                linear.weight.copy_(rotate(dequantized, rotation) if rotation else dequantized)
-            result[f"{prefix}.{name}"] = LinearQuant(weight_scales, input_scale, error, migrations[point].ratio, rotation)
-    return result
+    return migrations
+
+
+def _quantize_linear(config: QuantizeConfig, name: str, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
+                     input_scale: float | None, migration: Migration, index: int) -> LinearQuant:
+    """Quantize one linear in place (the ``index``-th consumer of its input) and measure its SQNR on ``samples``."""
+    weight = linear.weight.detach().clone()
+    if migration.rotation:
+        weight = rotate(weight, migration.rotation)
+    if migration.gptq_weights:
+        dequantized, weight_scales = migration.gptq_weights[index]
+    else:
+        dequantized, weight_scales = _quantize_weight(config, name, weight, stats)
+    x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
+    error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
+    if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
+        # Mixed-precision fallback: this linear keeps INT8 weights but float inputs.
+        input_scale = None
+        error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
+    with torch.no_grad():
+        # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
+        linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
+    return LinearQuant(weight_scales, input_scale, error, migration.ratio, migration.rotation)
 
 
 def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:

@@ -76,6 +76,7 @@ def test_rotated_down_proj_is_rotated_in_the_graph_and_exact_in_the_saved_folder
     _, out = runs["int8"]
     rotated = json.loads((out / "02_quantize" / "stage.json").read_text())["metrics"]["rotated_linears"]
     assert rotated and all(name.endswith("mlp.down_proj") for name in rotated)
+    assert f"{len(rotated)} inputs Hadamard-rotated" in (out / "report.md").read_text()
     graph = _graph(out)
     inits = {i.name: numpy_helper.to_array(i) for i in graph.graph.initializer}
     producers = {o: n for n in graph.graph.node for o in n.output}

@@ -30,6 +30,10 @@ def _stage_summary(stage: dict[str, Any]) -> str:
     if metrics.get("method") in ("int8", "int4", "rtn") and "median_sqnr_db" in metrics:
         parts.append(f"{metrics['method']} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
                      f"{len(metrics.get('outlier_layers', []))} outlier linears")
+        if metrics.get("rotated_linears"):
+            parts.append(f"{len(metrics['rotated_linears'])} inputs Hadamard-rotated")
+        if metrics.get("float_input_linears"):
+            parts.append(f"{len(metrics['float_input_linears'])} linears with float inputs")
     if "onnx_size_bytes" in metrics:
         parts.append(f"ONNX {metrics['onnx_size_bytes'] / 1e6:.1f} MB")
     parity = metrics.get("parity")
