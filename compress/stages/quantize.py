@@ -52,8 +52,9 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
         log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(float_inputs))
     rotated = result.rotated_linears()
     if config.hadamard_block:
-        log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %d)", len(rotated),
-                 len(model.model.layers), config.hadamard_block)
+        blocks = sorted({q.rotation for q in result.linears.values() if q.rotation})
+        log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %s)", len(rotated),
+                 len(model.model.layers), "/".join(map(str, blocks)) or "-")
     bits, acts, group = config.scheme()
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
