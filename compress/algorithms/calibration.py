@@ -112,7 +112,6 @@ class InputStats:
     tokens: int = 0
     rotation: int = 0
     rotated_absmax: torch.Tensor | None = None
-    rotated_sq_sum: torch.Tensor | None = None
 
     def add(self, x: torch.Tensor, want_hessian: bool, sample_rows: int, generator: torch.Generator) -> None:
         rows = x.reshape(-1, x.shape[-1]).float()
@@ -125,26 +124,22 @@ class InputStats:
             self.hessian = gram if self.hessian is None else self.hessian + gram
         self.tokens += rows.shape[0]
         if self.rotation:
-            self._add_rotated(rotate(rows, self.rotation))
+            absmax = rotate(rows, self.rotation).abs().amax(dim=0)
+            self.rotated_absmax = absmax if self.rotated_absmax is None else torch.maximum(self.rotated_absmax, absmax)
         if sample_rows:
             pool = _without_sink_positions(x).reshape(-1, x.shape[-1]).float()
             picks = torch.randperm(pool.shape[0], generator=generator)[:sample_rows]
             self.samples.append(pool[picks])
 
-    def _add_rotated(self, rows: torch.Tensor) -> None:
-        absmax = rows.abs().amax(dim=0)
-        self.rotated_absmax = absmax if self.rotated_absmax is None else torch.maximum(self.rotated_absmax, absmax)
-        squares = rows.double().pow(2).sum(dim=0)
-        self.rotated_sq_sum = squares if self.rotated_sq_sum is None else self.rotated_sq_sum + squares
-
     def rotated_view(self) -> InputStats:
         """The statistics of the input after its Hadamard rotation (requires ``rotation`` set before ``add``)."""
         if not self.rotation or self.rotated_absmax is None:
             raise ValueError("these statistics were gathered without a rotation")
+        hessian = None if self.hessian is None else rotate_gram(self.hessian, self.rotation)
         return InputStats(
             absmax=self.rotated_absmax,
-            sq_sum=self.rotated_sq_sum,
-            hessian=None if self.hessian is None else rotate_gram(self.hessian, self.rotation),
+            sq_sum=None if hessian is None else hessian.diagonal().clone(),  # sums of squares of the rotated input
+            hessian=hessian,
             samples=[rotate(s, self.rotation) for s in self.samples],
             tokens=self.tokens,
         )
