@@ -77,33 +77,26 @@ def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = Fal
     return DecoderLayout(cfg.num_hidden_layers, kv_heads, head_dim, eos_token_ids, int8_activations)
 
 
-def write_qdq(path: Path, model, quant_meta: dict, linears: dict) -> dict:
-    """Turn the float export at ``path`` into a Q/DQ graph using the quantize stage's scales."""
-    import onnx
-
+def write_qdq(graph_model, model, quant_meta: dict, linears: dict) -> dict:
+    """Turn the float export ``graph_model`` (an ONNX ModelProto) into a Q/DQ graph using the quantize stage's scales."""
     bits = int(quant_meta["weight_bits"])
     export = [
         LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), bits, q.input_scale,
                         q.rotation)
         for name, q in linears.items()
     ]
-    graph = onnx.load(str(path))
-    stats = apply_qdq(graph, export)
-    onnx.save(graph, str(path))
-    return stats
+    return apply_qdq(graph_model, export)
 
 
-def share_tied_embedding(path: Path) -> bool:
+def share_tied_embedding(graph_model) -> bool:
     """Store a tied embedding once: the LM head reads the transposed embedding table instead of a copy.
 
     The exporter writes the tied matrix twice (the ``Gather`` table and the head's ``(hidden, vocab)``
     ``MatMul`` weight). The copy is replaced by a ``Transpose`` of the table, which runtimes fold
     when the session is built. Returns whether a copy was removed.
     """
-    import onnx
     from onnx import helper, numpy_helper
 
-    graph_model = onnx.load(str(path))
     graph = graph_model.graph
     initializers = {init.name: init for init in graph.initializer}
     tables = {n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in initializers
@@ -122,7 +115,6 @@ def share_tied_embedding(path: Path) -> bool:
             copy_name, node.input[1] = node.input[1], transposed
             if not any(copy_name in n.input for n in graph.node):
                 graph.initializer.remove(weight)
-            onnx.save(graph_model, str(path))
             return True
     return False
 
@@ -206,6 +198,26 @@ def check_parity(model, tokenizer, folder: Path, config: ExportOnnxConfig) -> di
     }
 
 
+def _rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dict:
+    """Q/DQ nodes for a quantized model and one copy of a tied embedding, in one load and save of the graph."""
+    import onnx
+
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    if not quantized and not tied:
+        return {}
+    graph_model = onnx.load(str(path))
+    qdq_stats = {}
+    if quantized:
+        meta, linears = quantized
+        log.info("writing Q/DQ nodes (%s, %d-bit weights)", meta["method"], meta["weight_bits"])
+        qdq_stats = write_qdq(graph_model, model, meta, linears)
+        attach_activation_quant(model, linears)
+    if tied and share_tied_embedding(graph_model):
+        log.info("tied embedding stored once (the LM head reads the transposed table)")
+    onnx.save(graph_model, str(path))
+    return qdq_stats
+
+
 def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     model = load_causal_lm(source.path, trust_remote_code=ctx.plan.options.trust_remote_code)
     tokenizer = load_tokenizer(source.path)
@@ -216,14 +228,7 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     layout = decoder_layout(model, eos_ids(model, tokenizer), int8_activations)
     log.info("exporting %d layers to ONNX with the %s exporter (opset %d)", layout.num_layers, config.exporter, config.opset)
     export_decoder(model, layout, out / ONNX_FILE, config.exporter, config.opset)
-    qdq_stats = {}
-    if quantized:
-        meta, linears = quantized
-        log.info("writing Q/DQ nodes (%s, %d-bit weights)", meta["method"], meta["weight_bits"])
-        qdq_stats = write_qdq(out / ONNX_FILE, model, meta, linears)
-        attach_activation_quant(model, linears)
-    if getattr(model.config, "tie_word_embeddings", False) and share_tied_embedding(out / ONNX_FILE):
-        log.info("tied embedding stored once (the LM head reads the transposed table)")
+    qdq_stats = _rewrite_graph(out / ONNX_FILE, model, quantized)
     atomic_write_json(out / LAYOUT_FILE, layout.to_json())
     for name in _SIDE_FILES:
         if (Path(source.path) / name).is_file():
