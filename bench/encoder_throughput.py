@@ -26,7 +26,7 @@ SENTENCES = 256
 def main() -> None:
     from transformers import AutoModel, AutoTokenizer
 
-    text = DEFAULT_EVALUATION.read_text(encoding="utf-8")[5000:200_000]
+    text = DEFAULT_EVALUATION[0].read_text(encoding="utf-8")[5000:200_000]
     sentences = [s.strip().replace("\n", " ") for s in re.split(r"(?<=[.!?])\s+", text) if len(s.strip()) > 20][:SENTENCES]
     source = resolve_model("all-minilm-l6-v2").path
     model = AutoModel.from_pretrained(source).eval()

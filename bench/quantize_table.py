@@ -70,7 +70,7 @@ def interleaved_latency(names: list[str], rounds: int = 3, prompt_tokens: int = 
         onnx_dir = next((OUT / name).glob("*_export_onnx/onnx"))
         decoders[name] = OnnxDecoder(onnx_dir)
     tokenizer = load_tokenizer(next((OUT / names[0]).glob("*_export_onnx/onnx")))
-    prompt = tokenizer(DEFAULT_EVALUATION.read_text(encoding="utf-8")[EVAL_SKIP_CHARS:]).input_ids[:prompt_tokens]
+    prompt = tokenizer(DEFAULT_EVALUATION[0].read_text(encoding="utf-8")[EVAL_SKIP_CHARS:]).input_ids[:prompt_tokens]
     samples: dict[str, list[float]] = {name: [] for name in names}
     for _ in range(rounds):
         for name, decoder in decoders.items():

@@ -38,7 +38,7 @@ def main() -> None:
     tokenizer = load_tokenizer(folder)
     sources = load_calibration(DEFAULT_CALIBRATION)
     calibration = calibration_windows(tokenizer, sources, 512, 8)
-    evaluation = token_windows(tokenizer, DEFAULT_EVALUATION.read_text(encoding="utf-8"), 512, 2048, EVAL_SKIP_CHARS)
+    evaluation = token_windows(tokenizer, DEFAULT_EVALUATION[0].read_text(encoding="utf-8"), 512, 2048, EVAL_SKIP_CHARS)
     dense = perplexity(torch_logits_fn(teacher), evaluation, progress=False)
     training = default_training_options()
     print(f"KD settings (default recipe): {training}")

@@ -13,11 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import signal
 import sys
 import warnings
 from pathlib import Path
 
-from compress.errors import CompressError, UsageError
+from compress.errors import CompressError, Interrupted, UsageError, raise_interrupted
 
 EPILOG = """examples:
   compress run target=jetson-orin                       full pipeline on the embedded default model
@@ -29,7 +30,8 @@ EPILOG = """examples:
   compress show runs/jetson-orin-nano-8gb-default-smollm2-135m-instruct
   compress validate RUN_DIR target=jetson-agx-orin-64gb
 
-exit codes: 0 gate PASS, 1 gate FAIL, 2 usage or input error, 3 gate NOT_MEASURED, 4 stage error
+exit codes: 0 gate PASS, 1 gate FAIL, 2 usage or input error, 3 gate NOT_MEASURED, 4 stage error,
+            130 / 143 stopped by SIGINT / SIGTERM (the run is marked failed; rerun to resume)
 """
 
 
@@ -45,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and stage plan; do no work")
     run.add_argument("--require-measured", action="store_true", help="predicted checks count as NOT_MEASURED")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
+    run.add_argument("--force", action="store_true",
+                     help="out= holds a compress run of another plan: replace the stage folders its manifest records")
 
     ls = sub.add_parser("ls", help="list targets, recipes or stages")
     ls.add_argument("what", choices=["targets", "recipes", "stages"])
@@ -93,7 +97,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from compress.runner import RunOptions, build_plan, execute
 
     options = RunOptions.from_pairs(split_overrides(args.pairs), require_measured=args.require_measured,
-                                    progress=not args.no_progress and sys.stderr.isatty(), dry_run=args.dry_run)
+                                    progress=not args.no_progress and sys.stderr.isatty(), dry_run=args.dry_run,
+                                    force=args.force)
     plan = build_plan(options)
     if args.dry_run:
         print(json.dumps(plan.describe(), indent=2))
@@ -153,11 +158,11 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     from compress.config import split_overrides
     from compress.revalidate import revalidate
 
-    report = revalidate(args.run_dir, split_overrides(args.pairs), require_measured=args.require_measured,
-                        on_device=args.on_device)
-    if report.get("on_device") and "status" in report["on_device"]:
-        print(f"on-device measurement {report['on_device']['status']}")
-    print(f"{report['gate']['verdict']}: {args.run_dir / 'report.md'}")
+    report, written = revalidate(args.run_dir, split_overrides(args.pairs), require_measured=args.require_measured,
+                                 on_device=args.on_device)
+    if report.get("on_device"):
+        print(f"on-device measurement: {report['on_device']['status']}")
+    print(f"{report['gate']['verdict']}: {written}")
     for check in report["gate"]["checks"]:
         print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
     return report["exit_code"]
@@ -194,14 +199,21 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "pairs"):
         args.pairs = list(args.pairs) + [word for word in extra if word not in leftover]
     _setup_logging(args.quiet)
+    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return COMMANDS[args.command](args)
     except CompressError as exc:
         print(f"compress: error: {exc}", file=sys.stderr)
         return exc.exit_code
+    except Interrupted as exc:
+        print(f"compress: {exc}; rerun the same command to resume", file=sys.stderr)
+        return exc.exit_code
     except KeyboardInterrupt:
-        print("compress: interrupted; rerun the same command to resume", file=sys.stderr)
+        print("compress: interrupted (SIGINT); rerun the same command to resume", file=sys.stderr)
         return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _exit() -> None:

@@ -46,7 +46,10 @@ class Gpu(StrictModel):
 class Budgets(StrictModel):
     """What the validator enforces on this target."""
 
-    max_ppl_increase_pct: PositiveFloat
+    max_ppl_increase_pct: PositiveFloat = Field(description="perplexity increase on the worst evaluation domain")
+    min_top1_agreement: float = Field(0.85, gt=0.0, le=1.0,
+                                      description="share of next-token argmax predictions equal to the reference model's")
+    max_mean_kl: PositiveFloat = Field(0.1, description="mean KL(reference || model) per token, nats, on the mixed evaluation text")
     max_decode_latency_ms: PositiveFloat
     max_ttft_ms: PositiveFloat
     max_memory_gb: PositiveFloat

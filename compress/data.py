@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,21 +13,46 @@ from compress.config import PROJECT_ROOT
 from compress.errors import UsageError
 from compress.fsutil import sha256_file
 
-DEFAULT_CALIBRATION = (PROJECT_ROOT / "calib_data" / "calibration" / "emma.txt",
-                       PROJECT_ROOT / "calib_data" / "calibration" / "mansfieldpark.txt")
-DEFAULT_EVALUATION = PROJECT_ROOT / "calib_data" / "evaluation" / "prideprejudice.txt"
+_SHIPPED = PROJECT_ROOT / "calib_data"
+# (domain, file): the shipped text (calib_data/PROVENANCE.md). Calibration and evaluation never share
+# a document; the evaluation domains no calibration domain covers are the "unseen" ones.
+DEFAULT_CALIBRATION_DOMAINS: tuple[tuple[str, Path], ...] = (
+    ("austen", _SHIPPED / "calibration" / "emma.txt"),
+    ("austen", _SHIPPED / "calibration" / "mansfieldpark.txt"),
+    ("press", _SHIPPED / "calibration" / "press.txt"),
+    ("fiction", _SHIPPED / "calibration" / "fiction.txt"),
+    ("lore", _SHIPPED / "calibration" / "lore.txt"),
+)
+DEFAULT_EVALUATION_DOMAINS: tuple[tuple[str, Path], ...] = (
+    ("austen", _SHIPPED / "evaluation" / "prideprejudice.txt"),
+    ("press", _SHIPPED / "evaluation" / "press.txt"),
+    ("fiction", _SHIPPED / "evaluation" / "fiction.txt"),
+    ("learned", _SHIPPED / "evaluation" / "learned.txt"),
+    ("government", _SHIPPED / "evaluation" / "government.txt"),
+    ("religion", _SHIPPED / "evaluation" / "religion.txt"),
+)
+DEFAULT_CALIBRATION = tuple(path for _, path in DEFAULT_CALIBRATION_DOMAINS)
+DEFAULT_EVALUATION = tuple(path for _, path in DEFAULT_EVALUATION_DOMAINS)
 EVAL_SKIP_CHARS = 5000
-_OVERLAP_PROBE_LINES = 200
-_OVERLAP_MIN_LINE = 60
+SHINGLE_WORDS = 8
+_OVERLAP_PROBES = 2000
+_OVERLAP_REFUSE_FRACTION = 0.10
 
 
 @dataclass(frozen=True)
 class TextSource:
-    """A checked text file and its hash."""
+    """A checked text file, its hash and the domain it stands for (the file's stem unless shipped with a name)."""
 
     path: Path
     sha256: str
     text: str
+    domain: str = ""
+
+
+def domain_of(path: Path) -> str:
+    """The domain name of a text file: its shipped name, else the file's stem."""
+    shipped = dict((p, d) for d, p in DEFAULT_CALIBRATION_DOMAINS + DEFAULT_EVALUATION_DOMAINS)
+    return shipped.get(Path(path).resolve(), Path(path).stem)
 
 
 def read_text_file(path: Path, role: str) -> TextSource:
@@ -41,7 +67,7 @@ def read_text_file(path: Path, role: str) -> TextSource:
         raise UsageError(f"{role} text {path} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from exc
     if not text.strip():
         raise UsageError(f"{role} text {path} is empty")
-    return TextSource(path=path, sha256=sha256_file(path), text=text)
+    return TextSource(path=path, sha256=sha256_file(path), text=text, domain=domain_of(path))
 
 
 def split_paths(value: str | Sequence[str | Path] | None, default: Sequence[Path]) -> list[Path]:
@@ -53,24 +79,67 @@ def split_paths(value: str | Sequence[str | Path] | None, default: Sequence[Path
     return [Path(part) for part in value]
 
 
+def load_texts(paths: Sequence[Path], role: str) -> list[TextSource]:
+    """Read every calibration or evaluation file."""
+    if not paths:
+        raise UsageError(f"no {role} text given")
+    return [read_text_file(path, role) for path in paths]
+
+
 def load_calibration(paths: Sequence[Path]) -> list[TextSource]:
     """Read every calibration file."""
-    if not paths:
-        raise UsageError("no calibration text given")
-    return [read_text_file(path, "calibration") for path in paths]
+    return load_texts(paths, "calibration")
 
 
-def check_disjoint(calibration: Sequence[TextSource], evaluation: TextSource) -> None:
-    """Refuse calibration text that contains the evaluation text (same file, or shared long lines)."""
+def load_evaluation(paths: Sequence[Path]) -> list[TextSource]:
+    """Read the evaluation domains; two files of one domain name are refused (the report keys on it)."""
+    sources = load_texts(paths, "evaluation")
+    names = [s.domain for s in sources]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise UsageError(f"evaluation domains must have distinct file names; {', '.join(duplicated)} appears twice")
+    return sources
+
+
+def unseen_domains(calibration: Sequence[TextSource], evaluation: Sequence[TextSource]) -> list[str]:
+    """Evaluation domains no calibration (or distillation training) text came from."""
+    seen = {s.domain for s in calibration}
+    return [s.domain for s in evaluation if s.domain not in seen]
+
+
+def word_shingles(text: str, words: int = SHINGLE_WORDS) -> list[str]:
+    """Every run of ``words`` consecutive words, lower-cased: line breaks, wrapping and punctuation cannot hide a copy."""
+    tokens = re.findall(r"\w+", text.lower())
+    return [" ".join(tokens[i:i + words]) for i in range(max(0, len(tokens) - words + 1))]
+
+
+def shingle_set(text: str) -> set[int]:
+    """Hashes of every word shingle of ``text``."""
+    return {hash(shingle) for shingle in word_shingles(text)}
+
+
+def shared_shingle_fraction(probe_text: str, reference: set[int]) -> float:
+    """Share of (up to 2,000 evenly sampled) word shingles of ``probe_text`` found in a :func:`shingle_set`."""
+    probe = word_shingles(probe_text)
+    if not probe:
+        return 0.0
+    probe = probe[:: max(1, len(probe) // _OVERLAP_PROBES)][:_OVERLAP_PROBES]
+    return sum(hash(shingle) in reference for shingle in probe) / len(probe)
+
+
+def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextSource]) -> None:
+    """Refuse calibration text that contains evaluation text: the same file, or 10% of its 8-word sequences."""
+    for evaluated in evaluation:
+        for source in calibration:
+            if source.sha256 == evaluated.sha256:
+                raise UsageError(f"calibration text {source.path} is the evaluation text {evaluated.path}; they must not overlap")
     for source in calibration:
-        if source.sha256 == evaluation.sha256:
-            raise UsageError(f"calibration text {source.path} is the evaluation text; they must not overlap")
-    probe = [line.strip() for line in evaluation.text.splitlines() if len(line.strip()) >= _OVERLAP_MIN_LINE]
-    probe = probe[:: max(1, len(probe) // _OVERLAP_PROBE_LINES)][:_OVERLAP_PROBE_LINES]
-    for source in calibration:
-        shared = sum(1 for line in probe if line in source.text)
-        if probe and shared > len(probe) // 10:
-            raise UsageError(f"calibration text {source.path} shares {shared} of {len(probe)} sampled lines with the evaluation text")
+        reference = shingle_set(source.text)
+        for evaluated in evaluation:
+            shared = shared_shingle_fraction(evaluated.text, reference)
+            if shared > _OVERLAP_REFUSE_FRACTION:
+                raise UsageError(f"calibration text {source.path} contains {100 * shared:.0f}% of the evaluation text "
+                                 f"{evaluated.path} (sequences of {SHINGLE_WORDS} words); they must not overlap")
 
 
 def token_windows(tokenizer, text: str, window: int, max_tokens: int, skip_chars: int = 0) -> torch.Tensor:

@@ -16,6 +16,7 @@ from compress.engine.plan import BuildPlan
 from compress.errors import MissingBackendError, UsageError
 from compress.fsutil import atomic_write_json, read_json, sha256_file
 from compress.perf_model import ModelShape, mode_tops
+from compress.rundir import locked
 from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout
 from compress.stages.build_engine import PLAN_FILE, timing_cache_path
 
@@ -43,7 +44,14 @@ def _engine_folder(run_dir: Path) -> tuple[Path, BuildPlan, Path]:
 
 def build_on_device(run_dir: Path) -> dict[str, Any]:
     """Build the run's engine here, from its plan; refuses when this host cannot build for the target."""
-    engine_dir, plan, onnx_dir = _engine_folder(Path(run_dir))
+    if not (Path(run_dir) / "manifest.json").is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no manifest.json)")
+    with locked(Path(run_dir)):
+        return _build_on_device(Path(run_dir))
+
+
+def _build_on_device(run_dir: Path) -> dict[str, Any]:
+    engine_dir, plan, onnx_dir = _engine_folder(run_dir)
     support = local_build_support(plan.gpu_sm)
     if not support.can_build:
         raise MissingBackendError(support.reason)
@@ -94,9 +102,11 @@ def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str,
     check_engine_provenance(engine_dir)
     target = load_target(plan.target)
     layout = DecoderLayout.load(onnx_dir)
-    decoder = TrtDecoder(engine_dir / plan.engine_file, layout)
     import torch
 
+    baseline_used = _device_memory_used_bytes()
+    decoder = TrtDecoder(engine_dir / plan.engine_file, layout)
+    peak_used = _device_memory_used_bytes()
     prompt_len = prompt_len or target.budgets.prompt_length
     prompt = torch.randint(0, 1000, (1, prompt_len), device="cuda")
     mask = torch.ones_like(prompt)
@@ -124,6 +134,8 @@ def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str,
         logits, past = decoder.forward(token, step_mask, past)
         torch.cuda.synchronize()
         steps.append((time.perf_counter() - start) * 1000)
+        if len(steps) % 64 == 0:
+            peak_used = max(peak_used, _device_memory_used_bytes())
     energy_end = _energy_mj()
     decode = percentiles(steps)
     ttft_ms = percentiles(ttft)["p50_ms"]
@@ -139,8 +151,17 @@ def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str,
             "bandwidth_utilisation": bandwidth / target.memory_bandwidth_gbps,
             "prefill_tflops": prefill_flops / (ttft_ms / 1000) / 1e12,
             "prefill_compute_utilisation": prefill_flops / (ttft_ms / 1000) / 1e12 / peak_tops,
+            "peak_device_memory_gb": (max(peak_used, _device_memory_used_bytes()) - baseline_used) / 1e9,
             "joules_per_token": joules, "energy_source": "nvml" if joules is not None else "not measured (no NVML)",
             "engine_sha256": hashlib.sha256((engine_dir / plan.engine_file).read_bytes()).hexdigest()}
+
+
+def _device_memory_used_bytes() -> int:
+    """Bytes in use on the current CUDA device (all processes; the caller subtracts a baseline taken before loading)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def _energy_mj() -> float | None:

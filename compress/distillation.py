@@ -333,7 +333,7 @@ class Distiller:
         self.history = list(state["history"])
         return True
 
-    def run(self, evaluate: Callable[[], float] | None = None, progress: bool = True) -> list[dict[str, float]]:
+    def run(self, evaluate: Callable[[], dict[str, float]] | None = None, progress: bool = True) -> list[dict[str, float]]:
         """Train to ``steps``, resuming from the last checkpoint when one exists."""
         if self.load_checkpoint():
             log.info("resuming distillation from step %d", self.step)
@@ -350,7 +350,7 @@ class Distiller:
             point: dict[str, float] = {"step": self.step, "loss": loss, "tokens_per_s": rate}
             if evaluate is not None and self.rank == 0 and (self.step % config.eval_every == 0 or self.step == config.steps):
                 self.student.eval()
-                point["perplexity"] = evaluate()
+                point.update(evaluate())
                 self.student.train()
             self.history.append(point)
             if self.step % config.checkpoint_every == 0 or self.step == config.steps:

@@ -7,9 +7,12 @@ Exit codes (stable, documented in the README):
 * 2 - usage or input error (bad target, recipe, override, model, data, output path, disk write)
 * 3 - the gate could not be completed (a check is NOT_MEASURED)
 * 4 - a stage failed while running
+* 130 / 143 - stopped by SIGINT / SIGTERM (128 + the signal number); the run is marked failed
 """
 
 from __future__ import annotations
+
+import signal
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
@@ -40,3 +43,22 @@ class MissingBackendError(CompressError):
     """An optional heavy backend (TensorRT, pycuda, ...) is not installed."""
 
     exit_code = EXIT_STAGE_ERROR
+
+
+class Interrupted(BaseException):
+    """The process was asked to stop by a signal (SIGINT, SIGTERM); exits with 128 + the signal number.
+
+    A ``BaseException`` like ``KeyboardInterrupt``, so that no ``except Exception`` swallows it and
+    every staging folder is still cleaned up on the way out.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        word = "interrupted" if signum == signal.SIGINT else "terminated"
+        super().__init__(f"{word} ({signal.Signals(signum).name})")
+
+
+def raise_interrupted(signum: int, _frame: object) -> None:
+    """A signal handler that turns SIGINT/SIGTERM into :class:`Interrupted`."""
+    raise Interrupted(signum)

@@ -6,6 +6,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -18,14 +19,45 @@ from compress.errors import UsageError
 _DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
+_OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
+
+
+def disk_errno(exc: BaseException) -> int | None:
+    """The errno of a file system refusing a write, found in ``exc`` or its causes; None otherwise.
+
+    Libraries written in Rust or C++ (safetensors, tokenizers, onnx) report I/O failures as their own
+    exception types with ``(os error N)`` in the message, so the text is read too.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_ERRNOS:
+            return current.errno
+        match = _OS_ERROR_IN_TEXT.search(str(current))
+        if match and int(match.group(1)) in _DISK_ERRNOS:
+            return int(match.group(1))
+        current = current.__cause__ or current.__context__
+    return None
+
+
 def is_disk_write_error(exc: BaseException) -> bool:
-    """True when ``exc`` is an OS error caused by the file system refusing a write."""
-    return isinstance(exc, OSError) and exc.errno in _DISK_ERRNOS
+    """True when ``exc`` (or its cause) is the file system refusing a write."""
+    return disk_errno(exc) is not None
 
 
-def disk_write_error(exc: OSError, path: Path | str) -> UsageError:
-    """A user-facing error for a failed write."""
-    return UsageError(f"cannot write to {path}: {exc.strerror or exc}")
+def written_path(exc: BaseException) -> str | None:
+    """The path a failed write was writing to: the destination of a copy or rename, else the file named."""
+    if isinstance(exc, OSError):
+        return exc.filename2 or exc.filename
+    return None
+
+
+def disk_write_error(exc: BaseException, path: Path | str) -> UsageError:
+    """A user-facing error for a failed write, naming the path that could not be written."""
+    code = disk_errno(exc)
+    reason = os.strerror(code) if code is not None else (getattr(exc, "strerror", None) or str(exc))
+    return UsageError(f"cannot write to {path}: {reason}")
 
 
 def atomic_write_bytes(path: Path, data: bytes) -> None:
@@ -78,12 +110,6 @@ def staging_dir(final: Path) -> Iterator[Path]:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-
-
-def remove_stale_staging(folder: Path) -> None:
-    """Remove ``.tmp-*`` folders left behind by a killed process."""
-    for stale in Path(folder).glob(".tmp-*"):
-        shutil.rmtree(stale, ignore_errors=True) if stale.is_dir() else stale.unlink(missing_ok=True)
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:

@@ -14,7 +14,7 @@ Source = Literal["measured", "predicted"]
 
 @dataclass(frozen=True)
 class Check:
-    """One gate check: ``value`` compared with ``limit`` (lower is better)."""
+    """One gate check: ``value`` compared with ``limit``; ``bound`` says whether the limit is a maximum or a minimum."""
 
     name: str
     value: float | None
@@ -23,6 +23,7 @@ class Check:
     source: Source
     unit: str = ""
     detail: str = ""
+    bound: Literal["upper", "lower"] = "upper"
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -37,10 +38,19 @@ def upper_bound_check(name: str, value: float | None, limit: float, source: Sour
     return Check(name, float(value), limit, verdict, source, unit, detail)
 
 
+def lower_bound_check(name: str, value: float | None, limit: float, source: Source, unit: str = "",
+                      detail: str = "") -> Check:
+    """PASS when ``value >= limit``; a missing value is NOT_MEASURED, never PASS."""
+    if value is None:
+        return Check(name, None, limit, NOT_MEASURED, source, unit, detail or "not measured", "lower")
+    verdict: Verdict = PASS if value >= limit else FAIL
+    return Check(name, float(value), limit, verdict, source, unit, detail, "lower")
+
+
 def require_measured(checks: list[Check]) -> list[Check]:
     """Turn predicted checks into NOT_MEASURED (for ``--require-measured``)."""
     return [
-        Check(c.name, c.value, c.limit, NOT_MEASURED, c.source, c.unit, "predicted, but measured values are required")
+        Check(c.name, c.value, c.limit, NOT_MEASURED, c.source, c.unit, "predicted, but measured values are required", c.bound)
         if c.source == "predicted" and c.verdict != FAIL else c
         for c in checks
     ]

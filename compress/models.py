@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compress.errors import UsageError
-from compress.fsutil import sha256_file, staging_dir
+from compress.fsutil import disk_write_error, is_disk_write_error, sha256_file, staging_dir, written_path
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _package_dir(package: str) -> Path | None:
     return Path(list(spec.submodule_search_locations)[0])
 
 
-def resolve_model(spec: str, weights_required: bool = True) -> ModelSource:
+def resolve_model(spec: str, weights_required: bool = True, trust_remote_code: bool = False) -> ModelSource:
     """Turn ``model=`` into a checked :class:`ModelSource`, or raise a usage error naming the problem."""
     if spec in BUILTIN_MODELS:
         builtin = BUILTIN_MODELS[spec]
@@ -91,7 +91,7 @@ def resolve_model(spec: str, weights_required: bool = True) -> ModelSource:
         if path.is_file() and path.suffix != ".gguf":
             raise UsageError(f"model file {spec} is not a .gguf file; give a Hugging Face folder or a .gguf file")
         source = ModelSource(spec, "gguf" if path.is_file() else "hf-folder", path.resolve(), _folder_license(path))
-    check_model_files(source, weights_required)
+    check_model_files(source, weights_required, trust_remote_code)
     return source
 
 
@@ -121,8 +121,8 @@ def gguf_architecture(path: Path) -> str:
         raise UsageError(f"{path} is a corrupt GGUF file: {type(exc).__name__}: {exc}") from exc
 
 
-def check_model_files(source: ModelSource, weights_required: bool = True) -> None:
-    """Cheap checks before any work: the files are there, parse, and are of a supported kind."""
+def check_model_files(source: ModelSource, weights_required: bool = True, trust_remote_code: bool = False) -> None:
+    """Cheap checks before any work: the files are there, parse, are of a supported kind, and load safely."""
     if source.kind == "gguf":
         arch = gguf_architecture(source.path)
         if arch not in SUPPORTED_GGUF_ARCHITECTURES:
@@ -134,15 +134,56 @@ def check_model_files(source: ModelSource, weights_required: bool = True) -> Non
     if not config.is_file():
         raise UsageError(f"{source.path} has no config.json: not a Hugging Face model folder")
     try:
-        json.loads(config.read_text(encoding="utf-8"))
+        config_dict = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, UnicodeDecodeError) as exc:
         raise UsageError(f"{config} is corrupt: {exc}") from exc
+    if not trust_remote_code:
+        _refuse_custom_code(source.spec, config_dict)
     weights = sorted(source.path.glob("*.safetensors"))
+    pickles = sorted(source.path.glob("*.bin"))
     if weights:
         for file in weights:
             _check_safetensors(file)
-    elif weights_required and not any(source.path.glob("*.bin")):
+    elif pickles:
+        for file in pickles:
+            _check_pickle(source.spec, file)
+    elif weights_required:
         raise UsageError(f"{source.path} has no weights (*.safetensors or *.bin)")
+
+
+def _refuse_custom_code(spec: str, config: dict) -> None:
+    """A model whose type transformers does not know and that ships its own code runs only with trust_remote_code."""
+    if not isinstance(config, dict) or "auto_map" not in config:
+        return
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = config.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise UsageError(f"model={spec} runs its own Python code (model_type {model_type!r}, auto_map in config.json); "
+                         "pass trust_remote_code=true if you trust it")
+
+
+def _check_pickle(spec: str, file: Path) -> None:
+    """Pickled ``*.bin`` weights must load with ``weights_only=True`` (tensors only, no code); checked without reading the data."""
+    import pickle
+
+    import torch
+
+    try:
+        try:
+            torch.load(file, weights_only=True, mmap=True, map_location="cpu")
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            torch.load(file, weights_only=True, map_location="cpu")  # legacy (non-zip) format cannot be memory-mapped
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines else "")
+        raise UsageError(f"model={spec}: {file.name} holds pickled objects that safe loading refuses ({reason.rstrip('.')}); "
+                         "convert the weights to safetensors") from exc
+    except Exception as exc:
+        first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise UsageError(f"model={spec}: {file.name} is not a readable PyTorch weights file ({first})") from exc
 
 
 def _check_safetensors(file: Path) -> None:
@@ -182,8 +223,13 @@ def materialize(source: ModelSource) -> Path:
         log.info("using cached conversion %s", cached)
         return cached
     log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
-    with staging_dir(cached) as tmp:
-        _convert_gguf(source.path, tmp)
+    try:
+        with staging_dir(cached) as tmp:
+            _convert_gguf(source.path, tmp)
+    except Exception as exc:
+        if is_disk_write_error(exc):
+            raise disk_write_error(exc, written_path(exc) or cached) from exc
+        raise
     return cached
 
 
@@ -209,7 +255,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:
-        raise UsageError(f"cannot load GGUF model {gguf_path}: {exc}") from exc
+        raise UsageError(f"cannot load GGUF model {gguf_path}: {first_line(exc)}") from exc
     # A GGUF-loaded model carries a quantizer marker that save_pretrained refuses; the weights are
     # already dequantized to fp32, so the marker is dropped.
     model.hf_quantizer = None
@@ -219,15 +265,20 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def load_causal_lm(folder: Path, trust_remote_code: bool = False):
-    """Load a causal LM in fp32 for CPU work, safely."""
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors often run to many lines)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None):
+    """Load a causal LM in fp32 for CPU work, safely; ``name`` is what the user called the model, for errors."""
     import torch
     from transformers import AutoModelForCausalLM
 
     try:
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise UsageError(f"cannot load model from {folder}: {exc}") from exc
+        raise UsageError(f"cannot load model {name or folder}: {first_line(exc)}") from exc
     return model.eval()
 
 
@@ -252,7 +303,12 @@ def link_or_copy_tree(src: Path, dst: Path) -> None:
         try:
             os.link(item, target)
         except OSError:
-            shutil.copy2(item, target)
+            try:
+                shutil.copy2(item, target)
+            except OSError as exc:
+                if is_disk_write_error(exc):
+                    raise disk_write_error(exc, target) from exc
+                raise
 
 
 def save_model_folder(model, tokenizer, source: Path, out: Path) -> None:

@@ -11,12 +11,13 @@ from typing import Any
 
 from compress.config import load_target
 from compress.device import measure_on_device
-from compress.errors import MissingBackendError, UsageError
+from compress.errors import EXIT_NOT_MEASURED, MissingBackendError, UsageError
 from compress.fsutil import atomic_write_json, atomic_write_text, read_json
 from compress.gate import NOT_MEASURED, Check, exit_code_for, gate_json, upper_bound_check
 from compress.gate import require_measured as require_measured_checks
 from compress.predict_cli import select_power_mode
 from compress.report.markdown import render_markdown
+from compress.rundir import locked
 from compress.runner import apply_budget_overrides
 from compress.stages.validate import gate_checks, target_predictions
 
@@ -31,26 +32,43 @@ def _stage_record(run_dir: Path, name: str) -> dict[str, Any]:
     raise UsageError(f"{run_dir} has no finished {name} stage")
 
 
-def _on_device_checks(run_dir: Path, checks: list[Check], target) -> tuple[list[Check], dict[str, Any] | None]:
-    """Replace predicted latency checks by measurements with the engine, or mark them not run."""
+ON_DEVICE_CHECKS = ("decode_latency_ms", "ttft_ms", "memory_gb")
+
+
+def _on_device_checks(run_dir: Path, checks: list[Check], target) -> tuple[list[Check], dict[str, Any]]:
+    """Replace predicted latency and memory checks by measurements with the engine, or mark them not run."""
     try:
         measured = measure_on_device(run_dir, target.budgets.prompt_length)
     except MissingBackendError as exc:
         reason = str(exc)
-        return [Check(c.name, None, c.limit, NOT_MEASURED, "measured", c.unit, reason) if c.name in ("decode_latency_ms", "ttft_ms")
-                else c for c in checks], {"status": reason}
-    values = {"decode_latency_ms": measured["decode"]["p50_ms"], "ttft_ms": measured["ttft_ms"]}
-    limits = {"decode_latency_ms": target.budgets.max_decode_latency_ms, "ttft_ms": target.budgets.max_ttft_ms}
-    replaced = [upper_bound_check(c.name, values[c.name], limits[c.name], "measured", "ms", "TensorRT engine on this device")
-                if c.name in values else c for c in checks]
-    return replaced, measured
+        return [Check(c.name, None, c.limit, NOT_MEASURED, "measured", c.unit, reason) if c.name in ON_DEVICE_CHECKS
+                else c for c in checks], {"status": reason, "ran": False}
+    budgets = target.budgets
+    measurements = {
+        "decode_latency_ms": (measured["decode"]["p50_ms"], budgets.max_decode_latency_ms, "ms", "TensorRT engine on this device"),
+        "ttft_ms": (measured["ttft_ms"], budgets.max_ttft_ms, "ms", "TensorRT engine on this device"),
+        "memory_gb": (measured["peak_device_memory_gb"], budgets.max_memory_gb, "GB",
+                      "peak device memory of this process while the engine ran (cudaMemGetInfo)"),
+    }
+    replaced = [upper_bound_check(c.name, *measurements[c.name][:2], "measured", *measurements[c.name][2:])
+                if c.name in measurements else c for c in checks]
+    return replaced, {**measured, "status": "measured", "ran": True}
 
 
-def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = False, on_device: bool = False) -> dict[str, Any]:
-    """Recompute the gate; writes ``validate-<target>-<mode>.json|.md`` beside ``report.json``."""
+def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = False,
+               on_device: bool = False) -> tuple[dict[str, Any], Path]:
+    """Recompute the gate; writes ``validate-<target>-<mode>.json|.md`` beside ``report.json`` and returns the report and the ``.md`` path.
+
+    With ``on_device`` and no device to measure on, the exit code is 3 (not measured) whatever the host checks say.
+    """
     run_dir = Path(run_dir)
     if not (run_dir / "report.json").is_file():
         raise UsageError(f"{run_dir} is not a finished run (no report.json)")
+    with locked(run_dir):
+        return _revalidate(run_dir, pairs, require_measured, on_device)
+
+
+def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on_device: bool) -> tuple[dict[str, Any], Path]:
     budget_overrides = {k.split(".", 1)[1]: v for k, v in pairs.items() if k.startswith("budgets.")}
     unknown = [k for k in pairs if k not in REVALIDATE_KEYS and not k.startswith("budgets.")]
     if unknown:
@@ -70,10 +88,11 @@ def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = Fa
     if on_device:
         checks, device_result = _on_device_checks(run_dir, checks, target)
     gate = gate_json(require_measured_checks(checks) if require_measured else checks)
+    exit_code = EXIT_NOT_MEASURED if device_result is not None and not device_result["ran"] else exit_code_for(gate["verdict"])
     new_report = {**report, "target": {"name": target.name, "power_mode": mode, "budgets": target.budgets.model_dump()},
-                  "predictions": predictions, "gate": gate, "exit_code": exit_code_for(gate["verdict"]),
+                  "predictions": predictions, "gate": gate, "exit_code": exit_code,
                   "revalidated_from": report["target"]["name"], "on_device": device_result}
     stem = f"validate-{target.name}-{mode}"
     atomic_write_json(run_dir / f"{stem}.json", new_report)
     atomic_write_text(run_dir / f"{stem}.md", render_markdown(new_report))
-    return new_report
+    return new_report, run_dir / f"{stem}.md"

@@ -26,19 +26,21 @@ from pydantic import ValidationError
 from compress import __version__
 from compress.artifact import SOURCE, Artifact
 from compress.config import Budgets, Recipe, StrictModel, Target, format_validation_error, load_recipe, load_target, parse_override_value
-from compress.data import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, TextSource, check_disjoint, load_calibration, read_text_file, split_paths
-from compress.errors import CompressError, StageError, UsageError
-from compress.fsutil import (
-    atomic_write_json,
-    disk_write_error,
-    is_disk_write_error,
-    read_json,
-    remove_stale_staging,
-    sha256_path,
-    staging_dir,
+from compress.data import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_EVALUATION,
+    TextSource,
+    check_disjoint,
+    load_calibration,
+    load_evaluation,
+    split_paths,
+    unseen_domains,
 )
+from compress.errors import CompressError, StageError, UsageError
+from compress.fsutil import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_path, staging_dir, written_path
 from compress.models import DEFAULT_MODEL, ModelSource, model_config, resolve_model
 from compress.predict_cli import select_power_mode
+from compress.rundir import RunDirLock, check_run_dir, clean_for_run, plan_identity
 from compress.stages import StageDef, get_stage
 
 log = logging.getLogger("compress")
@@ -65,6 +67,7 @@ class RunOptions:
     require_measured: bool = False
     progress: bool = True
     dry_run: bool = False
+    force: bool = False
 
     @classmethod
     def from_pairs(cls, pairs: dict[str, str], **flags: Any) -> RunOptions:
@@ -115,9 +118,19 @@ class Plan:
     recipe: Recipe
     model: ModelSource
     calibration: list[TextSource]
-    evaluation: TextSource
+    evaluation: list[TextSource]
     stages: list[PlannedStage]
     out_dir: Path
+
+    @property
+    def unseen_domains(self) -> list[str]:
+        """Evaluation domains no calibration or training text came from."""
+        return unseen_domains(self.calibration, self.evaluation)
+
+    @property
+    def identity(self) -> dict[str, Any]:
+        """Recipe, model and stage list: a run directory holding another identity is another plan's."""
+        return plan_identity(self.recipe.model_dump(mode="json"), self.model.spec)
 
     def describe(self) -> dict[str, Any]:
         """The resolved configuration and stage plan, as printed by ``--dry-run``."""
@@ -128,8 +141,9 @@ class Plan:
             "recipe": self.recipe.name,
             "model": {"spec": self.model.spec, "kind": self.model.kind, "path": str(self.model.path)},
             "out": str(self.out_dir),
-            "calibration": [str(s.path) for s in self.calibration],
-            "evaluation": str(self.evaluation.path),
+            "calibration": [{"domain": s.domain, "path": str(s.path)} for s in self.calibration],
+            "evaluation": [{"domain": s.domain, "path": str(s.path), "seen": s.domain not in self.unseen_domains}
+                           for s in self.evaluation],
             "stages": [
                 {"dir": p.dirname, "name": p.stage.name, "input": p.stage.input_kind, "output": p.stage.output_kind,
                  "config": p.config.model_dump(mode="json")}
@@ -218,14 +232,6 @@ def _stage_options(recipe: Recipe, overrides: dict[str, str]) -> tuple[dict[str,
     return options, budget_overrides
 
 
-def _check_out_dir(out: Path) -> None:
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"out={out} is a file, not a folder")
-    parent = out if out.exists() else next((p for p in out.parents if p.exists()), Path("."))
-    if not parent.is_dir():
-        raise UsageError(f"out={out}: {parent} is not a folder")
-
-
 def default_out_dir(options: RunOptions, target: Target, recipe: Recipe) -> Path:
     """``runs/<target>-<recipe>-<model>``: the same command always means the same folder, so reruns resume."""
     model_name = Path(options.model).stem if options.model not in ("", DEFAULT_MODEL) else DEFAULT_MODEL
@@ -242,12 +248,12 @@ def build_plan(options: RunOptions) -> Plan:
     power_mode = (select_power_mode(target, options.power) if options.power else target.power_mode()).name
     planned = _check_stage_chain(recipe, stage_options, target)
     out_dir = options.out or default_out_dir(options, target, recipe)
-    _check_out_dir(out_dir)
-    model = resolve_model(options.model, weights_required=not options.dry_run)
+    model = resolve_model(options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code)
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
-    evaluation = read_text_file(Path(options.eval) if options.eval else DEFAULT_EVALUATION, "evaluation")
+    evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
     check_disjoint(calibration, evaluation)
     plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir)
+    check_run_dir(out_dir, plan.identity, options.force)
     _assign_fingerprints(plan)
     return plan
 
@@ -281,7 +287,7 @@ def _assign_fingerprints(plan: Plan) -> None:
     upstream = hashlib.sha256(
         json.dumps({"model": str(plan.model.path), "model_spec": plan.model.spec, "version": __version__}).encode()
     ).hexdigest()
-    data_hashes = [s.sha256 for s in plan.calibration] + [plan.evaluation.sha256]
+    data_hashes = [s.sha256 for s in plan.calibration] + [s.sha256 for s in plan.evaluation]
     for planned in plan.stages:
         material = {
             "upstream": upstream,
@@ -373,6 +379,14 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
     return final, record
 
 
+def data_record(plan: Plan) -> dict[str, Any]:
+    """The calibration and evaluation text of a run: domain, path and hash of each file, and the unseen domains."""
+    def entries(sources: list[TextSource]) -> list[dict[str, str]]:
+        return [{"domain": s.domain, "path": str(s.path), "sha256": s.sha256} for s in sources]
+
+    return {"calibration": entries(plan.calibration), "evaluation": entries(plan.evaluation), "unseen_domains": plan.unseen_domains}
+
+
 def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | None = None) -> dict[str, Any]:
     return {
         "schema_version": MANIFEST_SCHEMA,
@@ -383,10 +397,7 @@ def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | 
         "power_mode": plan.power_mode,
         "recipe": plan.recipe.model_dump(mode="json"),
         "model": {"spec": plan.model.spec, "path": str(plan.model.path), "license": plan.model.license},
-        "data": {
-            "calibration": [{"path": str(s.path), "sha256": s.sha256} for s in plan.calibration],
-            "evaluation": {"path": str(plan.evaluation.path), "sha256": plan.evaluation.sha256},
-        },
+        "data": data_record(plan),
         "versions": library_versions(),
         "stages": [
             {"name": r.name, "dir": r.dirname, "status": r.status, "fingerprint": r.record.get("fingerprint"),
@@ -405,29 +416,43 @@ def _attach_log_file(run_dir: Path) -> logging.Handler:
     return handler
 
 
+def _open_run_dir(plan: Plan) -> tuple[RunDirLock, logging.Handler]:
+    """Create or reclaim the run directory under its lock; mark it running before anything else is written."""
+    out = plan.out_dir
+    lock = RunDirLock(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        lock.acquire()
+    except OSError as exc:
+        raise disk_write_error(exc, out) from exc
+    try:
+        # Checked again under the lock: another process may have written here since planning.
+        earlier = check_run_dir(out, plan.identity, plan.options.force)
+        clean_for_run(out, earlier, plan.identity)
+        atomic_write_json(out / "manifest.json", _manifest(plan, "running", []))
+        handler = _attach_log_file(out)
+    except BaseException as exc:
+        lock.release()
+        if is_disk_write_error(exc):
+            raise disk_write_error(exc, written_path(exc) or out) from exc
+        raise
+    return lock, handler
+
+
 def execute(plan: Plan) -> RunResult:
     """Run a checked plan; finished stages whose fingerprint matches are reused."""
     from compress.report import build_report, write_reports
 
-    out = plan.out_dir
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-        remove_stale_staging(out)
-        handler = _attach_log_file(out)
-    except OSError as exc:
-        raise disk_write_error(exc, out) from exc
-    out = out.resolve()
-    plan.out_dir = out
-    _remove_foreign_stage_dirs(out, {p.dirname for p in plan.stages})
+    lock, handler = _open_run_dir(plan)
+    out = plan.out_dir = plan.out_dir.resolve()
     records: list[StageRecord] = []
     previous = Artifact(SOURCE, plan.model.path, {"spec": plan.model.spec})
     ctx = RunContext(plan=plan, run_dir=out, stage_dir=out, artifacts={}, progress=plan.options.progress)
     total = len(plan.stages)
+    current = out
     try:
-        atomic_write_json(out / "manifest.json", _manifest(plan, "running", records))
         for planned in plan.stages:
-            final_dir = out / planned.dirname
-            remove_stale_staging(final_dir.parent)
+            current = final_dir = out / planned.dirname
             reused = _reuse(final_dir, planned.fingerprint)
             if reused is not None:
                 artifact, record = reused
@@ -442,12 +467,13 @@ def execute(plan: Plan) -> RunResult:
             ctx.artifacts[planned.stage.name] = artifact
             previous = artifact
             atomic_write_json(out / "manifest.json", _manifest(plan, "running", records))
+        current = out
         report = build_report(plan, records)
         write_reports(out, report)
         atomic_write_json(out / "manifest.json", _manifest(plan, "finished", records))
         return RunResult(out, records, report, report["exit_code"])
     except BaseException as exc:
-        error = _as_compress_error(exc, out)
+        error = _as_compress_error(exc, current, out)
         _mark_failed(plan, records, error or exc)
         if error is not None and error is not exc:
             raise error from exc
@@ -455,24 +481,15 @@ def execute(plan: Plan) -> RunResult:
     finally:
         logging.getLogger().removeHandler(handler)
         handler.close()
+        lock.release()
 
 
-def _remove_foreign_stage_dirs(out: Path, keep: set[str]) -> None:
-    """Stage folders of an earlier, different plan in the same run directory would mislead; remove them."""
-    import re
-    import shutil
-
-    for folder in out.iterdir():
-        if folder.is_dir() and re.fullmatch(r"\d\d_\w+", folder.name) and folder.name not in keep:
-            log.info("removing %s: not a stage of this plan", folder.name)
-            shutil.rmtree(folder)
-
-
-def _as_compress_error(exc: BaseException, out: Path) -> CompressError | None:
+def _as_compress_error(exc: BaseException, writing: Path, out: Path) -> CompressError | None:
+    """The one-line error for a failure while ``writing`` (a stage folder, or the run directory)."""
     if isinstance(exc, CompressError):
         return exc
     if is_disk_write_error(exc):
-        return disk_write_error(exc, getattr(exc, "filename", None) or out)
+        return disk_write_error(exc, written_path(exc) or writing)
     if isinstance(exc, Exception):
         first_line = next((line for line in str(exc).splitlines() if line.strip()), "")
         log.debug("stage failure", exc_info=exc)
@@ -480,9 +497,15 @@ def _as_compress_error(exc: BaseException, out: Path) -> CompressError | None:
     return None
 
 
+def _failure_reason(exc: BaseException) -> str:
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted (SIGINT)"
+    return str(exc) or type(exc).__name__
+
+
 def _mark_failed(plan: Plan, records: list[StageRecord], exc: BaseException) -> None:
     try:
-        atomic_write_json(plan.out_dir / "manifest.json", _manifest(plan, "failed", records, error=str(exc)))
+        atomic_write_json(plan.out_dir / "manifest.json", _manifest(plan, "failed", records, error=_failure_reason(exc)))
     except OSError:
         log.debug("could not write the failed manifest", exc_info=True)
 
@@ -493,11 +516,11 @@ def run(options: RunOptions) -> RunResult:
 
 
 def run_python(target: str, recipe: str = "default", model: str = DEFAULT_MODEL, out: str | Path | None = None,
-               progress: bool = True, require_measured: bool = False, **overrides: Any) -> RunResult:
+               progress: bool = True, require_measured: bool = False, force: bool = False, **overrides: Any) -> RunResult:
     """Drive a run from Python with the CLI's options: ``stage__option=value`` for ``stage.option=value``."""
     pairs = {"target": target, "recipe": recipe, "model": model}
     if out is not None:
         pairs["out"] = str(out)
     for key, value in overrides.items():
         pairs[key.replace("__", ".")] = value if isinstance(value, str) else json.dumps(value)
-    return run(RunOptions.from_pairs(pairs, require_measured=require_measured, progress=progress))
+    return run(RunOptions.from_pairs(pairs, require_measured=require_measured, progress=progress, force=force))

@@ -99,7 +99,7 @@ def test_resume_from_checkpoint_reaches_the_same_weights(llama4, tmp_path):
     def crash():
         if interrupted.step == 4:
             raise KeyboardInterrupt
-        return 0.0
+        return {"perplexity": 0.0}
 
     with pytest.raises(KeyboardInterrupt):
         interrupted.run(crash, progress=False)

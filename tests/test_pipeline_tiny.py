@@ -36,8 +36,16 @@ def test_run_writes_report_and_stage_records(tiny_run):
     assert report["artifacts"]["onnx"] == "02_export_onnx/onnx"
     assert report["gate"]["verdict"] in ("PASS", "FAIL", "NOT_MEASURED")
     names = {c["name"]: c for c in report["gate"]["checks"]}
-    assert set(names) == {"perplexity_increase_pct", "decode_latency_ms", "ttft_ms", "memory_gb"}
+    assert set(names) == {"perplexity_increase_pct", "top1_agreement", "mean_kl", "decode_latency_ms", "ttft_ms", "memory_gb"}
     assert names["perplexity_increase_pct"]["source"] == "measured"
+    assert names["top1_agreement"]["bound"] == "lower" and names["mean_kl"]["bound"] == "upper"
+    validate = next(s for s in report["stages"] if s["name"] == "validate")["metrics"]
+    assert set(validate["domains"]) == {"austen", "press", "fiction", "learned", "government", "religion"}
+    assert validate["unseen_domains"] == ["learned", "government", "religion"]
+    worst = validate["worst_domain"]
+    assert validate["perplexity_increase_pct"] == max(d["perplexity_increase_pct"] for d in validate["domains"].values())
+    assert validate["perplexity_increase_pct"] == validate["domains"][worst]["perplexity_increase_pct"]
+    assert "## Quality per evaluation domain" in (out / "report.md").read_text()
     assert names["decode_latency_ms"]["source"] == "predicted"
     for stage_dir in ("01_load", "02_export_onnx", "03_validate"):
         record = json.loads((out / stage_dir / "stage.json").read_text())

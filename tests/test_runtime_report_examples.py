@@ -116,7 +116,7 @@ def test_report_files_have_every_stage_check_and_plot(tiny_run):
         extrema = image.getextrema()
         assert extrema[1] - extrema[0] > 100, f"{path} looks blank"
     card = (tiny_run / "MODEL_CARD.md").read_text()
-    for needle in ("Source model", "licence", "jetson-orin-nano-8gb", "smoke", "calibration:", "sha256", "torch 2.13"):
+    for needle in ("Source model", "licence", "jetson-orin-nano-8gb", "smoke", "calibration (", "sha256", "torch 2.13"):
         assert needle in card
 
 

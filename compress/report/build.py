@@ -33,7 +33,7 @@ def _last_path(records: list[StageRecord], kind: str, run_dir: Path, deferred: b
 
 def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
     """The machine-readable report of a finished run."""
-    from compress.runner import library_versions
+    from compress.runner import data_record, library_versions
 
     run_dir = plan.out_dir
     validation = next((r for r in records if r.name == "validate"), None)
@@ -53,8 +53,7 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
         "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir),
                       "engine_build_plan": _last_path(records, ENGINE, run_dir, deferred=True)},
         "predictions": validation.artifact.meta.get("predictions") if validation else None,
-        "data": {"calibration": [{"path": str(t.path), "sha256": t.sha256} for t in plan.calibration],
-                 "evaluation": {"path": str(plan.evaluation.path), "sha256": plan.evaluation.sha256}},
+        "data": data_record(plan),
         "versions": library_versions(),
         "gate": gate,
     }

@@ -49,6 +49,31 @@ def _stage_summary(stage: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def validation_metrics(report: dict[str, Any]) -> dict[str, Any]:
+    """The validate stage's metrics of a report (empty without one)."""
+    return next((s.get("metrics") or {} for s in report.get("stages", []) if s["name"] == "validate"), {})
+
+
+def _domain_table(report: dict[str, Any]) -> list[str]:
+    metrics = validation_metrics(report)
+    domains = metrics.get("domains")
+    if not domains:
+        return []
+    lines = ["", "## Quality per evaluation domain", "",
+             f"The accuracy budget applies to the worst domain (**{metrics['worst_domain']}**). Unseen domains (no calibration "
+             f"or training text came from them): {', '.join(metrics.get('unseen_domains') or []) or 'none'}.", "",
+             "| domain | seen | tokens | perplexity | reference | change | top-1 agreement | mean KL (nats) |",
+             "|---|---|---|---|---|---|---|---|"]
+    rows = [*domains.items(), ("mixed", metrics.get("mixed") or {})]
+    for name, row in rows:
+        if not row:
+            continue
+        seen = "—" if name == "mixed" else ("yes" if row.get("seen") else "**no**")
+        lines.append(f"| {name} | {seen} | {row['tokens']:,} | {row['perplexity_model']:.3f} | {row['perplexity_reference']:.3f} | "
+                     f"{row['perplexity_increase_pct']:+.2f}% | {100 * row['top1_agreement']:.1f}% | {row['mean_kl']:.4f} |")
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """Render the report as Markdown."""
     target = report["target"]
@@ -66,10 +91,12 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for check in gate["checks"]:
         unit = check.get("unit", "")
-        lines.append(f"| {check['name']} | {_fmt(check['value'])} {unit} | {_fmt(check['limit'])} {unit} | "
+        bound = "≥ " if check.get("bound") == "lower" else "≤ "
+        lines.append(f"| {check['name']} | {_fmt(check['value'])} {unit} | {bound}{_fmt(check['limit'])} {unit} | "
                      f"**{check['verdict']}** | {check['source']} | {check.get('detail', '')} |")
     if not gate["checks"]:
         lines.append(f"| — | — | — | **{gate['verdict']}** | — | {gate.get('detail', '')} |")
+    lines += _domain_table(report)
     lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
     for index, stage in enumerate(report["stages"], start=1):
         lines.append(f"| {index} | {stage['name']} | {stage['status']} | {_fmt(stage['duration_s'])} | "

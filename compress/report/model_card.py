@@ -30,12 +30,14 @@ def render_model_card(report: dict[str, Any]) -> str:
     else:
         lines.append("- None (reference export)")
     lines += ["", "## Calibration and evaluation data", ""]
-    for item in data.get("calibration", []):
-        lines.append(f"- calibration: `{item['path']}` (sha256 `{item['sha256']}`)")
-    if data.get("evaluation"):
-        lines.append(f"- evaluation: `{data['evaluation']['path']}` (sha256 `{data['evaluation']['sha256']}`)")
+    for role in ("calibration", "evaluation"):
+        for item in data.get(role, []):
+            lines.append(f"- {role} ({item.get('domain', '')}): `{item['path']}` (sha256 `{item['sha256']}`)")
+    if data.get("unseen_domains"):
+        lines.append(f"- evaluation domains no calibration or training text came from: {', '.join(data['unseen_domains'])}")
     lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-    for key in ("perplexity_teacher", "perplexity_torch_quantized", "perplexity_onnx", "perplexity_increase_pct", "model_size_bytes"):
+    for key in ("perplexity_teacher", "perplexity_torch_quantized", "perplexity_onnx", "perplexity_increase_pct",
+                "perplexity_increase_pct_mixed", "top1_agreement", "mean_kl", "model_size_bytes"):
         if validate.get(key) is not None:
             lines.append(f"| {key} | {validate[key]:.4g} |")
     for check in report["gate"]["checks"]:

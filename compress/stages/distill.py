@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from compress.artifact import HF_MODEL, Artifact
-from compress.data import EVAL_SKIP_CHARS, calibration_windows, token_windows
+from compress.data import EVAL_SKIP_CHARS, TextSource, calibration_windows, token_windows
 from compress.distillation import DistillConfig, Distiller, build_student, student_shape, write_job
 from compress.errors import StageError
 from compress.eval.perplexity import perplexity, torch_logits_fn
@@ -29,8 +29,26 @@ from compress.stages import StageDef, register
 log = logging.getLogger(__name__)
 
 
-def _evaluator(model, windows):
-    return lambda: perplexity(torch_logits_fn(model), windows, progress=False)
+def _evaluator(model, seen: torch.Tensor, unseen: torch.Tensor | None):
+    """Perplexity on windows of the domains training saw, and of the domains it never saw."""
+    def evaluate() -> dict[str, float]:
+        figures = {"perplexity": perplexity(torch_logits_fn(model), seen, progress=False)}
+        if unseen is not None:
+            figures["perplexity_unseen"] = perplexity(torch_logits_fn(model), unseen, progress=False)
+        return figures
+
+    return evaluate
+
+
+def _domain_windows(tokenizer, sources: list[TextSource], windows: int) -> torch.Tensor | None:
+    """``windows`` windows of 512 tokens spread over ``sources`` (the first windows of each domain in turn)."""
+    if not sources:
+        return None
+    per_domain = -(-windows // len(sources))
+    picked = [token_windows(tokenizer, s.text, 512, per_domain * 512, skip_chars=EVAL_SKIP_CHARS if len(s.text) > 4 * EVAL_SKIP_CHARS
+                            else 0) for s in sources]
+    rows = [w[i] for i in range(per_domain) for w in picked if i < w.shape[0]]
+    return torch.stack(rows[:windows])
 
 
 def _train_distributed(student_dir: Path, teacher_dir: Path, windows: torch.Tensor, config: DistillConfig, checkpoints: Path,
@@ -54,15 +72,21 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
     shape = student_shape(teacher.config.to_dict(), config)
     calib = calibration_windows(tokenizer, ctx.plan.calibration, 512, 8)
     train = calibration_windows(tokenizer, ctx.plan.calibration, config.seq_len, config.train_windows)
-    evaluation = token_windows(tokenizer, ctx.plan.evaluation.text, 512, config.eval_windows * 512, skip_chars=EVAL_SKIP_CHARS)
+    unseen_names = set(ctx.plan.unseen_domains)
+    evaluation = _domain_windows(tokenizer, [s for s in ctx.plan.evaluation if s.domain not in unseen_names], config.eval_windows)
+    unseen = _domain_windows(tokenizer, [s for s in ctx.plan.evaluation if s.domain in unseen_names], config.eval_windows)
+    if evaluation is None:
+        evaluation, unseen = unseen, None
     student = copy.deepcopy(teacher)
     log.info("building the student: %s", shape)
     built = build_student(student, calib, shape)
     student_params = count_parameters(student)
-    ppl_before = perplexity(torch_logits_fn(student), evaluation, progress=False)
-    ppl_teacher = perplexity(torch_logits_fn(teacher), evaluation, progress=False)
-    log.info("student: %s parameters (teacher %s); perplexity before training %.2f (teacher %.2f)",
-             f"{student_params:,}", f"{count_parameters(teacher):,}", ppl_before, ppl_teacher)
+    before = _evaluator(student, evaluation, unseen)()
+    teacher_figures = _evaluator(teacher, evaluation, unseen)()
+    ppl_before, ppl_teacher = before["perplexity"], teacher_figures["perplexity"]
+    log.info("student: %s parameters (teacher %s); perplexity before training %.2f seen / %s unseen domains "
+             "(teacher %.2f / %s)", f"{student_params:,}", f"{count_parameters(teacher):,}", ppl_before,
+             _fmt(before.get("perplexity_unseen")), ppl_teacher, _fmt(teacher_figures.get("perplexity_unseen")))
     checkpoints = ctx.run_dir / "checkpoints" / f"{ctx.stage_name}-{ctx.fingerprint[:16]}"
     out = ctx.stage_dir / "model"
     started = time.perf_counter()
@@ -76,10 +100,12 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
         tokenizer.save_pretrained(out)
     else:
         distiller = Distiller(student, teacher if config.loss == "kd" else None, train, config, checkpoints, built["kept_layers"])
-        history = distiller.run(_evaluator(student, evaluation), progress=ctx.progress)
+        history = distiller.run(_evaluator(student, evaluation, unseen), progress=ctx.progress)
         save_model_folder(student, tokenizer, source.path, out)
     seconds = time.perf_counter() - started
-    ppl_after = perplexity(torch_logits_fn(student), evaluation, progress=False)
+    after = _evaluator(student, evaluation, unseen)()
+    ppl_after = after["perplexity"]
+    log.info("student after training: perplexity %.2f seen / %s unseen domains", ppl_after, _fmt(after.get("perplexity_unseen")))
     shutil.rmtree(checkpoints, ignore_errors=True)
     with contextlib.suppress(OSError):
         checkpoints.parent.rmdir()  # only when no other stage keeps checkpoints there
@@ -91,9 +117,16 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
                     "train_seconds": round(seconds, 1),
                     "tokens_per_s": round(config.steps * config.batch_size * config.seq_len / max(seconds, 1e-9), 1),
                     "perplexity_teacher": ppl_teacher, "perplexity_before": ppl_before, "perplexity_after": ppl_after,
+                    "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
+                    "perplexity_before_unseen": before.get("perplexity_unseen"),
+                    "perplexity_after_unseen": after.get("perplexity_unseen"),
                     "eval_tokens": int(evaluation.numel()), "curve": history},
     }
     return Artifact(HF_MODEL, out, meta)
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
 
 
 STAGE = register(StageDef(

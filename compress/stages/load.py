@@ -22,7 +22,7 @@ def run_load(source: Artifact, config: LoadConfig, ctx) -> Artifact:
     folder = materialize(ctx.plan.model)
     out = ctx.stage_dir / "model"
     link_or_copy_tree(folder, out)
-    model = load_causal_lm(out, trust_remote_code=ctx.plan.options.trust_remote_code)
+    model = load_causal_lm(out, trust_remote_code=ctx.plan.options.trust_remote_code, name=f"model={ctx.plan.model.spec}")
     cfg = model.config
     meta = {
         "architecture": (cfg.architectures or [type(model).__name__])[0],

@@ -1,9 +1,11 @@
 """``validate``: measure the final model and gate it against the target's budgets.
 
 Measurements (target-independent): perplexity of the ONNX model in ONNX Runtime and of the
-torch teacher on the evaluation text, host ONNX Runtime latency, model size. The gate
-(target-dependent) compares them, and the latency model's predictions for the target, with the
-budgets; :func:`gate_checks` is reused by ``compress validate RUN_DIR`` to re-gate a finished run.
+torch teacher on every evaluation domain (the gate takes the worst), top-1 agreement and KL
+divergence against the teacher on the mixed evaluation text, host ONNX Runtime latency, model
+size. The gate (target-dependent) compares them, and the latency model's predictions for the
+target, with the budgets; :func:`gate_checks` is reused by ``compress validate RUN_DIR`` to
+re-gate a finished run.
 """
 
 from __future__ import annotations
@@ -13,15 +15,17 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import torch
 from pydantic import PositiveInt
 
 from compress.artifact import ENGINE, HF_MODEL, ONNX, REPORT, Artifact
 from compress.config import StrictModel, Target
-from compress.data import EVAL_SKIP_CHARS, token_windows
+from compress.data import EVAL_SKIP_CHARS, TextSource, token_windows
+from compress.eval.fidelity import compare_on_domains, worst_domain
 from compress.eval.latency import measure_decoder_latency
 from compress.eval.perplexity import perplexity, torch_logits_fn
 from compress.fsutil import atomic_write_json, path_size
-from compress.gate import Check, gate_json, require_measured, upper_bound_check
+from compress.gate import Check, gate_json, lower_bound_check, require_measured, upper_bound_check
 from compress.models import load_causal_lm, load_tokenizer
 from compress.perf_model import ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
 from compress.quantization import attach_activation_quant, load_quantization
@@ -37,7 +41,7 @@ ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT = 1.0
 class ValidateConfig(StrictModel):
     """Options of the validate stage."""
 
-    eval_tokens: PositiveInt = 8192
+    eval_tokens: PositiveInt = 2048  # per evaluation domain
     window: PositiveInt = 512
     latency_prompt_tokens: PositiveInt = 128
     latency_new_tokens: PositiveInt = 64
@@ -54,34 +58,64 @@ def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> 
     return perplexity(torch_logits_fn(model), windows, progress, desc="ppl torch quantized")
 
 
-def measure(onnx_dir: Path, teacher_dir: Path | None, eval_text: str, config: ValidateConfig, progress: bool,
-            exported_from: Path | None = None) -> dict[str, Any]:
+def evaluation_windows(tokenizer, evaluation: list[TextSource], config: ValidateConfig) -> list[tuple[str, torch.Tensor]]:
+    """Each domain's first ``eval_tokens`` tokens (after its opening 5,000 characters when it is long) as windows."""
+    domains = []
+    for source in evaluation:
+        skip = EVAL_SKIP_CHARS if len(source.text) > 4 * EVAL_SKIP_CHARS else 0
+        domains.append((source.domain, token_windows(tokenizer, source.text, config.window, config.eval_tokens, skip_chars=skip)))
+    return domains
+
+
+def measure(onnx_dir: Path, teacher_dir: Path | None, evaluation: list[TextSource], config: ValidateConfig, progress: bool,
+            exported_from: Path | None = None, unseen: list[str] | None = None) -> dict[str, Any]:
     """Every target-independent measurement of an exported decoder."""
     tokenizer = load_tokenizer(onnx_dir)
-    windows = token_windows(tokenizer, eval_text, config.window, config.eval_tokens, skip_chars=EVAL_SKIP_CHARS)
+    domains = evaluation_windows(tokenizer, evaluation, config)
+    windows = torch.cat([w for _, w in domains])
     decoder = OnnxDecoder(onnx_dir)
-    log.info("perplexity of the ONNX model (%d windows of %d tokens)", windows.shape[0], config.window)
-    ppl_onnx = perplexity(decoder.logits, windows, progress, desc="ppl onnx")
-    ppl_teacher = None
+    quality: dict[str, Any] = {"perplexity_teacher": None, "perplexity_increase_pct": None}
     if teacher_dir is not None:
-        log.info("perplexity of the torch teacher")
+        log.info("ONNX model vs torch teacher on %d domains (%s), %d windows of %d tokens", len(domains),
+                 ", ".join(name for name, _ in domains), windows.shape[0], config.window)
         teacher = load_causal_lm(teacher_dir)
-        ppl_teacher = perplexity(torch_logits_fn(teacher), windows, progress, desc="ppl teacher")
+        quality = domain_quality(compare_on_domains(decoder.logits, torch_logits_fn(teacher), domains, progress), unseen or [])
         del teacher
+    else:
+        quality["perplexity_onnx"] = perplexity(decoder.logits, windows, progress, desc="ppl onnx")
     ppl_quantized = quantized_reference_perplexity(exported_from, windows, progress) if exported_from else None
-    prompt = tokenizer(eval_text[EVAL_SKIP_CHARS:], add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
+    prompt = tokenizer(evaluation[0].text[EVAL_SKIP_CHARS:], add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
     log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
     latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
+    ppl_onnx = quality["perplexity_onnx"]
     return {
         "eval_tokens": int(windows.numel()),
         "eval_windows": int(windows.shape[0]),
-        "perplexity_onnx": ppl_onnx,
-        "perplexity_teacher": ppl_teacher,
-        "perplexity_increase_pct": None if ppl_teacher is None else 100.0 * (ppl_onnx / ppl_teacher - 1.0),
+        **quality,
         "perplexity_torch_quantized": ppl_quantized,
         "onnx_vs_torch_quantized_pct": None if ppl_quantized is None else 100.0 * abs(ppl_onnx / ppl_quantized - 1.0),
         "host_latency": latency,
         "model_size_bytes": path_size(onnx_dir / ONNX_FILE) + sum(path_size(p) for p in onnx_dir.glob("*.data")),
+    }
+
+
+def domain_quality(per_domain: dict[str, dict[str, Any]], unseen: list[str]) -> dict[str, Any]:
+    """Metrics from :func:`compare_on_domains`: the worst domain's perplexity change, and fidelity on the mixed text."""
+    mixed = per_domain.pop("mixed")
+    worst = worst_domain(per_domain)
+    for name, row in per_domain.items():
+        row["seen"] = name not in unseen
+    return {
+        "perplexity_onnx": mixed["perplexity_model"],
+        "perplexity_teacher": mixed["perplexity_reference"],
+        "perplexity_increase_pct": per_domain[worst]["perplexity_increase_pct"],
+        "perplexity_increase_pct_mixed": mixed["perplexity_increase_pct"],
+        "worst_domain": worst,
+        "unseen_domains": [name for name in per_domain if name in unseen],
+        "top1_agreement": mixed["top1_agreement"],
+        "mean_kl": mixed["mean_kl"],
+        "domains": per_domain,
+        "mixed": mixed,
     }
 
 
@@ -95,9 +129,16 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
     budgets = target.budgets
     chosen = predictions["chosen"]
     mode = chosen["power_mode"]
+    worst = metrics.get("worst_domain")
+    where = (f"worst of {len(metrics['domains'])} evaluation domains: {worst}" + (" (unseen)" if worst in metrics.get("unseen_domains", [])
+             else "")) if worst else "the evaluation text"
     checks = [
         upper_bound_check("perplexity_increase_pct", metrics.get("perplexity_increase_pct"), budgets.max_ppl_increase_pct,
-                          "measured", "%", "ONNX Runtime vs torch teacher on the evaluation text"),
+                          "measured", "%", f"ONNX Runtime vs torch teacher, {where}"),
+        lower_bound_check("top1_agreement", metrics.get("top1_agreement"), budgets.min_top1_agreement, "measured", "",
+                          "next-token argmax equal to the teacher's, mixed evaluation text"),
+        upper_bound_check("mean_kl", metrics.get("mean_kl"), budgets.max_mean_kl, "measured", "nats",
+                          "mean KL(teacher || model) per token, mixed evaluation text"),
         upper_bound_check("decode_latency_ms", chosen["decode_latency_ms"], budgets.max_decode_latency_ms, "predicted", "ms",
                           f"{target.name} {mode}, {chosen['precision']}, context {budgets.context_length}"),
         upper_bound_check("ttft_ms", chosen["ttft_ms"], budgets.max_ttft_ms, "predicted", "ms",
@@ -129,8 +170,8 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
     source = ctx.last_artifact(ONNX) or source
     teacher = ctx.first_artifact(HF_MODEL)
     exported_from = ctx.last_artifact(HF_MODEL)
-    metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation.text, config, ctx.progress,
-                      Path(exported_from.path) if exported_from else None)
+    metrics = measure(Path(source.path), Path(teacher.path) if teacher else None, ctx.plan.evaluation, config, ctx.progress,
+                      Path(exported_from.path) if exported_from else None, ctx.plan.unseen_domains)
     export_metrics = ctx.artifacts.get("export_onnx").meta.get("metrics", {}) if ctx.artifacts.get("export_onnx") else {}
     if "onnx_pattern_24_fraction" in export_metrics:
         metrics["onnx_pattern_24_fraction"] = export_metrics["onnx_pattern_24_fraction"]
@@ -141,9 +182,13 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
     out = ctx.stage_dir / "validation.json"
     result = {"metrics": metrics, "predictions": predictions, "gate": gate}
     atomic_write_json(out, result)
-    if metrics["perplexity_teacher"] is not None:
-        log.info("perplexity: ONNX %.3f, teacher %.3f (%+.2f%%)", metrics["perplexity_onnx"], metrics["perplexity_teacher"],
-                 metrics["perplexity_increase_pct"])
+    for name, row in metrics.get("domains", {}).items():
+        log.info("%-12s %s perplexity %.3f vs teacher %.3f (%+.2f%%), top-1 agreement %.1f%%, KL %.4f", name,
+                 "seen  " if row["seen"] else "unseen", row["perplexity_model"], row["perplexity_reference"],
+                 row["perplexity_increase_pct"], 100 * row["top1_agreement"], row["mean_kl"])
+    if metrics.get("worst_domain"):
+        log.info("worst domain %s: %+.2f%%; mixed text: top-1 agreement %.1f%%, KL %.4f", metrics["worst_domain"],
+                 metrics["perplexity_increase_pct"], 100 * metrics["top1_agreement"], metrics["mean_kl"])
     log.info("gate: %s", gate["verdict"])
     return Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate})
 
