@@ -64,6 +64,13 @@ class DistillConfig(StrictModel):
     checkpoint_every: PositiveInt = 50
     eval_every: PositiveInt = 50
     eval_windows: PositiveInt = 4
+    # Sampled continuations of the teacher (temperature 1) added to the training windows: text drawn from
+    # the teacher's own distribution, so KD does not specialise the student on the calibration domains.
+    teacher_generations: int = Field(0, ge=0)
+    generation_prompt_tokens: PositiveInt = 32
+    # Stop when the unseen evaluation domains' perplexity rises this many percent above its best so far,
+    # and keep the best weights; None trains to ``steps`` whatever happens out of domain.
+    stop_when_unseen_worse_pct: float | None = Field(1.0, gt=0.0)
     processes: PositiveInt = 1
     distributed: Literal["ddp", "fsdp"] = "ddp"
     seed: int = 0
@@ -78,6 +85,8 @@ class DistillConfig(StrictModel):
             raise ValueError("give target_parameters, target_fraction, or explicit shapes (num_layers, intermediate_size, ...)")
         if self.batch_size % self.processes:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of processes {self.processes}")
+        if self.teacher_generations and self.generation_prompt_tokens >= self.seq_len:
+            raise ValueError(f"generation_prompt_tokens {self.generation_prompt_tokens} must be below seq_len {self.seq_len}")
         return self
 
 
@@ -255,6 +264,8 @@ class Distiller:
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
         self.step = 0
         self.history: list[dict[str, float]] = []
+        self.stopped_early_at: int | None = None
+        self._best_unseen: tuple[float, dict[str, torch.Tensor]] | None = None
         self.teacher_cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _teacher_logits(self, index: int, ids: torch.Tensor) -> torch.Tensor:
@@ -333,10 +344,17 @@ class Distiller:
         self.history = list(state["history"])
         return True
 
-    def run(self, evaluate: Callable[[], dict[str, float]] | None = None, progress: bool = True) -> list[dict[str, float]]:
-        """Train to ``steps``, resuming from the last checkpoint when one exists."""
+    def run(self, evaluate: Callable[[], dict[str, float]] | None = None, progress: bool = True,
+            initial: dict[str, float] | None = None) -> list[dict[str, float]]:
+        """Train to ``steps``, resuming from the last checkpoint when one exists.
+
+        ``initial`` holds the untrained student's evaluation; it is the first candidate for the best
+        unseen-domain weights, so training that only ever hurts unseen domains returns the start.
+        """
         if self.load_checkpoint():
             log.info("resuming distillation from step %d", self.step)
+        elif initial is not None:
+            self._unseen_got_worse(initial)
         config = self.config
         bar = tqdm(total=config.steps, initial=self.step, desc=f"distill ({config.loss})", unit="step",
                    disable=not progress or self.rank != 0)
@@ -355,9 +373,29 @@ class Distiller:
             self.history.append(point)
             if self.step % config.checkpoint_every == 0 or self.step == config.steps:
                 self.save_checkpoint()
+            if self._unseen_got_worse(point):
+                break
         bar.close()
         self.student.eval()
         return self.history
+
+    def _unseen_got_worse(self, point: dict[str, float]) -> bool:
+        """Track the best unseen-domain perplexity; on a rise past the limit restore those weights and say stop."""
+        limit = self.config.stop_when_unseen_worse_pct
+        unseen = point.get("perplexity_unseen")
+        if limit is None or unseen is None or self.world > 1:
+            return False
+        if self._best_unseen is None or unseen < self._best_unseen[0]:
+            self._best_unseen = (unseen, {k: v.detach().clone() for k, v in self.student.state_dict().items()})
+            return False
+        if unseen <= self._best_unseen[0] * (1 + limit / 100):
+            return False
+        best, weights = self._best_unseen
+        log.warning("step %d: unseen-domain perplexity %.2f is %.1f%% above its best %.2f; stopping and keeping the best weights",
+                    self.step, unseen, 100 * (unseen / best - 1), best)
+        self.student.load_state_dict(weights)
+        self.stopped_early_at = self.step
+        return True
 
 
 # ---------------------------------------------------------------- planning without weights

@@ -207,3 +207,53 @@ def test_distill_stage_resumes_after_sigkill(llama4, tmp_path):
     distill = next(s for s in report["stages"] if s["name"] == "distill")
     assert distill["metrics"]["curve"][-1]["step"] == 150
     assert not (out / "checkpoints").exists()
+
+
+def test_training_stops_when_unseen_domains_get_worse_and_keeps_the_best_weights(llama4, tmp_path):
+    windows = _windows()
+    torch.manual_seed(0)
+    student, built = _student(llama4, windows[:4])
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    distiller = Distiller(student, _load(llama4), windows, _config(steps=6, eval_every=2), tmp_path / "c", built["kept_layers"])
+    rising = iter([11.0, 14.0, 9.0])  # better at step 2, then 27% worse than that at step 4: stop there
+    snapshots = {}
+
+    def evaluate():
+        snapshots[distiller.step] = {k: v.clone() for k, v in student.state_dict().items()}
+        return {"perplexity": 1.0, "perplexity_unseen": next(rising)}
+
+    history = distiller.run(evaluate, progress=False, initial={"perplexity_unseen": 12.0})
+    assert distiller.stopped_early_at == 4 and distiller.step == 4
+    assert [p["step"] for p in history] == [1, 2, 3, 4]
+    assert all(torch.equal(snapshots[2][k], v) for k, v in student.state_dict().items())
+    assert not all(torch.equal(start[k], v) for k, v in student.state_dict().items())
+
+
+def test_unseen_domains_worse_from_the_start_keep_the_untrained_student(llama4, tmp_path):
+    windows = _windows()
+    torch.manual_seed(0)
+    student, built = _student(llama4, windows[:4])
+    start = {k: v.clone() for k, v in student.state_dict().items()}
+    distiller = Distiller(student, _load(llama4), windows, _config(steps=6, eval_every=3), tmp_path / "c", built["kept_layers"])
+    distiller.run(lambda: {"perplexity": 1.0, "perplexity_unseen": 20.0}, progress=False, initial={"perplexity_unseen": 10.0})
+    assert distiller.stopped_early_at == 3
+    assert all(torch.equal(start[k], v) for k, v in student.state_dict().items())
+
+
+def test_teacher_generations_continue_calibration_openings(llama4):
+    from compress.data import load_calibration
+    from compress.models import load_tokenizer
+    from compress.stages.distill import _teacher_generations
+    from tests.conftest import CALIB
+
+    tokenizer = load_tokenizer(llama4)
+    config = _config(teacher_generations=5, seq_len=48, generation_prompt_tokens=16)
+    calibration = load_calibration([CALIB])
+    first = _teacher_generations(_load(llama4), tokenizer, calibration, config)
+    again = _teacher_generations(_load(llama4), tokenizer, calibration, config)
+    assert first.shape == (5, 48)
+    assert torch.equal(first, again)
+    from compress.data import calibration_windows
+
+    assert torch.equal(first[:, :16], calibration_windows(tokenizer, calibration, 16, 5))
+    assert not torch.equal(first[:, 16:32], first[:, 32:48])

@@ -106,8 +106,8 @@ def test_report_files_have_every_stage_check_and_plot(tiny_run):
         assert stage["name"] in markdown and stage["name"] in html_text
     for check in report["gate"]["checks"]:
         assert check["name"] in markdown and check["name"] in html_text
-    assert set(report["plots"]) == {"stages", "power_modes", "pareto", "sensitivity"}
-    assert len(parser.images) == 4 and all(src.startswith("data:image/png;base64,") for src in parser.images)
+    assert set(report["plots"]) == {"stages", "power_modes", "pareto", "domains", "sensitivity"}
+    assert len(parser.images) == 5 and all(src.startswith("data:image/png;base64,") for src in parser.images)
     from PIL import Image
 
     for path in report["plots"].values():

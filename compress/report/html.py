@@ -7,7 +7,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from compress.report.markdown import _fmt, _stage_summary
+from compress.report.markdown import DOMAIN_HEADERS, _fmt, _stage_summary, domain_rows, validation_metrics
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:60rem;color:#222}
@@ -28,11 +28,25 @@ def _image(path: Path, alt: str) -> str:
     return f'<img alt="{escape(alt)}" src="data:image/png;base64,{data}">'
 
 
+def _domain_section(report: dict[str, Any]) -> list[str]:
+    metrics = validation_metrics(report)
+    rows = domain_rows(metrics)
+    if not rows:
+        return []
+    unseen = ", ".join(metrics.get("unseen_domains") or []) or "none"
+    return ["<h2>Quality per evaluation domain</h2>",
+            f"<p>The accuracy budget applies to the worst domain (<b>{escape(metrics['worst_domain'])}</b>). Unseen domains "
+            f"(no calibration or training text came from them): {escape(unseen)}.</p>",
+            _table(DOMAIN_HEADERS, [[escape(cell) for cell in row] for row in rows])]
+
+
 def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
     """The report as a standalone HTML page."""
     gate = report["gate"]
     target = report["target"]
-    checks = [[escape(c["name"]), f"{_fmt(c['value'])} {escape(c.get('unit', ''))}", f"{_fmt(c['limit'])} {escape(c.get('unit', ''))}",
+    bound = {"lower": "≥ ", "upper": "≤ "}
+    checks = [[escape(c["name"]), f"{_fmt(c['value'])} {escape(c.get('unit', ''))}",
+               f"{bound.get(c.get('bound', 'upper'), '')}{_fmt(c['limit'])} {escape(c.get('unit', ''))}",
                f'<span class="{c["verdict"]}">{c["verdict"]}</span>', escape(c["source"]), escape(c.get("detail", ""))]
               for c in gate["checks"]]
     stages = [[str(i), escape(s["name"]), escape(s["status"]), _fmt(s.get("duration_s")), _fmt(s.get("peak_rss_mb")),
@@ -46,6 +60,7 @@ def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
         f"recipe <code>{escape(report['recipe'])}</code>, power mode <code>{escape(target['power_mode'])}</code>.</p>",
         "<h2>Gate checks</h2>",
         _table(["check", "value", "limit", "verdict", "source", "detail"], checks),
+        *_domain_section(report),
         "<h2>Stages</h2>",
         _table(["#", "stage", "status", "time (s)", "peak RSS (MB)", "summary"], stages),
     ]
@@ -55,7 +70,8 @@ def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
                  f"{m['ttft_ms']:.1f}", f"{m['memory_gb']:.2f}", f"{m['joules_per_token']:.3f}"] for m in predictions["modes"]]
         parts += [f"<h2>Predicted on {escape(predictions['target'])} (latency model)</h2>",
                   _table(["power mode", "W", "tokens/s", "ms/token", "TTFT ms", "memory GB", "J/token"], rows)]
-    titles = {"stages": "Size and perplexity per stage", "power_modes": "Decode latency per power mode",
+    titles = {"stages": "Size and perplexity per stage", "domains": "Perplexity change per evaluation domain",
+              "power_modes": "Decode latency per power mode",
               "pareto": "Accuracy vs latency", "sensitivity": "Per-layer quantization sensitivity",
               "distill_curve": "Distillation: perplexity vs steps"}
     for key, path in plots.items():

@@ -54,24 +54,34 @@ def validation_metrics(report: dict[str, Any]) -> dict[str, Any]:
     return next((s.get("metrics") or {} for s in report.get("stages", []) if s["name"] == "validate"), {})
 
 
-def _domain_table(report: dict[str, Any]) -> list[str]:
-    metrics = validation_metrics(report)
+DOMAIN_HEADERS = ["domain", "seen", "tokens", "perplexity", "reference", "change", "top-1 agreement", "mean KL (nats)"]
+
+
+def domain_rows(metrics: dict[str, Any]) -> list[list[str]]:
+    """One row of text cells per evaluation domain, then the mixed text; empty without domain metrics."""
     domains = metrics.get("domains")
     if not domains:
         return []
-    lines = ["", "## Quality per evaluation domain", "",
-             f"The accuracy budget applies to the worst domain (**{metrics['worst_domain']}**). Unseen domains (no calibration "
-             f"or training text came from them): {', '.join(metrics.get('unseen_domains') or []) or 'none'}.", "",
-             "| domain | seen | tokens | perplexity | reference | change | top-1 agreement | mean KL (nats) |",
-             "|---|---|---|---|---|---|---|---|"]
-    rows = [*domains.items(), ("mixed", metrics.get("mixed") or {})]
-    for name, row in rows:
+    rows = []
+    for name, row in [*domains.items(), ("mixed", metrics.get("mixed") or {})]:
         if not row:
             continue
-        seen = "—" if name == "mixed" else ("yes" if row.get("seen") else "**no**")
-        lines.append(f"| {name} | {seen} | {row['tokens']:,} | {row['perplexity_model']:.3f} | {row['perplexity_reference']:.3f} | "
-                     f"{row['perplexity_increase_pct']:+.2f}% | {100 * row['top1_agreement']:.1f}% | {row['mean_kl']:.4f} |")
-    return lines
+        seen = "—" if name == "mixed" else ("yes" if row.get("seen") else "no (unseen)")
+        rows.append([name, seen, f"{row['tokens']:,}", f"{row['perplexity_model']:.3f}", f"{row['perplexity_reference']:.3f}",
+                     f"{row['perplexity_increase_pct']:+.2f}%", f"{100 * row['top1_agreement']:.1f}%", f"{row['mean_kl']:.4f}"])
+    return rows
+
+
+def _domain_table(report: dict[str, Any]) -> list[str]:
+    metrics = validation_metrics(report)
+    rows = domain_rows(metrics)
+    if not rows:
+        return []
+    return ["", "## Quality per evaluation domain", "",
+            f"The accuracy budget applies to the worst domain (**{metrics['worst_domain']}**). Unseen domains (no calibration "
+            f"or training text came from them): {', '.join(metrics.get('unseen_domains') or []) or 'none'}.", "",
+            "| " + " | ".join(DOMAIN_HEADERS) + " |", "|" + "---|" * len(DOMAIN_HEADERS),
+            *("| " + " | ".join(row) + " |" for row in rows)]
 
 
 def render_markdown(report: dict[str, Any]) -> str:

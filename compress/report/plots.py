@@ -138,13 +138,42 @@ def plot_distill_curve(report: dict[str, Any], path: Path) -> Path | None:
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     steps = [0] + [p["step"] for p in points]
     values = [distill["perplexity_before"]] + [p["perplexity"] for p in points]
-    ax.plot(steps, values, "o-", label=f"student ({distill['loss']})")
-    ax.axhline(distill["perplexity_teacher"], color="black", linestyle="--", label="teacher")
+    ax.plot(steps, values, "o-", label=f"student ({distill['loss']}), seen domains")
+    ax.axhline(distill["perplexity_teacher"], color="black", linestyle="--", label="teacher, seen domains")
+    unseen = [p for p in points if "perplexity_unseen" in p]
+    if unseen and distill.get("perplexity_before_unseen") is not None:
+        ax.plot([0] + [p["step"] for p in unseen], [distill["perplexity_before_unseen"]] + [p["perplexity_unseen"] for p in unseen],
+                "s-", color="#C44E52", label="student, unseen domains")
+        ax.axhline(distill["perplexity_teacher_unseen"], color="#C44E52", linestyle=":", label="teacher, unseen domains")
+    if distill.get("stopped_early_at"):
+        ax.axvline(distill["stopped_early_at"], color="grey", linewidth=0.8, label="stopped: unseen domains got worse")
     ax.set_yscale("log")
     ax.set_xlabel("training step")
     ax.set_ylabel("perplexity (log scale)")
     ax.set_title("Distillation: perplexity vs steps")
     ax.legend()
+    return _save(fig, path)
+
+
+def plot_domains(report: dict[str, Any], path: Path) -> Path | None:
+    """Perplexity change against the teacher per evaluation domain, unseen domains marked, with the budget."""
+    validate = next((s["metrics"] for s in report["stages"] if s["name"] == "validate"), {})
+    domains = validate.get("domains")
+    if not domains:
+        return None
+    names = list(domains)
+    changes = [domains[n]["perplexity_increase_pct"] for n in names]
+    colours = ["#4C72B0" if domains[n].get("seen") else "#C44E52" for n in names]
+    fig, ax = plt.subplots(figsize=(6.5, 3.6))
+    ax.bar(range(len(names)), changes, color=colours, width=0.6)
+    ax.set_xticks(range(len(names)), [n if domains[n].get("seen") else f"{n}\n(unseen)" for n in names], fontsize=8)
+    budget = report["target"]["budgets"].get("max_ppl_increase_pct")
+    if budget is not None:
+        ax.axhline(budget, color="black", linestyle="--", label=f"budget {budget:g}% (worst domain)")
+        ax.legend(fontsize=8)
+    ax.axhline(0, color="grey", linewidth=0.8)
+    ax.set_ylabel("perplexity vs teacher (%)")
+    ax.set_title("Quality per evaluation domain (blue: seen in calibration, red: unseen)")
     return _save(fig, path)
 
 
@@ -155,7 +184,7 @@ def make_plots(report: dict[str, Any], onnx_config: dict[str, Any] | None, folde
     if report.get("predictions"):
         plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
         plots["pareto"] = plot_pareto(report, onnx_config, folder / "pareto.png")
-    for name, plot in (("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve)):
+    for name, plot in (("domains", plot_domains), ("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve)):
         made = plot(report, folder / f"{name}.png")
         if made:
             plots[name] = made

@@ -40,6 +40,27 @@ def _evaluator(model, seen: torch.Tensor, unseen: torch.Tensor | None):
     return evaluate
 
 
+def _teacher_generations(teacher, tokenizer, calibration: list[TextSource], config: DistillConfig) -> torch.Tensor | None:
+    """``teacher_generations`` windows of ``seq_len`` tokens: calibration openings continued by the teacher, sampled at T=1."""
+    if not config.teacher_generations:
+        return None
+    prompts = calibration_windows(tokenizer, calibration, config.generation_prompt_tokens, config.teacher_generations)
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(config.seed)
+    rows = []
+    started = time.perf_counter()
+    for batch in prompts.split(16):
+        with torch.no_grad():
+            out = teacher.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                                   max_new_tokens=config.seq_len - batch.shape[1], min_new_tokens=config.seq_len - batch.shape[1],
+                                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        rows.append(out[:, : config.seq_len])
+    torch.random.set_rng_state(generator_state)
+    generated = torch.cat(rows)
+    log.info("teacher generated %d windows of %d tokens in %.1fs", generated.shape[0], config.seq_len, time.perf_counter() - started)
+    return generated
+
+
 def _domain_windows(tokenizer, sources: list[TextSource], windows: int) -> torch.Tensor | None:
     """``windows`` windows of 512 tokens spread over ``sources`` (the first windows of each domain in turn)."""
     if not sources:
@@ -72,6 +93,9 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
     shape = student_shape(teacher.config.to_dict(), config)
     calib = calibration_windows(tokenizer, ctx.plan.calibration, 512, 8)
     train = calibration_windows(tokenizer, ctx.plan.calibration, config.seq_len, config.train_windows)
+    generated = _teacher_generations(teacher, tokenizer, ctx.plan.calibration, config)
+    if generated is not None:
+        train = torch.cat([train, generated])
     unseen_names = set(ctx.plan.unseen_domains)
     evaluation = _domain_windows(tokenizer, [s for s in ctx.plan.evaluation if s.domain not in unseen_names], config.eval_windows)
     unseen = _domain_windows(tokenizer, [s for s in ctx.plan.evaluation if s.domain in unseen_names], config.eval_windows)
@@ -91,6 +115,7 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
     out = ctx.stage_dir / "model"
     started = time.perf_counter()
     torch.manual_seed(config.seed)
+    stopped_early_at = None
     if config.processes > 1:
         init = ctx.stage_dir / "student_init"
         save_model_folder(student, tokenizer, source.path, init)
@@ -100,7 +125,8 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
         tokenizer.save_pretrained(out)
     else:
         distiller = Distiller(student, teacher if config.loss == "kd" else None, train, config, checkpoints, built["kept_layers"])
-        history = distiller.run(_evaluator(student, evaluation, unseen), progress=ctx.progress)
+        history = distiller.run(_evaluator(student, evaluation, unseen), progress=ctx.progress, initial=before)
+        stopped_early_at = distiller.stopped_early_at
         save_model_folder(student, tokenizer, source.path, out)
     seconds = time.perf_counter() - started
     after = _evaluator(student, evaluation, unseen)()
@@ -120,7 +146,9 @@ def run_distill(source: Artifact, config: DistillConfig, ctx) -> Artifact:
                     "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
                     "perplexity_before_unseen": before.get("perplexity_unseen"),
                     "perplexity_after_unseen": after.get("perplexity_unseen"),
-                    "eval_tokens": int(evaluation.numel()), "curve": history},
+                    "eval_tokens": int(evaluation.numel()), "curve": history,
+                    "unseen_domains": ctx.plan.unseen_domains, "stopped_early_at": stopped_early_at,
+                    "teacher_generations": 0 if generated is None else int(generated.shape[0])},
     }
     return Artifact(HF_MODEL, out, meta)
 
