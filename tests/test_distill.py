@@ -148,20 +148,27 @@ def test_7b_plan_from_config_alone(tmp_path, capsys):
     assert one_gpu["memory_per_gpu_gb"] > plan["memory_per_gpu_gb"] * 4
 
 
-def test_default_recipe_plans_a_mild_width_pruned_student_of_smollm2(capsys):
+def test_default_recipe_does_not_distill_and_the_distill_recipe_plans_a_half_size_student(capsys):
     assert main(["run", "target=jetson-orin", "--dry-run"]) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
-    assert [s["name"] for s in stages] == ["load", "distill", "quantize", "export_onnx", "build_engine", "validate"]
-    plan = next(s for s in stages if s["name"] == "distill")["plan"]
-    assert plan["student_shape"] == {"num_layers": 30, "intermediate_size": 1472, "num_attention_heads": 9}
-    assert plan["student_parameters"] == 131_197_248 and plan["teacher_parameters"] == 134_515_008
+    assert [s["name"] for s in stages] == ["load", "quantize", "export_onnx", "build_engine", "validate"]
+    assert main(["run", "target=jetson-orin", "recipe=distill", "--dry-run"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    distill = next(s for s in stages if s["name"] == "distill")
+    assert distill["config"]["teacher_generations"] == 64 and distill["config"]["stop_when_unseen_worse_pct"] == 1.0
+    assert distill["plan"]["teacher_parameters"] == 134_515_008
+    assert distill["plan"]["student_parameters"] < 0.55 * 134_515_008
 
 
-def test_default_recipe_composes_distill_quantize_export_validate(llama4, tmp_path):
+def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"model={llama4}", f"out={out}", "--no-progress",
-                           "distill.target_fraction=0.7", "distill.steps=2", "distill.seq_len=64", "distill.eval_every=1000",
-                           "distill.eval_windows=1", "quantize.calib_windows=8", *TINY_SMOKE],
+    recipe = tmp_path / "distill-int8.yaml"
+    recipe.write_text("name: distill-int8\nstages:\n  - load\n  - distill: {target_fraction: 0.7}\n  - quantize: {method: int8}\n"
+                      "  - export_onnx\n  - build_engine\n  - validate\n")
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={llama4}",
+                           f"out={out}", "--no-progress", "distill.steps=2", "distill.seq_len=64", "distill.eval_every=1000",
+                           "distill.eval_windows=1", "distill.teacher_generations=2", "distill.generation_prompt_tokens=16",
+                           "quantize.calib_windows=8", *TINY_SMOKE],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
@@ -173,6 +180,9 @@ def test_default_recipe_composes_distill_quantize_export_validate(llama4, tmp_pa
     student = json.loads((out / "02_distill" / "model" / "config.json").read_text())
     assert (student["num_hidden_layers"], student["intermediate_size"]) == (shape["num_layers"], shape["intermediate_size"])
     assert stages["validate"]["metrics"]["perplexity_onnx"] > 0
+    distill = stages["distill"]["metrics"]
+    assert distill["teacher_generations"] == 2 and distill["unseen_domains"] == ["learned", "government", "religion"]
+    assert distill["perplexity_before_unseen"] > 0 and distill["perplexity_after_unseen"] > 0
 
 
 def test_explicit_student_larger_than_teacher_is_refused(llama4, tmp_path):

@@ -50,11 +50,27 @@ def test_onnx_runtime_reproduces_torch(smoke_run):
     assert 5 < metrics["perplexity_teacher"] < 60
 
 
+def test_smoke_gate_covers_every_domain_and_names_the_unseen_ones(smoke_run):
+    _, out = smoke_run
+    report = json.loads((out / "report.json").read_text())
+    metrics = next(s["metrics"] for s in report["stages"] if s["name"] == "validate")
+    assert list(metrics["domains"]) == ["austen", "press", "fiction", "learned", "government", "religion"]
+    assert metrics["unseen_domains"] == ["learned", "government", "religion"]
+    assert report["data"]["unseen_domains"] == ["learned", "government", "religion"]
+    worst = max(metrics["domains"].values(), key=lambda d: d["perplexity_increase_pct"])
+    assert metrics["perplexity_increase_pct"] == worst["perplexity_increase_pct"]
+    checks = {c["name"]: c for c in report["gate"]["checks"]}
+    assert checks["perplexity_increase_pct"]["value"] == worst["perplexity_increase_pct"]
+    assert 0.85 <= metrics["top1_agreement"] < 1.0 and 0.0 < metrics["mean_kl"] < 0.1
+    for row in metrics["domains"].values():
+        assert row["tokens"] == 511 and 5 < row["perplexity_reference"] < 80
+
+
 def test_baseline_onnx_matches_torch_teacher(tmp_path):
     out = tmp_path / "baseline"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"out={out}",
-                           "validate.eval_tokens=1024", "validate.latency_new_tokens=8", "export_onnx.parity_new_tokens=8"],
+                           "validate.eval_tokens=512", "validate.latency_new_tokens=8", "export_onnx.parity_new_tokens=8"],
                           env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
