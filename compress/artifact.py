@@ -10,6 +10,7 @@ from typing import Any
 HF_MODEL = "hf-model"
 ONNX = "onnx"
 ENGINE = "engine"
+EDGELLM_BUNDLE = "edgellm-bundle"
 REPORT = "report"
 SOURCE = "source"
 

@@ -252,6 +252,7 @@ def build_plan(options: RunOptions) -> Plan:
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
     check_disjoint(calibration, evaluation)
+    _check_plan_rules(planned, target, model)
     plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir)
     check_run_dir(out_dir, plan.identity, options.force)
     _assign_fingerprints(plan)
@@ -277,6 +278,18 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
         planned.append(PlannedStage(index, stage, config))
         previous_kind = stage.output_kind
     return planned
+
+
+def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelSource) -> None:
+    """Stage rules that depend on the stages before them or on the model's shape (e.g. what a deployment format takes)."""
+    earlier: dict[str, StrictModel] = {}
+    config = None
+    for stage in planned:
+        if stage.stage.check_plan is not None:
+            if config is None:
+                config = model_config(model) or {}
+            stage.stage.check_plan(stage.config, earlier, target, config or None)
+        earlier[stage.stage.name] = stage.config
 
 
 def _kinds(kind: str | tuple[str, ...]) -> str:

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compress.artifact import ENGINE, ONNX
+from compress.artifact import EDGELLM_BUNDLE, ENGINE, ONNX
 from compress.fsutil import atomic_write_json, atomic_write_text, read_json
 from compress.gate import NOT_MEASURED, exit_code_for
 from compress.report.html import render_html
@@ -51,7 +51,8 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
             for r in records
         ],
         "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir),
-                      "engine_build_plan": _last_path(records, ENGINE, run_dir, deferred=True)},
+                      "engine_build_plan": _last_path(records, ENGINE, run_dir, deferred=True),
+                      "edgellm_bundle": _last_path(records, EDGELLM_BUNDLE, run_dir)},
         "predictions": validation.artifact.meta.get("predictions") if validation else None,
         "data": data_record(plan),
         "versions": library_versions(),

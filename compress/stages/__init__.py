@@ -23,8 +23,11 @@ if TYPE_CHECKING:
 
 StageFn = Callable[["Artifact", StrictModel, "RunContext"], "Artifact"]
 TargetCheck = Callable[[StrictModel, Target], None]
+# (this stage's config, the configs of the stages before it by name, target, model config or None) -> None; raises UsageError
+PlanCheck = Callable[[StrictModel, dict[str, StrictModel], Target, "dict | None"], None]
 
-_STAGE_MODULES = ("load", "distill", "prune_heads", "sparsify", "quantize", "export_onnx", "build_engine", "validate")
+_STAGE_MODULES = ("load", "distill", "prune_heads", "sparsify", "quantize", "export_onnx", "export_edgellm", "build_engine",
+                  "validate")
 
 
 @dataclass(frozen=True)
@@ -38,6 +41,7 @@ class StageDef:
     config_cls: type[StrictModel]
     run: StageFn
     check_target: TargetCheck | None = None
+    check_plan: PlanCheck | None = None
     uses_target: bool = False
 
     def accepts(self, kind: str) -> bool:

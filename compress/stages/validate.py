@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from pydantic import PositiveInt
 
-from compress.artifact import ENGINE, HF_MODEL, ONNX, REPORT, Artifact
+from compress.artifact import EDGELLM_BUNDLE, ENGINE, HF_MODEL, ONNX, REPORT, Artifact
 from compress.config import StrictModel, Target
 from compress.data import EVAL_SKIP_CHARS, TextSource, token_windows
 from compress.eval.fidelity import compare_on_domains, worst_domain
@@ -196,7 +196,7 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
 STAGE = register(StageDef(
     name="validate",
     summary="measure perplexity, latency and memory; gate them against the target's budgets",
-    input_kind=(ONNX, ENGINE),
+    input_kind=(ONNX, ENGINE, EDGELLM_BUNDLE),
     output_kind=REPORT,
     config_cls=ValidateConfig,
     run=run_validate,

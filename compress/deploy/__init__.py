@@ -1,0 +1,1 @@
+"""Deployment formats: what leaves compress for other tools and runtimes."""

@@ -1,0 +1,126 @@
+"""The Edge-LLM deploy bundle: unified checkpoint -> ``tensorrt-edgellm-export`` -> chain-of-custody check.
+
+Three links, each checked:
+
+1. the quantize stage's folder (the numbers validate measured) -> the unified checkpoint: the
+   integers are recovered from the on-grid weights and must be exact;
+2. the checkpoint -> the exported ONNX: ``edgellm_custody.py`` (run by Edge-LLM's interpreter)
+   compares every quantized linear's integers, weight scales and activation scale, in the plugin
+   layouts, with the initializers of the bundle's ``llm/model.onnx``;
+3. the bundle's ``config.json`` against the model's: layers, heads, KV heads, head size, widths,
+   vocabulary, RoPE base, norm epsilon, end-of-sequence tokens.
+
+A mismatch is a :class:`StageError` naming the tensor or field.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compress.deploy.edgellm import EDGELLM_VERSION, edgellm_python
+from compress.deploy.unified_checkpoint import WEIGHTS_FILE, integer_weight, write_unified_checkpoint
+from compress.errors import StageError
+from compress.fsutil import path_size, read_json
+from compress.quantization import load_quantization
+
+log = logging.getLogger(__name__)
+
+CUSTODY_SCRIPT = Path(__file__).with_name("edgellm_custody.py")
+EXPORT_TIMEOUT_S = 3600
+
+
+def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
+    """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured."""
+    meta, linears = load_quantization(quantized_dir)
+    bits = meta["weight_bits"]
+    numbers: dict[str, torch.Tensor] = {}
+    with safe_open(str(Path(quantized_dir) / WEIGHTS_FILE), framework="pt") as source:
+        for name, quant in linears.items():
+            numbers[f"{name}.integers"] = integer_weight(name, source.get_tensor(f"{name}.weight"), quant, bits)
+            numbers[f"{name}.weight_scale"] = quant.weight_scales.float().contiguous()
+            if bits == 8:
+                numbers[f"{name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
+    return numbers
+
+
+def run_export(checkpoint: Path, bundle: Path, log_file: Path) -> float:
+    """``tensorrt-edgellm-export CHECKPOINT BUNDLE`` in Edge-LLM's environment; returns seconds taken."""
+    exporter = edgellm_python().parent / "tensorrt-edgellm-export"
+    command = [str(exporter), str(checkpoint), str(bundle)]
+    log.info("exporting the Edge-LLM bundle: %s", " ".join(command))
+    started = time.perf_counter()
+    with open(log_file, "w", encoding="utf-8") as output:
+        code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, timeout=EXPORT_TIMEOUT_S, check=False).returncode
+    if code != 0:
+        last = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()][-1:]
+        raise StageError(f"tensorrt-edgellm-export failed (exit {code}): {last[0] if last else ''} (log: {log_file})")
+    return time.perf_counter() - started
+
+
+def check_custody(quantized_dir: Path, bundle: Path, work: Path) -> dict[str, Any]:
+    """Compare the bundle's ONNX initializers with the quantize stage's numbers; raises naming the first mismatch."""
+    expected = work / "expected_numbers.safetensors"
+    save_file(expected_numbers(quantized_dir), str(expected))
+    report_path = work / "custody.json"
+    proc = subprocess.run([str(edgellm_python()), str(CUSTODY_SCRIPT), str(bundle), str(expected), str(report_path)],
+                          capture_output=True, text=True, timeout=EXPORT_TIMEOUT_S, check=False)
+    expected.unlink()
+    if not report_path.is_file():
+        raise StageError(f"the chain-of-custody check did not run: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+    report = read_json(report_path)
+    if report["mismatches"]:
+        first = report["mismatches"][0]
+        raise StageError(f"the Edge-LLM bundle does not hold the measured numbers: {first['tensor']}: {first['problem']} "
+                         f"({len(report['mismatches'])} mismatches; see {report_path})")
+    return report
+
+
+def _model_facts(config: dict[str, Any]) -> dict[str, Any]:
+    rope = config.get("rope_parameters") or {}
+    eos = config.get("eos_token_id")
+    return {
+        "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
+        "num_hidden_layers": config["num_hidden_layers"], "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
+        "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        "rms_norm_eps": float(config["rms_norm_eps"]),
+        "eos_token_id": sorted(eos if isinstance(eos, list) else [eos]),
+    }
+
+
+def check_bundle_config(bundle: Path, model_config: dict[str, Any]) -> dict[str, Any]:
+    """The bundle's ``llm/config.json`` describes the model it was made from; raises naming the first field that does not."""
+    bundled = read_json(bundle / "llm" / "config.json")
+    ours = _model_facts(model_config)
+    theirs = _model_facts({**bundled, "rope_parameters": bundled.get("rope_scaling") or {}})
+    for field, value in ours.items():
+        if theirs[field] != value:
+            raise StageError(f"the Edge-LLM bundle's config.json says {field} = {theirs[field]}, the model has {value}")
+    return {"fields": sorted(ours), "edgellm_version": bundled.get("edgellm_version")}
+
+
+def export_bundle(quantized_dir: Path, work: Path) -> dict[str, Any]:
+    """Checkpoint, export and check; returns the metrics the stage records."""
+    checkpoint, bundle = work / "checkpoint", work / "bundle"
+    summary = write_unified_checkpoint(quantized_dir, checkpoint)
+    seconds = run_export(checkpoint, bundle, work / "export.log")
+    custody = check_custody(quantized_dir, bundle, work)
+    config = check_bundle_config(bundle, json.loads((Path(quantized_dir) / "config.json").read_text(encoding="utf-8")))
+    if config["edgellm_version"] != EDGELLM_VERSION:
+        raise StageError(f"the bundle was written by Edge-LLM {config['edgellm_version']}, this toolkit pins {EDGELLM_VERSION}")
+    log.info("Edge-LLM bundle: %s, %d tensors compared, all equal; config.json matches the model", summary.quant_algo,
+             len(custody["compared"]))
+    return {"checkpoint": summary.to_json(), "checkpoint_bytes": path_size(checkpoint), "bundle_bytes": path_size(bundle),
+            "export_seconds": round(seconds, 1), "edgellm_version": EDGELLM_VERSION,
+            "custody": {"tensors_compared": len(custody["compared"]), "mismatches": 0,
+                        "int4_plugin_version": custody["int4_plugin_version"], "config_fields": config["fields"]}}

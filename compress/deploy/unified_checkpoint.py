@@ -1,0 +1,149 @@
+"""A real quantized checkpoint: the quantize stage's result as a Model Optimizer "unified" Hugging Face checkpoint.
+
+Integers on disk, in the layout NVIDIA's tools read (TensorRT Edge-LLM's exporter among them;
+its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the specification):
+
+* ``hf_quant_config.json`` (and ``quantization_config`` in ``config.json``) names the algorithm:
+  ``W8A8_SQ_PER_CHANNEL`` or ``W4A16_AWQ`` with its ``group_size``; ``lm_head`` stays FP16.
+* W8A8 linear: ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out]``, ``input_scale``
+  float32 ``[]`` (the QuantizeLinear scale, amax / 127), ``pre_quant_scale`` float16 ``[in]``.
+* W4A16 linear: ``weight`` uint8 ``[out / 2, in]``, two's-complement nibbles (even output rows in
+  the low nibble, odd rows in the high one), ``weight_scale`` float32 ``[out, in / group]``.
+* Every other tensor (embedding, norms) in float16, ``torch_dtype: float16``.
+
+SmoothQuant and AWQ scales are already folded into the norms and producer linears of the
+quantized folder, so ``pre_quant_scale`` is all ones. The integers are recovered exactly from
+the folder's on-grid weights (``round(W / scale)``); a weight that is not on its grid, such as a
+``down_proj`` stored rotated back from a Hadamard basis, is refused: the format has no slot for
+an online rotation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compress import __version__
+from compress.errors import UsageError
+from compress.quantization import LinearQuant, load_quantization
+
+QUANT_ALGOS = {8: "W8A8_SQ_PER_CHANNEL", 4: "W4A16_AWQ"}
+HF_QUANT_CONFIG = "hf_quant_config.json"
+WEIGHTS_FILE = "model.safetensors"
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+# |W / scale - round(W / scale)| above this means the weight is not on its grid.
+_GRID_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What was written: algorithm, linears, bytes of the quantized linears and of their fp16 equivalent."""
+
+    quant_algo: str
+    group_size: int | None
+    linears: int
+    quantized_bytes: int
+    fp16_bytes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quant_algo": self.quant_algo, "group_size": self.group_size, "linears": self.linears,
+                "quantized_linear_bytes": self.quantized_bytes, "fp16_linear_bytes": self.fp16_bytes,
+                "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}
+
+
+def integer_weight(name: str, weight: torch.Tensor, quant: LinearQuant, bits: int) -> torch.Tensor:
+    """The integer grid values of an on-grid float weight; refuses a weight that is not on its grid."""
+    if quant.rotation:
+        raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
+                         "cannot express; quantize with quantize.hadamard_block=0")
+    scales = quant.weight_scales.float()
+    expanded = scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], dim=1)
+    ratio = weight.double() / expanded.double()
+    integers = ratio.round()
+    off_grid = float((ratio - integers).abs().max())
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if off_grid > _GRID_TOLERANCE or integers.min() < low or integers.max() > high:
+        raise UsageError(f"{name}: weight is not on its {bits}-bit grid (off by up to {off_grid:.3g} steps); "
+                         "the quantized folder and its scales disagree")
+    return integers.to(torch.int8)
+
+
+def pack_int4(integers: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` int4 values in int8 -> ``[out / 2, in]`` uint8, even rows low nibble, odd rows high (two's complement)."""
+    if integers.shape[0] % 2:
+        raise UsageError(f"INT4 packing needs an even number of output channels, got {integers.shape[0]}")
+    low = integers[0::2].to(torch.int16) & 0xF
+    high = integers[1::2].to(torch.int16) & 0xF
+    return ((high << 4) | low).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[out / 2, in]`` uint8 -> ``[out, in]`` int8 in [-8, 7]."""
+    values = torch.empty(packed.shape[0] * 2, packed.shape[1], dtype=torch.int16)
+    wide = packed.to(torch.int16)
+    values[0::2] = wide & 0xF
+    values[1::2] = (wide >> 4) & 0xF
+    return torch.where(values > 7, values - 16, values).to(torch.int8)
+
+
+def _linear_tensors(name: str, weight: torch.Tensor, quant: LinearQuant, bits: int) -> dict[str, torch.Tensor]:
+    integers = integer_weight(name, weight, quant, bits)
+    if bits == 8:
+        if quant.input_scale is None:
+            raise UsageError(f"{name}: W8A8 needs a calibrated input scale")
+        return {f"{name}.weight": integers, f"{name}.weight_scale": quant.weight_scales.float().contiguous(),
+                f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32),
+                f"{name}.pre_quant_scale": torch.ones(weight.shape[1], dtype=torch.float16)}
+    return {f"{name}.weight": pack_int4(integers), f"{name}.weight_scale": quant.weight_scales.float().contiguous()}
+
+
+def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummary:
+    """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``."""
+    quantized_dir, out = Path(quantized_dir), Path(out)
+    loaded = load_quantization(quantized_dir)
+    if loaded is None:
+        raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
+    meta, linears = loaded
+    bits, group = meta["weight_bits"], meta.get("group_size")
+    if bits == 8 and meta.get("activations") == "float":
+        raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
+    tensors: dict[str, torch.Tensor] = {}
+    quantized_bytes = fp16_bytes = 0
+    with safe_open(str(quantized_dir / WEIGHTS_FILE), framework="pt") as source:
+        for key in list(source.keys()):
+            module = key.rsplit(".", 1)[0]
+            if module in linears and key.endswith(".weight"):
+                weight = source.get_tensor(key)
+                written = _linear_tensors(module, weight, linears[module], bits)
+                quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
+                fp16_bytes += weight.numel() * 2
+                tensors.update(written)
+            else:
+                tensor = source.get_tensor(key)
+                tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
+    missing = sorted(set(linears) - {k.rsplit(".", 1)[0] for k in tensors})
+    if missing:
+        raise UsageError(f"{quantized_dir}: quantized linears without weights: {', '.join(missing[:3])}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    quant_block = {"quant_algo": QUANT_ALGOS[bits], "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+    if bits == 4:
+        quant_block["group_size"] = group
+    (out / HF_QUANT_CONFIG).write_text(json.dumps(
+        {"producer": {"name": "compress", "version": __version__}, "quantization": quant_block}, indent=2) + "\n")
+    config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
+    config["torch_dtype"] = "float16"
+    config.pop("dtype", None)
+    config["quantization_config"] = {"quant_method": "modelopt", **quant_block}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in _COPIED:
+        if (quantized_dir / name).is_file():
+            shutil.copy2(quantized_dir / name, out / name)
+    return CheckpointSummary(QUANT_ALGOS[bits], group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes)

@@ -1,0 +1,87 @@
+"""``export_edgellm``: the quantized model as a TensorRT Edge-LLM deploy bundle, proven to hold the measured numbers.
+
+Runs after ``export_onnx`` and reads the quantized Hugging Face folder the ONNX was exported from,
+so the portable Q/DQ ONNX (measured by ``validate`` in ONNX Runtime) and the bundle carry the
+same integers and scales: writes the unified checkpoint, runs NVIDIA's ``tensorrt-edgellm-export``
+on it, and checks the chain of custody (see :mod:`compress.deploy.bundle`). What Edge-LLM cannot
+express is refused when the plan is checked, before any work.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from compress.artifact import EDGELLM_BUNDLE, HF_MODEL, ONNX, Artifact
+from compress.config import StrictModel, Target
+from compress.deploy.bundle import export_bundle
+from compress.deploy.edgellm import EDGELLM_VERSION
+from compress.errors import UsageError
+from compress.stages import StageDef, register
+
+log = logging.getLogger(__name__)
+
+# Model types the pinned Edge-LLM exports and every compress stage supports.
+SUPPORTED_MODEL_TYPES = ("llama",)
+# Edge-LLM 0.11's INT4 GEMM plugin (V2, the default) tiles weights in blocks of 64 in both dimensions.
+INT4_ALIGNMENT = 64
+
+
+class ExportEdgeLLMConfig(StrictModel):
+    """Options of the Edge-LLM export (none yet: the pinned exporter's defaults)."""
+
+
+def _linear_widths(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(out, in) of each kind of decoder linear."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden), "v_proj": (kv * head_dim, hidden),
+            "o_proj": (hidden, heads * head_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
+def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None) -> None:
+    """Refuse, before any work, what the pinned Edge-LLM cannot express; each message names the limit and the way out."""
+    if "sparsify" in earlier:
+        raise UsageError("export_edgellm: Edge-LLM builds engines without sparse weights, and 2:4 sparsity does not speed up "
+                         "bandwidth-bound decode; drop the sparsify stage (or end the recipe at export_onnx for a generic TensorRT build)")
+    quantize = earlier.get("quantize")
+    if quantize is not None and getattr(quantize, "hadamard_block", 0):
+        raise UsageError("export_edgellm: quantize.hadamard_block rotates down_proj inputs online, which Edge-LLM's checkpoint "
+                         "format cannot express; set quantize.hadamard_block=0 (SmoothQuant only)")
+    if model_config is None:
+        return
+    model_type = model_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UsageError(f"export_edgellm: model_type {model_type!r} is not supported for Edge-LLM deployment "
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if quantize is not None and quantize.scheme()[0] == 4:
+        group = quantize.scheme()[2]
+        for name, (out_features, in_features) in _linear_widths(model_config).items():
+            if out_features % INT4_ALIGNMENT or in_features % INT4_ALIGNMENT or in_features % group:
+                raise UsageError(f"export_edgellm: {name} is {out_features} x {in_features}; Edge-LLM {EDGELLM_VERSION}'s INT4 "
+                                 f"GEMM needs both multiples of {INT4_ALIGNMENT} and the input width a multiple of the group "
+                                 f"size {group}")
+
+
+def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx) -> Artifact:
+    quantized = ctx.last_artifact(HF_MODEL)
+    metrics = export_bundle(Path(quantized.path), ctx.stage_dir)
+    bundle = ctx.stage_dir / "bundle"
+    meta = {"precision": source.meta.get("precision", "fp16"), "quant_algo": metrics["checkpoint"]["quant_algo"],
+            "metrics": metrics}
+    return Artifact(EDGELLM_BUNDLE, bundle, meta)
+
+
+STAGE = register(StageDef(
+    name="export_edgellm",
+    summary=f"unified quantized checkpoint -> TensorRT Edge-LLM {EDGELLM_VERSION} bundle, with a chain-of-custody check",
+    input_kind=ONNX,
+    output_kind=EDGELLM_BUNDLE,
+    config_cls=ExportEdgeLLMConfig,
+    run=run_export_edgellm,
+    check_plan=check_plan,
+))
