@@ -19,10 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from runs import REPO, compress_run
+
 OUT = REPO / "bench_runs" / "domains"
 RECIPES = ["baseline", "int8", "int4", "sparse24", "prune-heads", "distill", "default"]
 DATA = {
@@ -34,16 +33,10 @@ DISTILLING = {"distill", "default"}
 
 
 def run_cell(data: str, recipe: str) -> dict | None:
-    out = OUT / data / recipe
     extra = [a for a in DATA[data] if not a.startswith("distill.") or recipe in DISTILLING]
-    cmd = [str(REPO / ".venv" / "bin" / "compress"), "run", "target=jetson-orin", f"recipe={recipe}", f"out={out}",
-           "--no-progress", *extra]
-    print("$", " ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=REPO, check=False)
-    if not (out / "report.json").is_file():
-        print(f"{data}/{recipe}: no report (the run failed; see {out / 'run.log'})", flush=True)
+    report = compress_run(recipe, OUT / data / recipe, *extra)
+    if report is None:
         return None
-    report = json.loads((out / "report.json").read_text())
     validate = next(s["metrics"] for s in report["stages"] if s["name"] == "validate")
     distill = next((s["metrics"] for s in report["stages"] if s["name"] == "distill"), None)
     return {"data": data, "recipe": recipe, "verdict": report["gate"]["verdict"], "domains": validate["domains"],

@@ -15,7 +15,7 @@ EVAL = REPO / "calib_data" / "evaluation" / "prideprejudice.txt"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
-def build_tokenizer(vocab_size: int = 512):
+def build_tokenizer(vocab_size: int = 512, chat_template: bool = False):
     """A byte-level BPE tokenizer trained in-process on a slice of the calibration text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -27,16 +27,17 @@ def build_tokenizer(vocab_size: int = 512):
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator([CALIB.read_text(encoding="utf-8")[:200_000]], trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    tokenizer.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
+    if chat_template:  # Edge-LLM's exporter ships the model's chat template and refuses a model without one
+        tokenizer.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}"
     return tokenizer
 
 
 def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                     intermediate: int = 128, seed: int = 0) -> Path:
+                     intermediate: int = 128, seed: int = 0, chat_template: bool = False) -> Path:
     """Save a randomly initialised Llama (GQA) with a trained tokenizer to ``folder``."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(chat_template=chat_template)
     torch.manual_seed(seed)
     config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
                          num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

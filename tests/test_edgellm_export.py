@@ -29,7 +29,8 @@ QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024",
 @pytest.fixture(scope="module")
 def tiny_wide(tmp_path_factory) -> Path:
     # 64-aligned widths: Edge-LLM's INT4 GEMM layout needs them.
-    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256,
+                            chat_template=True)
 
 
 def _run(tiny: Path, out: Path, recipe: str, *extra: str) -> subprocess.CompletedProcess:
