@@ -31,6 +31,7 @@ DEFAULT_EVALUATION_DOMAINS: tuple[tuple[str, Path], ...] = (
     ("government", _SHIPPED / "evaluation" / "government.txt"),
     ("religion", _SHIPPED / "evaluation" / "religion.txt"),
 )
+_SHIPPED_DOMAINS = {path: domain for domain, path in DEFAULT_CALIBRATION_DOMAINS + DEFAULT_EVALUATION_DOMAINS}
 DEFAULT_CALIBRATION = tuple(path for _, path in DEFAULT_CALIBRATION_DOMAINS)
 DEFAULT_EVALUATION = tuple(path for _, path in DEFAULT_EVALUATION_DOMAINS)
 EVAL_SKIP_CHARS = 5000
@@ -51,8 +52,7 @@ class TextSource:
 
 def domain_of(path: Path) -> str:
     """The domain name of a text file: its shipped name, else the file's stem."""
-    shipped = dict((p, d) for d, p in DEFAULT_CALIBRATION_DOMAINS + DEFAULT_EVALUATION_DOMAINS)
-    return shipped.get(Path(path).resolve(), Path(path).stem)
+    return _SHIPPED_DOMAINS.get(Path(path).resolve(), Path(path).stem)
 
 
 def read_text_file(path: Path, role: str) -> TextSource:
