@@ -62,12 +62,16 @@ def print_table(rows: list[dict]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipes", nargs="*", default=RECIPES, choices=RECIPES, metavar="RECIPE")
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help=f"any of {', '.join(RECIPES)} (default: all)")
     parser.add_argument("--data", choices=["multi", "austen", "both"], default="both")
     args = parser.parse_args()
+    recipes = args.recipes or RECIPES
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+        parser.error(f"unknown recipe {unknown[0]!r} (known: {', '.join(RECIPES)})")
     settings = ["multi", "austen"] if args.data == "both" else [args.data]
     rows = []
-    for recipe in args.recipes:
+    for recipe in recipes:
         for data in settings:
             if data == "austen" and recipe == "baseline":
                 continue  # no calibration or training: the same model under both settings

@@ -38,8 +38,12 @@ def run_row(recipe: str) -> dict | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipes", nargs="*", default=RECIPES, choices=RECIPES, metavar="RECIPE")
-    rows = [row for row in (run_row(r) for r in parser.parse_args().recipes) if row]
+    parser.add_argument("recipes", nargs="*", metavar="RECIPE", help=f"any of {', '.join(RECIPES)} (default: all)")
+    recipes = parser.parse_args().recipes or RECIPES
+    unknown = sorted(set(recipes) - set(RECIPES))
+    if unknown:
+        parser.error(f"unknown recipe {unknown[0]!r} (known: {', '.join(RECIPES)})")
+    rows = [row for row in (run_row(r) for r in recipes) if row]
     print("\n| recipe | format | worst domain | mixed | top-1 | KL | linears vs fp16 | checkpoint MB | bundle MB | our ONNX MB "
           "| export s | tensors compared | gate |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

@@ -178,8 +178,13 @@ def _cmd_predict(args: argparse.Namespace) -> int:
 
 def _cmd_build_engine(args: argparse.Namespace) -> int:
     from compress.device import build_on_device
+    from compress.errors import EXIT_NOT_MEASURED, MissingBackendError
 
-    manifest = build_on_device(args.run_dir)
+    try:
+        manifest = build_on_device(args.run_dir)
+    except MissingBackendError as exc:
+        print(f"compress: engine not built: {exc}", file=sys.stderr)
+        return EXIT_NOT_MEASURED
     print(json.dumps(manifest, indent=2))
     return 0
 

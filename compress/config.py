@@ -57,6 +57,18 @@ class Budgets(StrictModel):
     prompt_length: PositiveInt = 128
 
 
+class EdgeLLMStack(StrictModel):
+    """The software a TensorRT Edge-LLM bundle for this target is built and run with."""
+
+    version: str = Field(description="TensorRT Edge-LLM release the bundle is exported with")
+    support: Literal["official", "compatible", "developer"] = Field(description="Edge-LLM's support level for the platform")
+    jetpack: str | None = None
+    cuda: str
+    tensorrt: str = Field(description="TensorRT version, or the package it comes from")
+    embedded_target: str | None = Field(None, description="Edge-LLM's CMake EMBEDDED_TARGET for the C++ build on the device")
+    precisions: list[Literal["fp16", "int8", "int4", "fp8", "nvfp4"]]
+
+
 class Target(StrictModel):
     """A deployment target: hardware facts, power modes, TensorRT version and budgets."""
 
@@ -74,6 +86,7 @@ class Target(StrictModel):
     dla_count: int = Field(ge=0)
     tensorrt_version: str
     jetpack: str | None = None
+    edgellm: EdgeLLMStack
     power_modes: list[PowerMode] = Field(min_length=1)
     default_power_mode: str
     budgets: Budgets

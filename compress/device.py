@@ -1,16 +1,22 @@
 """Work that needs the target device: ``compress build-engine RUN_DIR`` and ``compress validate RUN_DIR --on-device``.
 
-On a machine without TensorRT or a CUDA device both say "not run: ..." and change nothing.
+A run whose engine comes from a TensorRT Edge-LLM bundle is built with Edge-LLM's ``llm_build``
+and measured with its ``llm_inference`` (:mod:`compress.deploy.edgellm_device`); a run on the
+generic path uses TensorRT's Python API. On a machine without the tools or a CUDA device both
+say "not run: ..." and change nothing.
 """
 
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from compress.config import load_target
+from compress.deploy import edgellm_device
 from compress.engine.builder import build_engine, cuda_device, local_build_support
 from compress.engine.plan import BuildPlan
 from compress.errors import MissingBackendError, UsageError
@@ -18,7 +24,8 @@ from compress.fsutil import atomic_write_json, read_json, sha256_file
 from compress.perf_model import ModelShape, mode_tops
 from compress.rundir import locked
 from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout
-from compress.stages.build_engine import PLAN_FILE, timing_cache_path
+from compress.stages.build_engine import EDGELLM_PLAN_FILE, PLAN_FILE, build_edgellm_engine, timing_cache_path
+from compress.stages.validate import DEVICE_REFERENCE_FILE
 
 ENGINE_MANIFEST = "engine_manifest.json"
 MIN_ITERATIONS = 1024
@@ -50,7 +57,48 @@ def build_on_device(run_dir: Path) -> dict[str, Any]:
         return _build_on_device(Path(run_dir))
 
 
+def edgellm_engine_folder(run_dir: Path) -> Path | None:
+    """The run's Edge-LLM engine folder, when its engine is built from an Edge-LLM bundle."""
+    if not (run_dir / "manifest.json").is_file():
+        raise UsageError(f"{run_dir} is not a run directory (no manifest.json)")
+    manifest = read_json(run_dir / "manifest.json")
+    stage = next((s for s in manifest["stages"] if s["name"] == "build_engine"), None)
+    folder = run_dir / stage["dir"] / "engine" if stage else None
+    return folder if folder is not None and (folder / EDGELLM_PLAN_FILE).is_file() else None
+
+
+def _files_sha256(folder: Path, names: list[str]) -> dict[str, str]:
+    return {name: sha256_file(folder / name) for name in names}
+
+
+def _build_edgellm_on_device(run_dir: Path, folder: Path) -> dict[str, Any]:
+    plan = read_json(folder / EDGELLM_PLAN_FILE)
+    built = build_edgellm_engine(folder, plan)
+    manifest = {"runtime": "edgellm", "target": plan["target"], "edgellm_version": plan["edgellm_version"],
+                "profile": plan["profile"], "power_mode": edgellm_device.read_power_mode(),
+                "engine_sha256": _files_sha256(folder, built["engine_files"]), "llm_build": built["llm_build"]}
+    atomic_write_json(folder / ENGINE_MANIFEST, manifest)
+    _record_built_engine(run_dir, str((folder / plan["engine_dir"]).relative_to(run_dir)), manifest)
+    return manifest
+
+
+def _record_built_engine(run_dir: Path, engine_path: str, manifest: dict[str, Any]) -> None:
+    report_path = run_dir / "report.json"
+    if not report_path.is_file():
+        return
+    report = read_json(report_path)
+    report["artifacts"]["engine"] = engine_path
+    for stage in report["stages"]:
+        if stage["name"] == "build_engine":
+            stage["status"] = "done"
+            stage["metrics"] = {**stage.get("metrics", {}), "status": "built", **manifest}
+    atomic_write_json(report_path, report)
+
+
 def _build_on_device(run_dir: Path) -> dict[str, Any]:
+    folder = edgellm_engine_folder(run_dir)
+    if folder is not None:
+        return _build_edgellm_on_device(run_dir, folder)
     engine_dir, plan, onnx_dir = _engine_folder(run_dir)
     support = local_build_support(plan.gpu_sm)
     if not support.can_build:
@@ -61,15 +109,7 @@ def _build_on_device(run_dir: Path) -> dict[str, Any]:
     manifest = {"target": plan.target, "gpu": support.device, "sm": plan.gpu_sm, "tensorrt_version": built["tensorrt_version"],
                 "engine_sha256": sha256_file(engine_dir / plan.engine_file), "onnx_sha256": sha256_file(onnx_dir / ONNX_FILE)}
     atomic_write_json(engine_dir / ENGINE_MANIFEST, manifest)
-    report_path = Path(run_dir) / "report.json"
-    if report_path.is_file():
-        report = read_json(report_path)
-        report["artifacts"]["engine"] = str((engine_dir / plan.engine_file).relative_to(Path(run_dir)))
-        for stage in report["stages"]:
-            if stage["name"] == "build_engine":
-                stage["status"] = "done"
-                stage["metrics"] = {**stage.get("metrics", {}), "status": "built", **manifest}
-        atomic_write_json(report_path, report)
+    _record_built_engine(run_dir, str((engine_dir / plan.engine_file).relative_to(run_dir)), manifest)
     return manifest
 
 
@@ -92,12 +132,47 @@ def check_engine_provenance(engine_dir: Path) -> dict[str, Any]:
     return manifest
 
 
+def measure_edgellm_on_device(run_dir: Path, folder: Path) -> dict[str, Any]:
+    """Run the Edge-LLM engine with ``llm_inference`` on the validate stage's prompts.
+
+    Returns decode tokens/s and ms/token, time to first token (prefill per request) and peak GPU
+    memory from Edge-LLM's own profile, greedy agreement with the host model, and the nvpmodel
+    power mode read from the device.
+    """
+    tool = edgellm_device.require_device_tool(edgellm_device.INFERENCE_TOOL)
+    manifest_path = folder / ENGINE_MANIFEST
+    if not manifest_path.is_file():
+        raise UsageError(f"{folder} has no built engine; run `compress build-engine {run_dir}` on the device first")
+    plan = read_json(folder / EDGELLM_PLAN_FILE)
+    reference = read_json(_stage_dir(run_dir, "validate") / DEVICE_REFERENCE_FILE)
+    prompts = [p["text"] for p in reference["prompts"]]
+    power_mode = edgellm_device.read_power_mode()
+    with tempfile.TemporaryDirectory(prefix="edgellm-", dir=folder) as work:
+        work_dir = Path(work)
+        atomic_write_json(work_dir / "input.json", edgellm_device.greedy_requests(prompts, reference["max_new_tokens"]))
+        command = edgellm_device.inference_command(tool, folder / plan["engine_dir"], work_dir / "input.json",
+                                                   work_dir / "output.json", work_dir / "profile.json")
+        result = subprocess.run(command, capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            last = (result.stderr or result.stdout).strip().splitlines()
+            raise UsageError(f"llm_inference failed (exit {result.returncode}): {last[-1] if last else ''}")
+        device_ids = edgellm_device.output_ids(read_json(work_dir / "output.json"), len(prompts))
+        figures = edgellm_device.profile_figures(read_json(work_dir / "profile.json"))
+    agreement = edgellm_device.greedy_agreement(reference["host_output_ids"], device_ids)
+    return {"runtime": "edgellm", **figures, **agreement, "prompts": len(prompts), "new_tokens": reference["max_new_tokens"],
+            "power_mode_read": power_mode, "engine_sha256": read_json(manifest_path)["engine_sha256"],
+            "device_output_ids": device_ids}
+
+
 def measure_on_device(run_dir: Path, prompt_len: int | None = None) -> dict[str, Any]:
     """CUDA-synchronised TTFT and decode latency of the run's engine (>= 1024 steps or 60 s), p50/p90/p99."""
     from compress.eval.latency import percentiles
     from compress.runtime.trt_decoder import TrtDecoder
 
     run_dir = Path(run_dir)
+    folder = edgellm_engine_folder(run_dir)
+    if folder is not None:
+        return measure_edgellm_on_device(run_dir, folder)
     engine_dir, plan, onnx_dir = _engine_folder(run_dir)
     check_engine_provenance(engine_dir)
     target = load_target(plan.target)

@@ -1,21 +1,28 @@
 """A roofline model of decoder LLM latency, memory and energy on a target, per power mode.
 
-* Decode (one token for one stream) is bound by memory bandwidth:
-  ``tokens/s = efficiency * bandwidth(mode) / bytes read per token``, where the bytes are every
-  decoder weight at its stored precision, the LM head, and the KV cache read at the context length.
+* Decode (one token for one stream) is bound by memory bandwidth plus a fixed cost per layer:
+  ``ms/token = bytes read per token / (efficiency * bandwidth(mode)) + layers * per_layer_ms(mode)``,
+  where the bytes are every decoder weight at its stored precision, the LM head, and the KV cache
+  read at the context length. The per-layer term (kernel launches, norms, RoPE, attention set-up)
+  is what keeps a 0.6B model further from the bandwidth roofline than an 8B one; it scales with
+  the inverse of the mode's GPU clock.
 * Prefill is bound by compute: ``FLOPs / (peak ops(mode) * utilisation)`` at the precision that
   runs the matrix multiplies (INT8 tensor cores for W8A8, FP16 otherwise; INT4 is weight-only).
 * A power mode caps the GPU clock (compute scales with it) and the memory clock (bandwidth scales
   with it). Energy per token is the mode's power budget times the per-token latency, an upper bound.
 
-``efficiency`` is fitted on published measurements (:data:`ANCHORS`); :func:`anchor_errors` reports
-how far the fitted model is from each of them.
+``efficiency`` and ``per_layer_ms`` are fitted together on published measurements (:data:`ANCHORS`:
+TensorRT Edge-LLM's own AGX Orin results, the runtime the bundles are built for, and two earlier
+7-8B figures), minimising the relative error; :func:`anchor_errors` reports every point.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 from typing import Any
+
+import numpy as np
 
 from compress.config import PowerMode, Target
 from compress.errors import UsageError
@@ -98,13 +105,36 @@ class Anchor:
 
 LLAMA3_8B = ModelShape(32, 4096, 14336, 32, 8, 128, 128256, False)
 LLAMA2_7B = ModelShape(32, 4096, 11008, 32, 32, 128, 32000, False)
+QWEN3_0_6B = ModelShape(28, 1024, 3072, 16, 8, 128, 151936, True)
+QWEN3_1_7B = ModelShape(28, 2048, 6144, 16, 8, 128, 151936, True)
+QWEN3_4B = ModelShape(36, 2560, 9728, 32, 8, 128, 151936, True)
+QWEN3_8B = ModelShape(36, 4096, 12288, 32, 8, 128, 151936, False)
 
+EDGELLM_BENCHMARK = ("TensorRT Edge-LLM v0.9.0 performance benchmarks, AGX Orin 64GB, JetPack 7.2, INT4 AWQ, batch 1, "
+                     "~61-token prompts, engines built with max input 2048 and KV capacity 2200")
+# The Edge-LLM prompts are ~61 tokens; the KV cache read is taken at 128 (prompt plus half the output).
 ANCHORS = (
+    Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_0_6B, "int4", 128, 128, 186.4,
+           EDGELLM_BENCHMARK),
+    Anchor("Qwen3-1.7B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_1_7B, "int4", 128, 128, 98.6,
+           EDGELLM_BENCHMARK),
+    Anchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_4B, "int4", 128, 128, 53.1,
+           EDGELLM_BENCHMARK),
+    Anchor("Qwen3-8B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_8B, "int4", 128, 128, 32.5,
+           EDGELLM_BENCHMARK),
     Anchor("Llama-3-8B INT4 (TensorRT-LLM 0.12, AWQ)", "jetson-agx-orin-64gb", "MAXN", LLAMA3_8B, "int4", 128, 192, 35.9,
            "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out"),
     Anchor("Llama-2-7B INT4 (MLC q4f16_ft)", "jetson-agx-orin-64gb", "MAXN", LLAMA2_7B, "int4", 128, 192, 46.9,
            "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM"),
 )
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """The fitted decode constants: bandwidth efficiency and fixed milliseconds per layer at full GPU clock."""
+
+    efficiency: float
+    per_layer_ms: float
 
 
 def device_bits(precision: str) -> int:
@@ -145,35 +175,59 @@ def mode_tops(target: Target, mode: PowerMode, precision: str, sparse: bool = Fa
     return peak * scale
 
 
-def _raw_decode_tokens_per_s(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int,
-                             context: int) -> float:
+def _bandwidth_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int) -> float:
+    """Milliseconds per token at the full bandwidth of the mode (the roofline, efficiency 1)."""
     read = weight_bytes(shape, precision, group_size) + shape.kv_bytes_per_token() * context
-    return mode_bandwidth_gbps(target, mode) * 1e9 / read
+    return read / (mode_bandwidth_gbps(target, mode) * 1e9) * 1000
+
+
+def _layer_units(target: Target, mode: PowerMode, shape: ModelShape) -> float:
+    """Layers weighted by the mode's GPU clock cap (fixed per-layer costs take longer at a lower clock)."""
+    return shape.num_layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz)
+
+
+def _anchor_terms(anchor: Anchor) -> tuple[float, float]:
+    from compress.config import load_target
+
+    target = load_target(anchor.target)
+    mode = target.power_mode(anchor.power_mode)
+    return (_bandwidth_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context),
+            _layer_units(target, mode, anchor.shape))
+
+
+@lru_cache(maxsize=1)
+def fit_decode() -> DecodeFit:
+    """Least squares on relative error: ``1000 / tokens_per_s = bandwidth_ms / efficiency + layers * per_layer_ms``."""
+    terms = np.array([_anchor_terms(a) for a in ANCHORS])
+    measured_ms = np.array([1000.0 / a.tokens_per_s for a in ANCHORS])
+    rows = terms / measured_ms[:, None]
+    (inv_eff, per_layer), *_ = np.linalg.lstsq(rows, np.ones(len(ANCHORS)), rcond=None)
+    if per_layer < 0:  # no fixed cost visible in the anchors: bandwidth alone
+        inv_eff, per_layer = float(rows[:, 0] @ np.ones(len(ANCHORS)) / (rows[:, 0] @ rows[:, 0])), 0.0
+    return DecodeFit(efficiency=float(1.0 / inv_eff), per_layer_ms=float(per_layer))
 
 
 def fit_efficiency() -> float:
-    """Least-squares factor between the bandwidth bound and the anchors' measured tokens/s."""
-    from compress.config import load_target
+    """The fitted share of the mode's bandwidth a decode step reaches."""
+    return fit_decode().efficiency
 
-    raw, measured = [], []
-    for anchor in ANCHORS:
-        target = load_target(anchor.target)
-        mode = target.power_mode(anchor.power_mode)
-        raw.append(_raw_decode_tokens_per_s(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context))
-        measured.append(anchor.tokens_per_s)
-    return sum(r * m for r, m in zip(raw, measured, strict=False)) / sum(r * r for r in raw)
+
+def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int) -> float:
+    """Predicted milliseconds per decoded token (one stream)."""
+    fit = fit_decode()
+    return (_bandwidth_ms(target, mode, shape, precision, group_size, context) / fit.efficiency
+            + _layer_units(target, mode, shape) * fit.per_layer_ms)
 
 
 def anchor_errors() -> list[dict[str, Any]]:
-    """Prediction error of the fitted model on each published anchor."""
+    """Prediction error of the fitted model on every published anchor."""
     from compress.config import load_target
 
-    eff = fit_efficiency()
     rows = []
     for anchor in ANCHORS:
         target = load_target(anchor.target)
         mode = target.power_mode(anchor.power_mode)
-        predicted = eff * _raw_decode_tokens_per_s(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context)
+        predicted = 1000.0 / decode_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context)
         rows.append({"anchor": anchor.name, "measured_tokens_per_s": anchor.tokens_per_s,
                      "predicted_tokens_per_s": round(predicted, 2),
                      "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2), "source": anchor.source})
@@ -194,6 +248,7 @@ class Prediction:
     joules_per_token: float
     bandwidth_gbps: float
     efficiency: float
+    per_layer_ms: float
 
     def to_json(self) -> dict[str, Any]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
@@ -205,10 +260,10 @@ def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | 
     mode = target.power_mode(mode_name)
     prompt_len = prompt_len or target.budgets.prompt_length
     context = context or target.budgets.context_length
-    efficiency = fit_efficiency()
+    fit = fit_decode()
     # Decode reads the cache at the end of the prompt plus half the generated span on average; the
     # budget's context length is the pessimistic bound used here.
-    tokens_per_s = efficiency * _raw_decode_tokens_per_s(target, mode, shape, precision, group_size, context)
+    tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context)
     compute_precision = "int8" if precision == "int8" else "fp16"
     flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
     flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
@@ -219,7 +274,8 @@ def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | 
         power_mode=mode.name, watts=mode.watts, precision=precision, decode_tokens_per_s=tokens_per_s,
         decode_latency_ms=latency_s * 1000, ttft_ms=ttft_s * 1000 + latency_s * 1000,
         memory_gb=memory / 1e9 + RUNTIME_OVERHEAD_GB, joules_per_token=mode.watts * latency_s,
-        bandwidth_gbps=mode_bandwidth_gbps(target, mode), efficiency=efficiency,
+        bandwidth_gbps=mode_bandwidth_gbps(target, mode), efficiency=fit.efficiency,
+        per_layer_ms=fit.per_layer_ms,
     )
 
 

@@ -252,9 +252,9 @@ def build_plan(options: RunOptions) -> Plan:
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
     check_disjoint(calibration, evaluation)
-    _check_plan_rules(planned, target, model)
     plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir)
     check_run_dir(out_dir, plan.identity, options.force)
+    _check_plan_rules(planned, target, model)
     _assign_fingerprints(plan)
     return plan
 

@@ -151,7 +151,9 @@ def test_7b_plan_from_config_alone(tmp_path, capsys):
 def test_default_recipe_does_not_distill_and_the_distill_recipe_plans_a_half_size_student(capsys):
     assert main(["run", "target=jetson-orin", "--dry-run"]) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
-    assert [s["name"] for s in stages] == ["load", "quantize", "export_onnx", "build_engine", "validate"]
+    assert [s["name"] for s in stages] == ["load", "quantize", "export_onnx", "export_edgellm", "build_engine", "validate"]
+    quantize = next(s for s in stages if s["name"] == "quantize")["config"]
+    assert quantize["method"] == "int8" and quantize["hadamard_block"] == 0
     assert main(["run", "target=jetson-orin", "recipe=distill", "--dry-run"]) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
     distill = next(s for s in stages if s["name"] == "distill")

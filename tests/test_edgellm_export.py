@@ -20,7 +20,8 @@ from onnx import numpy_helper
 
 from compress.cli import main
 from compress.deploy.bundle import check_bundle_config, check_custody
-from compress.errors import StageError
+from compress.errors import StageError, UsageError
+from compress.stages.export_edgellm import check_attention_shape
 from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
 
 QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024", "quantize.calib_windows=8"]
@@ -29,7 +30,7 @@ QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024",
 @pytest.fixture(scope="module")
 def tiny_wide(tmp_path_factory) -> Path:
     # 64-aligned widths: Edge-LLM's INT4 GEMM layout needs them.
-    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256,
+    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256,
                             chat_template=True)
 
 
@@ -49,7 +50,7 @@ def int4_run(tiny_wide, tmp_path_factory) -> Path:
 
 def test_int4_recipe_leaves_a_checked_bundle_named_in_the_report(int4_run):
     report = json.loads((int4_run / "report.json").read_text())
-    assert [s["name"] for s in report["stages"]] == ["load", "quantize", "export_onnx", "export_edgellm", "validate"]
+    assert [s["name"] for s in report["stages"]] == ["load", "quantize", "export_onnx", "export_edgellm", "build_engine", "validate"]
     assert report["artifacts"]["edgellm_bundle"] == "04_export_edgellm/bundle"
     bundle = int4_run / "04_export_edgellm" / "bundle" / "llm"
     for name in ("model.onnx", "model.onnx.data", "embedding.safetensors", "config.json", "tokenizer.json", "chat_template.jinja"):
@@ -105,7 +106,7 @@ def test_a_bundle_config_that_does_not_describe_the_model_is_caught(int4_run, tm
     config = json.loads(config_path.read_text())
     config["num_key_value_heads"] = 4
     config_path.write_text(json.dumps(config))
-    with pytest.raises(StageError, match="num_key_value_heads = 4, the model has 2"):
+    with pytest.raises(StageError, match="num_key_value_heads = 4, the model has 1"):
         check_bundle_config(bundle, model_config)
 
 
@@ -118,7 +119,7 @@ def test_int8_recipe_bundle_holds_our_integers_and_activation_scales(tiny_wide, 
     assert metrics["custody"]["tensors_compared"] == 14 * 3 and metrics["custody"]["mismatches"] == 0
     custody = json.loads((out / "04_export_edgellm" / "custody.json").read_text())
     assert any("activation scale" in c["tensor"] and "k_proj" in c["tensor"] for c in custody["compared"])
-    validate = json.loads((out / "05_validate" / "stage.json").read_text())["metrics"]
+    validate = json.loads((out / "06_validate" / "stage.json").read_text())["metrics"]
     assert validate["top1_agreement"] > 0.5 and validate["mean_kl"] >= 0
 
 
@@ -145,3 +146,16 @@ def test_sparse_models_and_other_families_are_refused(capsys, tmp_path, tiny_wid
     (other / "config.json").write_text(json.dumps(config))
     assert main(["run", "target=jetson-orin", "recipe=edgellm-int4", f"model={other}", f"out={tmp_path / 'b'}"]) == 2
     assert "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama)" in capsys.readouterr().err
+
+
+def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys, tmp_path):
+    narrow_heads = build_tiny_llama(tmp_path / "d32", layers=1, hidden=128, heads=4, kv_heads=2, intermediate=256)
+    assert main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={narrow_heads}", f"out={tmp_path / 'a'}"]) == 2
+    assert "head_dim 32 has no prefill attention kernel in Edge-LLM 0.11.0 (it has 64, 128, 256, 512)" in capsys.readouterr().err
+    with pytest.raises(UsageError, match="12 query heads cannot share 5 KV heads evenly"):
+        check_attention_shape({"num_attention_heads": 12, "num_key_value_heads": 5, "hidden_size": 768})
+    recipe = tmp_path / "pruned-edgellm.yaml"
+    recipe.write_text("name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n  - export_onnx\n  - export_edgellm\n")
+    assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"out={tmp_path / 'b'}"]) == 2
+    assert "Edge-LLM's config has one num_attention_heads for every layer" in capsys.readouterr().err
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()

@@ -9,16 +9,36 @@ import pytest
 from compress.cli import main
 from compress.config import load_target
 from compress.errors import UsageError
-from compress.perf_model import ModelShape, anchor_errors, lowest_power_mode_meeting_budget, predict, predict_all_modes
+from compress.perf_model import (
+    QWEN3_0_6B,
+    ModelShape,
+    anchor_errors,
+    fit_decode,
+    lowest_power_mode_meeting_budget,
+    mode_bandwidth_gbps,
+    predict,
+    predict_all_modes,
+    weight_bytes,
+)
 from compress.predict_cli import select_power_mode
 
 SMOL = ModelShape(30, 576, 1536, 9, 3, 64, 49152, True)
 
 
-def test_anchor_errors_are_small():
+def test_anchor_errors_are_small_on_every_published_point():
     rows = anchor_errors()
-    assert len(rows) == 2
+    assert len(rows) == 6
+    assert sum("Edge-LLM" in row["anchor"] for row in rows) == 4
     assert all(abs(row["error_pct"]) < 10 for row in rows)
+
+
+def test_small_models_pay_a_fixed_cost_per_layer():
+    fit = fit_decode()
+    assert fit.per_layer_ms > 0
+    agx = load_target("jetson-agx-orin-64gb")
+    prediction = predict(agx, QWEN3_0_6B, "int4", "MAXN", context=128)
+    roofline = fit.efficiency * mode_bandwidth_gbps(agx, agx.power_mode("MAXN")) * 1e9 / weight_bytes(QWEN3_0_6B, "int4")
+    assert prediction.decode_tokens_per_s < 0.75 * roofline  # the 0.6B model sits well below its bandwidth bound
 
 
 def test_more_bandwidth_is_faster_and_int4_beats_fp16():

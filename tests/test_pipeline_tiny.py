@@ -135,9 +135,9 @@ def test_dynamo_exporter_matches_torch(tiny_llama, tmp_path):
 
 def test_dry_run_prints_plan_and_does_no_work(tiny_llama, tmp_path, capsys):
     out = tmp_path / "never"
-    assert main(["run", "target=jetson-orin", f"model={tiny_llama}", f"out={out}", "--dry-run"]) == 0
+    assert main(["run", "target=jetson-orin", "recipe=int8", f"model={tiny_llama}", f"out={out}", "--dry-run"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert [s["name"] for s in plan["stages"]] == ["load", "quantize", "export_onnx", "build_engine", "validate"]
+    assert [s["name"] for s in plan["stages"]] == ["load", "quantize", "export_onnx", "validate"]
     assert plan["target"] == "jetson-orin-nano-8gb"
     assert not out.exists()
 

@@ -84,6 +84,23 @@ def _domain_table(report: dict[str, Any]) -> list[str]:
             *("| " + " | ".join(row) + " |" for row in rows)]
 
 
+def _on_device_section(report: dict[str, Any]) -> list[str]:
+    """What ``validate --on-device`` measured, or why it did not run."""
+    device = report.get("on_device")
+    if not device:
+        return []
+    if not device.get("ran"):
+        return ["", "## On the device", "", f"Not measured: {device.get('status')}."]
+    lines = ["", "## On the device", "", "| figure | value |", "|---|---|"]
+    rows = [("runtime", device.get("runtime", "tensorrt")), ("power mode read", device.get("power_mode_read")),
+            ("decode tokens/s", device.get("decode_tokens_per_s") or device.get("tokens_per_s")),
+            ("time to first token (ms)", device.get("ttft_ms")), ("peak device memory (GB)", device.get("peak_device_memory_gb")),
+            ("greedy prefix agreement with the host model", device.get("greedy_prefix_agreement")),
+            ("greedy sequences identical", device.get("greedy_sequences_identical"))]
+    lines += [f"| {name} | {_fmt(value)} |" for name, value in rows if value is not None]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """Render the report as Markdown."""
     target = report["target"]
@@ -107,6 +124,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if not gate["checks"]:
         lines.append(f"| — | — | — | **{gate['verdict']}** | — | {gate.get('detail', '')} |")
     lines += _domain_table(report)
+    lines += _on_device_section(report)
     lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
     for index, stage in enumerate(report["stages"], start=1):
         lines.append(f"| {index} | {stage['name']} | {stage['status']} | {_fmt(stage['duration_s'])} | "

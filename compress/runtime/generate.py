@@ -1,8 +1,10 @@
 """Text generation over a run's output: greedy or sampled, streaming, stop strings, batches.
 
 ``load(RUN_DIR)`` checks provenance first (the ONNX files still hash to what the run recorded;
-an engine was built by this TensorRT on this GPU) and then picks the backend: the TensorRT
-engine where ``tensorrt`` and a matching GPU are present, otherwise ONNX Runtime on the CPU.
+an engine still hashes to what its build recorded, or was built by this TensorRT on this GPU)
+and then picks the backend: TensorRT Edge-LLM's runtime when the run has a built bundle engine
+and ``llm_inference`` and a CUDA device are here, the generic TensorRT engine where ``tensorrt``
+and a matching GPU are present, otherwise ONNX Runtime on the CPU.
 """
 
 from __future__ import annotations
@@ -11,13 +13,16 @@ import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
 from compress.errors import CompressError, UsageError
 from compress.fsutil import read_json, sha256_path
 from compress.runtime.onnx_decoder import LAYOUT_FILE, OnnxDecoder, greedy_stream
+
+if TYPE_CHECKING:
+    from compress.runtime.edgellm import EdgeLLMGenerator
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +202,8 @@ def _check_onnx_provenance(run_dir: Path) -> tuple[Path, dict]:
     return onnx_dir, {"run": str(run_dir), "onnx_sha256": actual, "target": manifest["target"]}
 
 
-def load(path: str | Path, backend: Literal["auto", "onnxruntime", "tensorrt"] = "auto", threads: int | None = None) -> TextGenerator:
+def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "tensorrt"] = "auto",
+         threads: int | None = None) -> TextGenerator | EdgeLLMGenerator:
     """Load a run directory (or an exported ONNX folder) for generation."""
     from compress.models import load_tokenizer
 
@@ -209,6 +215,10 @@ def load(path: str | Path, backend: Literal["auto", "onnxruntime", "tensorrt"] =
     else:
         raise UsageError(f"{path} is neither a run directory nor an exported ONNX folder")
     tokenizer = load_tokenizer(onnx_dir)
+    if backend in ("auto", "edgellm") and (path / "manifest.json").is_file():
+        generator = _try_edgellm(path, tokenizer, provenance, required=backend == "edgellm")
+        if generator is not None:
+            return generator
     decoder = None
     if backend in ("auto", "tensorrt") and (path / "manifest.json").is_file():
         decoder = _try_tensorrt(path, onnx_dir, required=backend == "tensorrt")
@@ -217,13 +227,37 @@ def load(path: str | Path, backend: Literal["auto", "onnxruntime", "tensorrt"] =
     return TextGenerator(OnnxDecoder(onnx_dir, threads), tokenizer, "onnxruntime", provenance)
 
 
+def _try_edgellm(run_dir: Path, tokenizer, provenance: dict, required: bool):
+    """An :class:`~compress.runtime.edgellm.EdgeLLMGenerator` on the run's built Edge-LLM engine, or None."""
+    from compress.device import ENGINE_MANIFEST, edgellm_engine_folder
+    from compress.runtime.edgellm import EdgeLLMGenerator, check_engine_files
+
+    folder = edgellm_engine_folder(run_dir)
+    if folder is None or not (folder / ENGINE_MANIFEST).is_file():
+        if required:
+            raise ProvenanceError(f"{run_dir} has no built Edge-LLM engine; run `compress build-engine {run_dir}` on the device")
+        return None
+    manifest = check_engine_files(folder)
+    try:
+        return EdgeLLMGenerator(folder, tokenizer, {**provenance, "engine_sha256": manifest["engine_sha256"]})
+    except CompressError as exc:
+        if required:
+            raise
+        log.info("Edge-LLM engine not used (%s); trying the other backends", exc)
+        return None
+
+
 def _try_tensorrt(run_dir: Path, onnx_dir: Path, required: bool):
-    from compress.device import ENGINE_MANIFEST, check_engine_provenance
+    from compress.device import ENGINE_MANIFEST, check_engine_provenance, edgellm_engine_folder
     from compress.runtime.onnx_decoder import DecoderLayout
     from compress.runtime.trt_decoder import TrtDecoder
 
     stage_dir = _run_stage_dir(run_dir, "build_engine")
     engine_dir = stage_dir / "engine" if stage_dir else None
+    if edgellm_engine_folder(run_dir) is not None:
+        if required:
+            raise ProvenanceError(f"{run_dir}'s engine is built by TensorRT Edge-LLM; load it with backend='edgellm'")
+        return None
     if engine_dir is None or not (engine_dir / ENGINE_MANIFEST).is_file():
         if required:
             raise ProvenanceError(f"{run_dir} has no built engine; run `compress build-engine {run_dir}` on the device")

@@ -26,6 +26,9 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama",)
 # Edge-LLM 0.11's INT4 GEMM plugin (V2, the default) tiles weights in blocks of 64 in both dimensions.
 INT4_ALIGNMENT = 64
+# Head sizes the pinned Edge-LLM's attention plugin has prefill kernels for (fmha_v2_d64/d128/d256/d512
+# in the 0.11.0 wheel's libNvInfer_edgellm_plugin.so); any other size fails the engine build or runs decode only.
+HEAD_DIMS = (64, 128, 256, 512)
 
 
 class ExportEdgeLLMConfig(StrictModel):
@@ -48,6 +51,9 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
     if "sparsify" in earlier:
         raise UsageError("export_edgellm: Edge-LLM builds engines without sparse weights, and 2:4 sparsity does not speed up "
                          "bandwidth-bound decode; drop the sparsify stage (or end the recipe at export_onnx for a generic TensorRT build)")
+    if "prune_heads" in earlier:
+        raise UsageError("export_edgellm: head pruning leaves each layer its own number of heads, and Edge-LLM's config has one "
+                         "num_attention_heads for every layer; drop prune_heads (or end the recipe at export_onnx)")
     quantize = earlier.get("quantize")
     if quantize is not None and getattr(quantize, "hadamard_block", 0):
         raise UsageError("export_edgellm: quantize.hadamard_block rotates down_proj inputs online, which Edge-LLM's checkpoint "
@@ -58,6 +64,11 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UsageError(f"export_edgellm: model_type {model_type!r} is not supported for Edge-LLM deployment "
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    check_attention_shape(model_config)
+    precision = {4: "int4", 8: "int8"}.get(quantize.scheme()[0], "fp16") if quantize is not None else "fp16"
+    if precision not in target.edgellm.precisions:
+        raise UsageError(f"export_edgellm: Edge-LLM {target.edgellm.version} on {target.name} runs "
+                         f"{', '.join(target.edgellm.precisions)}, not {precision}; choose another quantize.method")
     if quantize is not None and quantize.scheme()[0] == 4:
         group = quantize.scheme()[2]
         for name, (out_features, in_features) in _linear_widths(model_config).items():
@@ -65,6 +76,23 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
                 raise UsageError(f"export_edgellm: {name} is {out_features} x {in_features}; Edge-LLM {EDGELLM_VERSION}'s INT4 "
                                  f"GEMM needs both multiples of {INT4_ALIGNMENT} and the input width a multiple of the group "
                                  f"size {group}")
+
+
+def check_attention_shape(model_config: dict[str, Any]) -> None:
+    """Refuse attention shapes the pinned Edge-LLM's attention plugin has no kernels for, and mixed layer types."""
+    heads = model_config["num_attention_heads"]
+    kv_heads = model_config.get("num_key_value_heads") or heads
+    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    if heads % kv_heads:
+        raise UsageError(f"export_edgellm: {heads} query heads cannot share {kv_heads} KV heads evenly; Edge-LLM's attention "
+                         "plugin takes MHA or GQA with a whole number of query heads per KV head")
+    if head_dim not in HEAD_DIMS:
+        raise UsageError(f"export_edgellm: head_dim {head_dim} has no prefill attention kernel in Edge-LLM {EDGELLM_VERSION} "
+                         f"(it has {', '.join(map(str, HEAD_DIMS))}); deploy through export_onnx instead")
+    layer_types = model_config.get("layer_types")
+    if layer_types and len(set(layer_types)) > 1:
+        raise UsageError("export_edgellm: the model mixes layer types (" + ", ".join(sorted(set(layer_types))) + "); "
+                         "compress deploys uniform decoder stacks only")
 
 
 def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx) -> Artifact:

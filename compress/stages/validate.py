@@ -46,6 +46,28 @@ class ValidateConfig(StrictModel):
     latency_prompt_tokens: PositiveInt = 128
     latency_new_tokens: PositiveInt = 64
     latency_repeats: PositiveInt = 1
+    device_prompt_tokens: PositiveInt = 64  # per evaluation domain, for the on-device greedy comparison
+    device_new_tokens: PositiveInt = 24
+
+
+DEVICE_REFERENCE_FILE = "device_reference.json"
+
+
+def device_reference(decoder: OnnxDecoder, tokenizer, evaluation: list[TextSource], config: ValidateConfig) -> dict[str, Any]:
+    """Greedy continuations of one prompt per evaluation domain by the host model, for ``validate --on-device`` to compare with.
+
+    The prompts are stored as text decoded from their token ids, so the device's tokenizer reads the same tokens.
+    """
+    prompts, expected = [], []
+    for source in evaluation:
+        skip = EVAL_SKIP_CHARS if len(source.text) > 4 * EVAL_SKIP_CHARS else 0
+        ids = tokenizer(source.text[skip:skip + 20 * config.device_prompt_tokens], add_special_tokens=False).input_ids
+        text = tokenizer.decode(ids[: config.device_prompt_tokens])
+        prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
+        prompts.append({"domain": source.domain, "text": text, "prompt_ids": prompt_ids})
+        expected.append(decoder.greedy(prompt_ids, config.device_new_tokens))
+    return {"max_new_tokens": config.device_new_tokens, "prompts": prompts, "host_output_ids": expected,
+            "host": "our Q/DQ ONNX in ONNX Runtime (the numbers the bundle holds)"}
 
 
 def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> float | None:
@@ -175,6 +197,12 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
     export_metrics = ctx.artifacts.get("export_onnx").meta.get("metrics", {}) if ctx.artifacts.get("export_onnx") else {}
     if "onnx_pattern_24_fraction" in export_metrics:
         metrics["onnx_pattern_24_fraction"] = export_metrics["onnx_pattern_24_fraction"]
+    if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
+        log.info("host greedy reference for the on-device check: %d prompts, %d new tokens", len(ctx.plan.evaluation),
+                 config.device_new_tokens)
+        onnx_dir = Path(source.path)
+        atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE_FILE,
+                          device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.plan.evaluation, config))
     precision = source.meta.get("precision", "fp32")
     predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode)
     checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)
