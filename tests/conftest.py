@@ -33,17 +33,19 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = False):
 
 
 def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                     intermediate: int = 128, seed: int = 0, chat_template: bool = False) -> Path:
-    """Save a randomly initialised Llama (GQA) with a trained tokenizer to ``folder``."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+                     intermediate: int = 128, seed: int = 0, chat_template: bool = False, family: str = "llama") -> Path:
+    """Save a randomly initialised Llama-family decoder (GQA; ``family`` "llama" or "qwen3") with a trained tokenizer to ``folder``."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
     tokenizer = build_tokenizer(chat_template=chat_template)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                         max_position_embeddings=2048, tie_word_embeddings=True,
-                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None)
-    model = LlamaForCausalLM(config).eval()
+    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    extra = {"head_dim": hidden // heads} if family == "qwen3" else {}
+    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
+                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                        max_position_embeddings=2048, tie_word_embeddings=True,
+                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **extra)
+    model = model_cls(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder

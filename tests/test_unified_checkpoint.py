@@ -108,3 +108,23 @@ def test_rotated_or_off_grid_weights_are_refused():
         integer_weight("x", on_grid + 0.1, LinearQuant(scales, 0.1, 40.0), 8)
     with pytest.raises(UsageError, match="Hadamard-rotated online.*quantize.hadamard_block=0"):
         integer_weight("model.layers.3.mlp.down_proj", on_grid, LinearQuant(scales, 0.1, 40.0, rotation=64), 8)
+
+
+def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(tmp_path):
+    qwen3 = build_tiny_llama(tmp_path / "qwen3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
+                             family="qwen3")
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=edgellm-int4", f"model={qwen3}",
+                           f"out={tmp_path / 'run'}", "quantize.group_size=32", *QUANTIZE_SMALL, *TINY_SMOKE],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    quantized = tmp_path / "run" / "02_quantize" / "model"
+    assert json.loads((quantized / "config.json").read_text())["model_type"] == "qwen3"
+    custody = json.loads((tmp_path / "run" / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]
+    assert custody["tensors_compared"] == 28 and custody["mismatches"] == 0
+    write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    loaded, meta = _probe(tmp_path / "ckpt", tmp_path)
+    assert meta["quant_type"] == "int4_awq_modelopt"
+    integers, linears, _ = _our_integers(quantized)
+    for name, ours in integers.items():
+        assert torch.equal(loaded[f"{name}.integers"], ours), name
+        assert torch.equal(loaded[f"{name}.loaded.weight_scale"], linears[name].weight_scales.float().t().half()), name
