@@ -44,6 +44,13 @@ def _stage_summary(stage: dict[str, Any]) -> str:
     if "host_latency" in metrics:
         lat = metrics["host_latency"]
         parts.append(f"host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms")
+    if "custody" in metrics:
+        custody = metrics["custody"]
+        parts.append(f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "
+                     f"the quantized model, {custody['mismatches']} mismatches")
+    if metrics.get("runtime") == "edgellm":
+        parts.append(f"Edge-LLM engine profile: batch {metrics['max_batch_size']}, input {metrics['max_input_len']}, "
+                     f"KV capacity {metrics['max_kv_cache_capacity']}")
     if metrics.get("reason"):
         parts.append(f"engine build deferred to the device ({metrics['reason']}); run `compress build-engine RUN_DIR` there")
     return "; ".join(parts)
