@@ -328,6 +328,17 @@ def library_versions() -> dict[str, str]:
     return versions
 
 
+def deployment_versions(plan: Plan) -> dict[str, str]:
+    """The pinned TensorRT Edge-LLM release and the device stack a run's bundle is for (only when the run exports one)."""
+    if not any(p.stage.name == "export_edgellm" for p in plan.stages):
+        return {}
+    from compress.deploy.edgellm import EDGELLM_VERSION
+
+    stack = plan.target.edgellm
+    device = f"JetPack {stack.jetpack}, CUDA {stack.cuda}" if stack.jetpack else f"CUDA {stack.cuda}, TensorRT {stack.tensorrt}"
+    return {"tensorrt-edgellm": EDGELLM_VERSION, "edgellm-device-stack": device}
+
+
 def _reset_peak_rss() -> None:
     with contextlib.suppress(OSError):
         Path("/proc/self/clear_refs").write_text("5")
@@ -411,7 +422,7 @@ def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | 
         "recipe": plan.recipe.model_dump(mode="json"),
         "model": {"spec": plan.model.spec, "path": str(plan.model.path), "license": plan.model.license},
         "data": data_record(plan),
-        "versions": library_versions(),
+        "versions": {**library_versions(), **deployment_versions(plan)},
         "stages": [
             {"name": r.name, "dir": r.dirname, "status": r.status, "fingerprint": r.record.get("fingerprint"),
              "output_sha256": r.artifact.sha256}

@@ -142,3 +142,8 @@ def test_a_target_whose_context_leaves_no_room_to_generate_is_refused():
     target = target.model_copy(update={"budgets": target.budgets.model_copy(update={"context_length": 128})})
     with pytest.raises(UsageError, match="context_length \\(128\\) must exceed budgets.prompt_length \\(128\\)"):
         edgellm_device.engine_profile(target)
+
+
+def test_the_manifest_records_the_pinned_edgellm_and_the_device_stack(int8_run):
+    versions = json.loads((int8_run / "manifest.json").read_text())["versions"]
+    assert versions["tensorrt-edgellm"] == "0.11.0" and versions["edgellm-device-stack"] == "JetPack 7.2, CUDA 13.2"
