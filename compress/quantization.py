@@ -55,6 +55,7 @@ from compress.algorithms.quant import (
 from compress.algorithms.rotation import rotate
 from compress.config import StrictModel
 from compress.errors import UsageError
+from compress.families import ActivationPoint, Family, family_of
 from compress.fsutil import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -148,28 +149,13 @@ class QuantResult:
         return [row for row in self.layer_errors() if row["sqnr_db"] < floor]
 
 
-_GROUPS = (
-    # (input point, consumers, producer kind)
-    ("attn_out", ("self_attn.o_proj",), "v_proj"),
-    ("mlp_hidden", ("mlp.down_proj",), "up_proj"),
-    ("attn_in", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm"),
-    ("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm"),
-)
+def _linears(block, family: Family) -> dict[str, torch.nn.Linear]:
+    return {name: block.get_submodule(name) for name in family.linears()}
 
 
-# The MLP hidden state, the input of down_proj, is the one input a rotation may be chosen for.
-ROTATED_POINT = "mlp_hidden"
-ROTATED_LINEAR = "mlp.down_proj"
-
-
-def _linears(block) -> dict[str, torch.nn.Linear]:
-    names = [name for _, consumers, _ in _GROUPS for name in consumers]
-    return {name: block.get_submodule(name) for name in names}
-
-
-def _check_shapes(model, group_size: int | None) -> None:
+def _check_shapes(model, family: Family, group_size: int | None) -> None:
     for index, block in enumerate(decoder_blocks(model)):
-        for name, linear in _linears(block).items():
+        for name, linear in _linears(block, family).items():
             if group_size and linear.in_features % group_size:
                 raise UsageError(f"group_size={group_size} does not divide layers.{index}.{name} (in_features {linear.in_features})")
 
@@ -193,18 +179,19 @@ def _kv_groups(block, config) -> torch.Tensor:
     return (head // (n_heads // n_kv)) * head_dim + dim
 
 
-def _fold(block, producer: str, scales: torch.Tensor, consumers: tuple[str, ...], kv_groups: torch.Tensor) -> None:
-    """Divide the producer's output by ``scales`` and multiply the consumers' input columns by it."""
+def fold_scales(block, point: ActivationPoint, scales: torch.Tensor, kv_groups: torch.Tensor) -> None:
+    """Divide the producer's output by ``scales`` and multiply the consumers' input columns by it (exact in float)."""
     with torch.no_grad():
-        if producer == "v_proj":
-            per_kv = torch.zeros(block.self_attn.v_proj.out_features).index_copy_(0, kv_groups, scales)
-            _scale_rows(block.self_attn.v_proj, 1.0 / per_kv)
-        elif producer == "up_proj":
-            _scale_rows(block.mlp.up_proj, 1.0 / scales)
+        producer = block.get_submodule(point.producer)
+        if point.producer_kind == "norm":
+            producer.weight.div_(scales)
+        elif point.name == "attn_out":
+            # One scale per attention-output channel; every query head of a KV group reads the same v_proj row.
+            per_kv = torch.zeros(producer.out_features).index_copy_(0, kv_groups, scales)
+            _scale_rows(producer, 1.0 / per_kv)
         else:
-            norm = getattr(block, producer)
-            norm.weight.div_(scales)
-        for name in consumers:
+            _scale_rows(producer, 1.0 / scales)
+        for name in point.consumers:
             block.get_submodule(name).weight.mul_(scales[None, :])
 
 
@@ -374,37 +361,39 @@ def activation_scale(samples: torch.Tensor, absmax: float, rule: str, steps: int
 def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str) -> dict[str, LinearQuant]:
     """Quantize one decoder block in place; returns per-linear scales and errors."""
     bits, quantize_acts, _ = config.scheme()
-    linears = _linears(block)
-    points = {point: linears[consumers[0]] for point, consumers, _ in _GROUPS}
+    family = family_of(model_config)
+    linears = _linears(block, family)
+    points = {point.name: linears[point.consumers[0]] for point in family.points}
     want_hessian = "gptq" in (config.algorithm if config.method == "int4" else config.weight_algorithm if config.method == "int8" else "")
     per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
-    block_size = rotation_block(linears[ROTATED_LINEAR].in_features, config.hadamard_block)
-    rotations = {ROTATED_POINT: block_size} if block_size else None
+    rotated = family.point(family.rotated_point)
+    block_size = rotation_block(linears[rotated.consumers[0]].in_features, config.hadamard_block)
+    rotations = {rotated.name: block_size} if block_size else None
     stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
-    migrations = _prepare_inputs(block, linears, stats, config, _kv_groups(block, model_config))
+    migrations = _prepare_inputs(block, family, linears, stats, config, _kv_groups(block, model_config))
     result: dict[str, LinearQuant] = {}
-    for point, consumers, _ in _GROUPS:
-        samples = stats[point].sample_matrix(config.sample_tokens)
-        point_scale = activation_scale(samples, float(stats[point].absmax.max()), config.act_scale) if quantize_acts else None
-        for index, name in enumerate(consumers):
+    for point in family.points:
+        samples = stats[point.name].sample_matrix(config.sample_tokens)
+        point_scale = activation_scale(samples, float(stats[point.name].absmax.max()), config.act_scale) if quantize_acts else None
+        for index, name in enumerate(point.consumers):
             input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
-            result[f"{prefix}.{name}"] = _quantize_linear(config, name, linears[name], stats[point], samples, input_scale,
-                                                          migrations[point], index)
+            result[f"{prefix}.{name}"] = _quantize_linear(config, name, linears[name], stats[point.name], samples, input_scale,
+                                                          migrations[point.name], index)
     return result
 
 
-def _prepare_inputs(block, linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats], config: QuantizeConfig,
-                    kv_groups: torch.Tensor) -> dict[str, Migration]:
+def _prepare_inputs(block, family: Family, linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats],
+                    config: QuantizeConfig, kv_groups: torch.Tensor) -> dict[str, Migration]:
     """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated view."""
     migrations: dict[str, Migration] = {}
-    for point, consumers, producer in _GROUPS:
-        weights = [linears[name].weight.detach() for name in consumers]
-        migration = migrations[point] = _migration(config, point, stats[point], weights, kv_groups)
+    for point in family.points:
+        weights = [linears[name].weight.detach() for name in point.consumers]
+        migration = migrations[point.name] = _migration(config, point.name, stats[point.name], weights, kv_groups)
         if migration.scales is not None:
-            _fold(block, producer, migration.scales, consumers, kv_groups)
-            stats[point].rescale(migration.scales)
+            fold_scales(block, point, migration.scales, kv_groups)
+            stats[point.name].rescale(migration.scales)
         elif migration.rotation:
-            stats[point] = stats[point].rotated_view()
+            stats[point.name] = stats[point.name].rotated_view()
     return migrations
 
 
@@ -451,7 +440,7 @@ def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
 def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True) -> QuantResult:
     """Quantize every decoder block of ``model`` in place, walking the blocks in order."""
     bits, quantize_acts, group = config.scheme()
-    _check_shapes(model, group)
+    _check_shapes(model, family_of(model.config), group)
     started = time.perf_counter()
     inputs = capture_first_block_inputs(model, windows)
     result = QuantResult(config, calibration_tokens=int(windows.numel()))

@@ -37,6 +37,7 @@ from compress.data import (
     unseen_domains,
 )
 from compress.errors import CompressError, StageError, UsageError
+from compress.families import check_attention_window, family_of
 from compress.fsutil import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_path, staging_dir, written_path
 from compress.models import DEFAULT_MODEL, ModelSource, model_config, resolve_model
 from compress.predict_cli import select_power_mode
@@ -282,13 +283,17 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
 
 def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelSource) -> None:
     """Stage rules that depend on the stages before them or on the model's shape (e.g. what a deployment format takes)."""
+    config = model_config(model)
+    if config is not None:
+        try:
+            family_of(config)
+            check_attention_window(config, target.budgets.context_length)
+        except UsageError as exc:
+            raise UsageError(f"model={model.spec}: {exc}") from exc
     earlier: dict[str, StrictModel] = {}
-    config = None
     for stage in planned:
         if stage.stage.check_plan is not None:
-            if config is None:
-                config = model_config(model) or {}
-            stage.stage.check_plan(stage.config, earlier, target, config or None)
+            stage.stage.check_plan(stage.config, earlier, target, config)
         earlier[stage.stage.name] = stage.config
 
 

@@ -25,16 +25,9 @@ from compress.algorithms.calibration import (
 from compress.algorithms.sparse import fraction_in_24_pattern, magnitude_mask, sparsegpt_prune, wanda_mask
 from compress.config import StrictModel
 from compress.errors import UsageError
+from compress.families import Family, family_of
 
 log = logging.getLogger(__name__)
-
-_POINTS = {
-    "attn_in": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "attn_out": ("self_attn.o_proj",),
-    "mlp_in": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp_hidden": ("mlp.down_proj",),
-}
-
 
 class SparsifyConfig(StrictModel):
     """Options of the sparsify stage."""
@@ -48,15 +41,16 @@ class SparsifyConfig(StrictModel):
     damp: float = Field(0.01, gt=0.0, lt=1.0)
 
 
-def sparsify_block(block, inputs: BlockInputs, config: SparsifyConfig) -> dict[str, float]:
+def sparsify_block(block, inputs: BlockInputs, config: SparsifyConfig, family: Family) -> dict[str, float]:
     """Prune one block in place; returns each linear's share of zeros."""
-    linears = {name: block.get_submodule(name) for names in _POINTS.values() for name in names}
-    firsts = {point: linears[names[0]] for point, names in _POINTS.items()}
+    linears = {name: block.get_submodule(name) for name in family.linears()}
+    firsts = {p.name: linears[p.consumers[0]] for p in family.points}
     needs_stats = config.method != "magnitude"
     stats = collect_input_stats(block, inputs, firsts, config.method == "sparsegpt", 0) if needs_stats else {}
     sparsity = {}
-    for point, names in _POINTS.items():
-        for name in names:
+    for point_def in family.points:
+        point = point_def.name
+        for name in point_def.consumers:
             linear = linears[name]
             weight = linear.weight.detach()
             if config.pattern == "2:4" and weight.shape[1] % 4:
@@ -78,13 +72,14 @@ def sparsify_model(model, windows: torch.Tensor, config: SparsifyConfig, progres
     started = time.perf_counter()
     inputs = capture_first_block_inputs(model, windows) if config.method != "magnitude" else None
     layers = []
+    family = family_of(model.config)
     blocks = decoder_blocks(model)
     for index in tqdm(range(len(blocks)), desc=f"sparsify {config.method}", unit="layer", disable=not progress, leave=False):
         block = blocks[index]
         if inputs is None:
-            sparsity = sparsify_block(block, BlockInputs([], {}), config)
+            sparsity = sparsify_block(block, BlockInputs([], {}), config, family)
         else:
-            sparsity = sparsify_block(block, inputs, config)
+            sparsity = sparsify_block(block, inputs, config, family)
             inputs = BlockInputs(run_block(block, inputs), inputs.kwargs)
             release_freed_memory()
         layers.append({"layer": index, **{k.split(".")[-1]: round(v, 4) for k, v in sparsity.items()}})
@@ -94,8 +89,9 @@ def sparsify_model(model, windows: torch.Tensor, config: SparsifyConfig, progres
 
 def sparse_linears(model) -> dict[str, torch.Tensor]:
     """The decoder linear weights sparsity applies to."""
+    family = family_of(model.config)
     return {f"model.layers.{i}.{name}": block.get_submodule(name).weight.detach()
-            for i, block in enumerate(decoder_blocks(model)) for names in _POINTS.values() for name in names}
+            for i, block in enumerate(decoder_blocks(model)) for name in family.linears()}
 
 
 def pattern_fraction(model) -> float:

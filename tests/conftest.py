@@ -34,12 +34,16 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = False):
 
 def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
                      intermediate: int = 128, seed: int = 0, chat_template: bool = False, family: str = "llama") -> Path:
-    """Save a randomly initialised Llama-family decoder (GQA; ``family`` "llama" or "qwen3") with a trained tokenizer to ``folder``."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+    """Save a randomly initialised decoder (GQA) with a trained tokenizer to ``folder``.
+
+    ``family`` is a transformers model type: "llama", "mistral", "qwen2" (q/k/v biases), "qwen3" (q/k norms) or "phi3".
+    """
+    import transformers
 
     tokenizer = build_tokenizer(chat_template=chat_template)
     torch.manual_seed(seed)
-    config_cls, model_cls = {"llama": (LlamaConfig, LlamaForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[family]
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[family]
+    config_cls, model_cls = getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
     extra = {"head_dim": hidden // heads} if family == "qwen3" else {}
     config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,

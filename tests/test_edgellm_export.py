@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import numpy_helper
 
 from compress.cli import main
@@ -159,3 +160,28 @@ def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys
     assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"out={tmp_path / 'b'}"]) == 2
     assert "Edge-LLM's config has one num_attention_heads for every layer" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_qwen2_biases_are_part_of_the_chain_of_custody(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_llama(tmp_path / "qwen2", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
+                              family="qwen2")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if name.endswith("bias"):  # transformers starts biases at zero, which would all share one initializer
+                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.1)
+    model.save_pretrained(folder)
+    out = tmp_path / "run"
+    proc = _run(folder, out, "edgellm-int8")
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    custody = json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]
+    assert custody["tensors_compared"] == 14 * 3 + 6 and custody["mismatches"] == 0
+    bundle = tmp_path / "bundle"
+    shutil.copytree(out / "04_export_edgellm" / "bundle", bundle)
+    bias = "_model.model.layers.1.self_attn.v_proj.bias"
+    _tamper(bundle, bias, lambda a: (a + np.float16(0.01)).astype(a.dtype))
+    with pytest.raises(StageError, match=f"model.layers.1.self_attn.v_proj bias \\({bias}\\): .* values differ"):
+        check_custody(out / "02_quantize" / "model", bundle, tmp_path)

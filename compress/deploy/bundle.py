@@ -39,16 +39,19 @@ EXPORT_TIMEOUT_S = 3600
 
 
 def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
-    """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured."""
+    """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured, and its bias in FP16."""
     meta, linears = load_quantization(quantized_dir)
     bits = meta["weight_bits"]
     numbers: dict[str, torch.Tensor] = {}
     with safe_open(str(Path(quantized_dir) / WEIGHTS_FILE), framework="pt") as source:
+        stored = set(source.keys())
         for name, quant in linears.items():
             numbers[f"{name}.integers"] = integer_weight(name, source.get_tensor(f"{name}.weight"), quant, bits)
             numbers[f"{name}.weight_scale"] = quant.weight_scales.float().contiguous()
             if bits == 8:
                 numbers[f"{name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
+            if f"{name}.bias" in stored:
+                numbers[f"{name}.bias"] = source.get_tensor(f"{name}.bias").half().contiguous()
     return numbers
 
 

@@ -5,8 +5,9 @@ Run by the interpreter that has ``tensorrt-edgellm`` (it imports nothing from ``
     python edgellm_custody.py BUNDLE_DIR EXPECTED.safetensors REPORT.json
 
 ``EXPECTED.safetensors`` holds, per quantized linear ``<name>``, what the quantize stage measured:
-``<name>.integers`` (int8 values, INT4 ones in [-8, 7]), ``<name>.weight_scale`` (float32) and,
-for W8A8, ``<name>.input_scale``. Every one is compared with the initializer of the same name in
+``<name>.integers`` (int8 values, INT4 ones in [-8, 7]), ``<name>.weight_scale`` (float32),
+for W8A8 ``<name>.input_scale``, and ``<name>.bias`` (float16) for linears with a bias (Qwen2's q/k/v).
+Every one is compared with the initializer of the same name in
 ``BUNDLE_DIR/llm/model.onnx`` (Edge-LLM names them ``_model.<checkpoint name>``). INT4 weights
 sit in the INT4 GEMM plugin's packed layout, so our integers are laid out with Edge-LLM's own
 repacking function for the plugin version the bundle uses and compared byte for byte; its
@@ -55,6 +56,19 @@ class Graph:
         activation = node.input[0] if weight_side is not None and weight_side.input[0] == weight else node.input[1]
         source = self._upstream(activation)
         return source.input[1] if source is not None else None
+
+    def bias_of(self, weight: str):
+        """The initializer added to the output of the product ``weight`` takes part in, or None.
+
+        Identical biases may share one initializer, so it is found by following the graph from the weight.
+        """
+        node = next(iter(self.consumers.get(weight, [])), None)
+        while node is not None and node.op_type in _PASS_THROUGH | {"DequantizeLinear"}:
+            node = next(iter(self.consumers.get(node.output[0], [])), None)
+        after = next(iter(self.consumers.get(node.output[0], [])), None) if node is not None else None
+        if after is None or after.op_type != "Add":
+            return None
+        return next((name for name in after.input if name in self.initializers), None)
 
     def _upstream(self, tensor: str):
         node = self.producer.get(tensor)
@@ -108,6 +122,10 @@ def check(bundle: str, expected_path: str) -> dict:
             scale_name = graph.activation_scale(f"{_PREFIX}{name}.weight")
             _compare(report, f"{_PREFIX}{name} activation scale ({scale_name})", inits.get(scale_name) if scale_name else None,
                      expected[f"{name}.input_scale"].reshape(()))
+        if f"{name}.bias" in expected:
+            bias_name = graph.bias_of(f"{_PREFIX}{name}.weight")
+            _compare(report, f"{_PREFIX}{name} bias ({bias_name})", inits.get(bias_name) if bias_name else None,
+                     expected[f"{name}.bias"])
     return report
 
 

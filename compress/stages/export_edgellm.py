@@ -23,7 +23,7 @@ from compress.stages import StageDef, register
 log = logging.getLogger(__name__)
 
 # Decoder families the pinned Edge-LLM exports and compress's quantize -> export path is tested on (Llama, Qwen3).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 # Edge-LLM 0.11's INT4 GEMM plugin (V2, the default) tiles weights in blocks of 64 in both dimensions.
 INT4_ALIGNMENT = 64
 # Head sizes the pinned Edge-LLM's attention plugin has prefill kernels for (fmha_v2_d64/d128/d256/d512
