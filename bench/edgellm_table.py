@@ -1,12 +1,12 @@
 """TensorRT Edge-LLM deployment figures for the embedded SmolLM2, one run per recipe, side by side.
 
-Each row is a full ``compress run`` (quantize -> export_onnx -> export_edgellm -> validate) into
+Each row is a full ``compress run`` (quantize -> export_onnx -> export_edgellm -> build_engine -> validate) into
 ``bench_runs/edgellm/<recipe>``. The quality columns are those of the numbers the bundle holds,
 measured through our Q/DQ ONNX in ONNX Runtime (exported from the same quantized folder; the
 custody check proves the bundle holds exactly its integers and scales), against the fp32 teacher
 on the six evaluation domains. Sizes compare the unified checkpoint, the bundle and our ONNX.
 
-    .venv/bin/python bench/edgellm_table.py                 # both recipes (~20 min on 2 cores)
+    .venv/bin/python bench/edgellm_table.py                 # every recipe (~30 min on 2 cores)
     .venv/bin/python bench/edgellm_table.py edgellm-int4
 """
 
@@ -18,7 +18,7 @@ import json
 from runs import REPO, compress_run
 
 OUT = REPO / "bench_runs" / "edgellm"
-RECIPES = ["edgellm-int4", "edgellm-int8"]
+RECIPES = ["edgellm-int4", "edgellm-int8", "default"]
 
 
 def run_row(recipe: str) -> dict | None:
@@ -33,6 +33,7 @@ def run_row(recipe: str) -> dict | None:
             "linear_ratio": bundle["checkpoint"]["ratio_vs_fp16"], "checkpoint_mb": bundle["checkpoint_bytes"] / 1e6,
             "bundle_mb": bundle["bundle_bytes"] / 1e6, "onnx_mb": validate["model_size_bytes"] / 1e6,
             "export_s": bundle["export_seconds"], "compared": bundle["custody"]["tensors_compared"],
+            "float_linears": bundle["checkpoint"].get("float_linears", 0), "domains": validate["domains"],
             "quantize_s": stages["quantize"]["duration_s"]}
 
 

@@ -84,6 +84,8 @@ class QuantizeConfig(StrictModel):
     act_scale: Literal["absmax", "mse"] = "absmax"
     float_activations: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
     float_activations_below_db: float | None = None
+    # Linears left unquantized (float weights and inputs; FP16 in a deployment checkpoint).
+    float_linears: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
     # Largest Hadamard block for the down_proj input rotation (the largest power of two up to this
     # that divides the layer's width is used); 0 turns the rotation off.
     hadamard_block: Literal[0, 32, 64, 128, 256] = 0
@@ -92,7 +94,13 @@ class QuantizeConfig(StrictModel):
     def _rotation_needs_int8_activations(self) -> QuantizeConfig:
         if self.hadamard_block and not self.scheme()[1]:
             raise ValueError("hadamard_block applies to W8A8 (method int8, or rtn with bits 8) only")
+        if self.hadamard_block and "down_proj" in self.float_linears:
+            raise ValueError("hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them")
         return self
+
+    def is_float(self, linear: str) -> bool:
+        """Whether the linear at block path ``linear`` stays unquantized."""
+        return linear.rsplit(".", 1)[-1] in self.float_linears
 
     def scheme(self) -> tuple[int, bool, int | None]:
         """(weight bits, activations quantized?, group size or None for per-channel)."""
@@ -362,31 +370,34 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
     """Quantize one decoder block in place; returns per-linear scales and errors."""
     bits, quantize_acts, _ = config.scheme()
     family = family_of(model_config)
+    active = [p for p in family.points if not all(config.is_float(name) for name in p.consumers)]
     linears = _linears(block, family)
-    points = {point.name: linears[point.consumers[0]] for point in family.points}
+    points = {point.name: linears[point.consumers[0]] for point in active}
     want_hessian = "gptq" in (config.algorithm if config.method == "int4" else config.weight_algorithm if config.method == "int8" else "")
     per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
     rotated = family.point(family.rotated_point)
     block_size = rotation_block(linears[rotated.consumers[0]].in_features, config.hadamard_block)
-    rotations = {rotated.name: block_size} if block_size else None
+    rotations = {rotated.name: block_size} if block_size and rotated in active else None
     stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
-    migrations = _prepare_inputs(block, family, linears, stats, config, _kv_groups(block, model_config))
+    migrations = _prepare_inputs(block, active, linears, stats, config, _kv_groups(block, model_config))
     result: dict[str, LinearQuant] = {}
-    for point in family.points:
+    for point in active:
         samples = stats[point.name].sample_matrix(config.sample_tokens)
         point_scale = activation_scale(samples, float(stats[point.name].absmax.max()), config.act_scale) if quantize_acts else None
         for index, name in enumerate(point.consumers):
+            if config.is_float(name):
+                continue
             input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
             result[f"{prefix}.{name}"] = _quantize_linear(config, name, linears[name], stats[point.name], samples, input_scale,
                                                           migrations[point.name], index)
     return result
 
 
-def _prepare_inputs(block, family: Family, linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats],
+def _prepare_inputs(block, points: list[ActivationPoint], linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats],
                     config: QuantizeConfig, kv_groups: torch.Tensor) -> dict[str, Migration]:
     """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated view."""
     migrations: dict[str, Migration] = {}
-    for point in family.points:
+    for point in points:
         weights = [linears[name].weight.detach() for name in point.consumers]
         migration = migrations[point.name] = _migration(config, point.name, stats[point.name], weights, kv_groups)
         if migration.scales is not None:

@@ -146,7 +146,7 @@ def test_sparse_models_and_other_families_are_refused(capsys, tmp_path, tiny_wid
     config["model_type"] = "mistral"
     (other / "config.json").write_text(json.dumps(config))
     assert main(["run", "target=jetson-orin", "recipe=edgellm-int4", f"model={other}", f"out={tmp_path / 'b'}"]) == 2
-    assert "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama, qwen3)" in capsys.readouterr().err
+    assert "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama, qwen2, qwen3)" in capsys.readouterr().err
 
 
 def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys, tmp_path):

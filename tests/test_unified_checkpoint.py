@@ -24,7 +24,7 @@ QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024",
 @pytest.fixture(scope="module")
 def tiny_wide(tmp_path_factory) -> Path:
     # 64-aligned widths: Edge-LLM's INT4 GEMM layout needs N % 64 == 0 and K % 64 == 0.
-    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256,
+    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256,
                             chat_template=True)
 
 
@@ -128,3 +128,31 @@ def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(
     for name, ours in integers.items():
         assert torch.equal(loaded[f"{name}.integers"], ours), name
         assert torch.equal(loaded[f"{name}.loaded.weight_scale"], linears[name].weight_scales.float().t().half()), name
+
+
+def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wide, tmp_path):
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny_wide}",
+                           f"out={out}", "quantize.float_linears=[down_proj]", *QUANTIZE_SMALL, *TINY_SMOKE],
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    quantized = out / "02_quantize" / "model"
+    _, linears = load_quantization(quantized)
+    assert len(linears) == 12 and not any(name.endswith("down_proj") for name in linears)
+    metrics = json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]
+    assert metrics["checkpoint"]["float_linears"] == 2 and metrics["custody"]["tensors_compared"] == 12 * 3 + 2
+    checkpoint = out / "04_export_edgellm" / "checkpoint"
+    excluded = json.loads((checkpoint / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert excluded == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    loaded, _ = _probe(checkpoint, tmp_path)
+    with safe_open(str(quantized / "model.safetensors"), framework="pt") as ours:
+        for layer in (0, 1):
+            name = f"model.layers.{layer}.mlp.down_proj"
+            assert torch.equal(loaded[f"{name}.float.weight"].half(), ours.get_tensor(f"{name}.weight").half()), name
+
+
+def test_a_rotation_of_an_input_left_float_is_a_configuration_error(capsys):
+    from compress.cli import main
+
+    assert main(["run", "target=jetson-orin", "recipe=int8", "quantize.float_linears=[down_proj]", "--dry-run"]) == 2
+    assert "hadamard_block rotates the down_proj input, which float_linears leaves unquantized" in capsys.readouterr().err

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from compress.deploy.edgellm import EDGELLM_VERSION, edgellm_python
 from compress.deploy.unified_checkpoint import WEIGHTS_FILE, integer_weight, write_unified_checkpoint
 from compress.errors import StageError
+from compress.families import family_of
 from compress.fsutil import path_size, read_json
 from compress.quantization import load_quantization
 
@@ -39,7 +40,8 @@ EXPORT_TIMEOUT_S = 3600
 
 
 def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
-    """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured, and its bias in FP16."""
+    """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured, and its
+    bias in FP16; per decoder linear left float, its weight in FP16."""
     meta, linears = load_quantization(quantized_dir)
     bits = meta["weight_bits"]
     numbers: dict[str, torch.Tensor] = {}
@@ -52,6 +54,12 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
                 numbers[f"{name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
             if f"{name}.bias" in stored:
                 numbers[f"{name}.bias"] = source.get_tensor(f"{name}.bias").half().contiguous()
+        decoder_linears = set(family_of(read_json(Path(quantized_dir) / "config.json")).linears())
+        for key in stored:
+            module = key.rsplit(".", 1)[0]
+            if (key.endswith(".weight") and module not in linears and ".layers." in module
+                    and module.split(".layers.", 1)[1].split(".", 1)[-1] in decoder_linears):
+                numbers[f"{module}.float_weight"] = source.get_tensor(key).half().contiguous()
     return numbers
 
 

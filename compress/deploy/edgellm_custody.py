@@ -6,8 +6,9 @@ Run by the interpreter that has ``tensorrt-edgellm`` (it imports nothing from ``
 
 ``EXPECTED.safetensors`` holds, per quantized linear ``<name>``, what the quantize stage measured:
 ``<name>.integers`` (int8 values, INT4 ones in [-8, 7]), ``<name>.weight_scale`` (float32),
-for W8A8 ``<name>.input_scale``, and ``<name>.bias`` (float16) for linears with a bias (Qwen2's q/k/v).
-Every one is compared with the initializer of the same name in
+for W8A8 ``<name>.input_scale``, and ``<name>.bias`` (float16) for linears with a bias (Qwen2's q/k/v);
+per decoder linear left float, ``<name>.float_weight`` (float16), found by value because the exporter
+folds it into a renamed, transposed constant. The others are compared with the initializer of the same name in
 ``BUNDLE_DIR/llm/model.onnx`` (Edge-LLM names them ``_model.<checkpoint name>``). INT4 weights
 sit in the INT4 GEMM plugin's packed layout, so our integers are laid out with Edge-LLM's own
 repacking function for the plugin version the bundle uses and compared byte for byte; its
@@ -107,6 +108,13 @@ def check(bundle: str, expected_path: str) -> dict:
     inits = graph.initializers
     expected = load_file(expected_path)
     report = {"onnx": model_path, "int4_plugin_version": graph.plugin_version, "compared": [], "mismatches": []}
+    for key in sorted(k for k in expected if k.endswith(".float_weight")):
+        name = key.rsplit(".", 1)[0]
+        target = expected.pop(key)
+        match = next((n for n, a in inits.items() if a.dtype == np.float16 and a.shape in (target.shape, target.T.shape)
+                      and np.array_equal(a if a.shape == target.shape else a.T, target)), None)
+        _compare(report, f"{_PREFIX}{name}.weight (FP16, {match or 'no initializer holds it'})",
+                 inits[match] if match else None, target if match is None or inits[match].shape == target.shape else target.T)
     names = sorted({key.rsplit(".", 1)[0] for key in expected})
     for name in names:
         integers = expected[f"{name}.integers"]

@@ -4,7 +4,9 @@ Integers on disk, in the layout NVIDIA's tools read (TensorRT Edge-LLM's exporte
 its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the specification):
 
 * ``hf_quant_config.json`` (and ``quantization_config`` in ``config.json``) names the algorithm:
-  ``W8A8_SQ_PER_CHANNEL`` or ``W4A16_AWQ`` with its ``group_size``; ``lm_head`` stays FP16.
+  ``W8A8_SQ_PER_CHANNEL`` or ``W4A16_AWQ`` with its ``group_size``; ``lm_head`` and any decoder
+  linear the quantize stage left float (``quantize.float_linears``) stay FP16 and are listed in
+  ``exclude_modules`` (Edge-LLM also treats a linear with no ``weight_scale`` as FP16).
 * W8A8 linear: ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out]``, ``input_scale``
   float32 ``[]`` (the QuantizeLinear scale, amax / 127), ``pre_quant_scale`` float16 ``[in]``.
 * W4A16 linear: ``weight`` uint8 ``[out / 2, in]``, two's-complement nibbles (even output rows in
@@ -32,6 +34,7 @@ from safetensors.torch import save_file
 
 from compress import __version__
 from compress.errors import UsageError
+from compress.families import family_of
 from compress.quantization import LinearQuant, load_quantization
 
 QUANT_ALGOS = {8: "W8A8_SQ_PER_CHANNEL", 4: "W4A16_AWQ"}
@@ -44,18 +47,19 @@ _GRID_TOLERANCE = 1e-3
 
 @dataclass(frozen=True)
 class CheckpointSummary:
-    """What was written: algorithm, linears, bytes of the quantized linears and of their fp16 equivalent."""
+    """What was written: algorithm, quantized and FP16 decoder linears, their bytes as written and as all-FP16."""
 
     quant_algo: str
     group_size: int | None
     linears: int
     quantized_bytes: int
     fp16_bytes: int
+    float_linears: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"quant_algo": self.quant_algo, "group_size": self.group_size, "linears": self.linears,
-                "quantized_linear_bytes": self.quantized_bytes, "fp16_linear_bytes": self.fp16_bytes,
-                "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}
+                "float_linears": self.float_linears, "quantized_linear_bytes": self.quantized_bytes,
+                "fp16_linear_bytes": self.fp16_bytes, "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}
 
 
 def integer_weight(name: str, weight: torch.Tensor, quant: LinearQuant, bits: int) -> torch.Tensor:
@@ -116,6 +120,8 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
     tensors: dict[str, torch.Tensor] = {}
     quantized_bytes = fp16_bytes = 0
+    decoder_linears = set(family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))).linears())
+    float_linears: list[str] = []
     with safe_open(str(quantized_dir / WEIGHTS_FILE), framework="pt") as source:
         for key in list(source.keys()):
             module = key.rsplit(".", 1)[0]
@@ -125,15 +131,19 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                 quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
                 fp16_bytes += weight.numel() * 2
                 tensors.update(written)
-            else:
-                tensor = source.get_tensor(key)
-                tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
+                continue
+            tensor = source.get_tensor(key)
+            tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
+            if key.endswith(".weight") and ".layers." in module and module.split(".layers.", 1)[1].split(".", 1)[-1] in decoder_linears:
+                float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
+                quantized_bytes += tensor.numel() * 2
+                fp16_bytes += tensor.numel() * 2
     missing = sorted(set(linears) - {k.rsplit(".", 1)[0] for k in tensors})
     if missing:
         raise UsageError(f"{quantized_dir}: quantized linears without weights: {', '.join(missing[:3])}")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    quant_block = {"quant_algo": QUANT_ALGOS[bits], "kv_cache_quant_algo": None, "exclude_modules": ["lm_head"]}
+    quant_block = {"quant_algo": QUANT_ALGOS[bits], "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", *sorted(float_linears)]}
     if bits == 4:
         quant_block["group_size"] = group
     (out / HF_QUANT_CONFIG).write_text(json.dumps(
@@ -146,4 +156,5 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     for name in _COPIED:
         if (quantized_dir / name).is_file():
             shutil.copy2(quantized_dir / name, out / name)
-    return CheckpointSummary(QUANT_ALGOS[bits], group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes)
+    return CheckpointSummary(QUANT_ALGOS[bits], group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes,
+                             len(float_linears))
