@@ -214,11 +214,16 @@ def _safetensors_data_end(file: Path) -> int:
     return 8 + header_len + max(ends, default=0)
 
 
+def gguf_cache_dir(gguf_path: Path) -> Path:
+    """Where the safetensors conversion of a GGUF file is cached (named by its content hash)."""
+    return cache_root() / "models" / f"{gguf_path.stem}-{sha256_file(gguf_path)[:16]}"
+
+
 def materialize(source: ModelSource) -> Path:
     """A Hugging Face folder with safetensors weights for ``source``; GGUF files are converted once and cached."""
     if source.kind == "hf-folder":
         return source.path
-    cached = cache_root() / "models" / f"{source.path.stem}-{sha256_file(source.path)[:16]}"
+    cached = gguf_cache_dir(source.path)
     if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
         log.info("using cached conversion %s", cached)
         return cached
@@ -238,6 +243,9 @@ def model_config(source: ModelSource) -> dict | None:
     if source.kind == "hf-folder":
         file = source.path / "config.json"
         return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
+    converted = gguf_cache_dir(source.path) / "config.json"
+    if converted.is_file():  # reading a GGUF's config through transformers parses the whole file
+        return json.loads(converted.read_text(encoding="utf-8"))
     from transformers import AutoConfig
 
     try:
