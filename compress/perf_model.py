@@ -144,21 +144,22 @@ def device_bits(precision: str) -> int:
     return min(PRECISION_BITS[precision], 16)
 
 
-def _linear_bytes(shape: ModelShape, precision: str, group_size: int) -> float:
-    params = shape.decoder_linear_params()
+def _linear_bytes(shape: ModelShape, precision: str, group_size: int, float_fraction: float = 0.0) -> float:
+    """Decoder linear bytes: ``float_fraction`` of the parameters in FP16, the rest at ``precision``."""
+    params = shape.decoder_linear_params() * (1.0 - float_fraction)
     scales = params / group_size * 2 if precision == "int4" else 0  # one fp16 scale per group
-    return params * device_bits(precision) / 8 + scales
+    return params * device_bits(precision) / 8 + scales + shape.decoder_linear_params() * float_fraction * 2
 
 
-def weight_bytes(shape: ModelShape, precision: str, group_size: int = 128) -> float:
+def weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
     """Bytes of weights read per decoded token: decoder linears at their precision, the LM head in FP16."""
-    return _linear_bytes(shape, precision, group_size) + shape.lm_head_params() * 2
+    return _linear_bytes(shape, precision, group_size, float_fraction) + shape.lm_head_params() * 2
 
 
-def stored_weight_bytes(shape: ModelShape, precision: str, group_size: int = 128) -> float:
+def stored_weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
     """Bytes of all weights held in device memory (FP16 embedding and LM head)."""
     head = 0 if shape.tie_word_embeddings else shape.lm_head_params() * 2
-    return shape.vocab_size * shape.hidden_size * 2 + head + _linear_bytes(shape, precision, group_size)
+    return shape.vocab_size * shape.hidden_size * 2 + head + _linear_bytes(shape, precision, group_size, float_fraction)
 
 
 def mode_bandwidth_gbps(target: Target, mode: PowerMode) -> float:
@@ -175,9 +176,10 @@ def mode_tops(target: Target, mode: PowerMode, precision: str, sparse: bool = Fa
     return peak * scale
 
 
-def _bandwidth_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int) -> float:
+def _bandwidth_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
+                  float_fraction: float = 0.0) -> float:
     """Milliseconds per token at the full bandwidth of the mode (the roofline, efficiency 1)."""
-    read = weight_bytes(shape, precision, group_size) + shape.kv_bytes_per_token() * context
+    read = weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_per_token() * context
     return read / (mode_bandwidth_gbps(target, mode) * 1e9) * 1000
 
 
@@ -212,10 +214,11 @@ def fit_efficiency() -> float:
     return fit_decode().efficiency
 
 
-def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int) -> float:
+def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
+              float_fraction: float = 0.0) -> float:
     """Predicted milliseconds per decoded token (one stream)."""
     fit = fit_decode()
-    return (_bandwidth_ms(target, mode, shape, precision, group_size, context) / fit.efficiency
+    return (_bandwidth_ms(target, mode, shape, precision, group_size, context, float_fraction) / fit.efficiency
             + _layer_units(target, mode, shape) * fit.per_layer_ms)
 
 
@@ -255,20 +258,20 @@ class Prediction:
 
 
 def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | None = None, prompt_len: int | None = None,
-            context: int | None = None, group_size: int = 128, sparse: bool = False) -> Prediction:
-    """Predict decode speed, TTFT, memory and energy for one power mode."""
+            context: int | None = None, group_size: int = 128, sparse: bool = False, float_fraction: float = 0.0) -> Prediction:
+    """Predict decode speed, TTFT, memory and energy for one power mode (``float_fraction`` of the linears in FP16)."""
     mode = target.power_mode(mode_name)
     prompt_len = prompt_len or target.budgets.prompt_length
     context = context or target.budgets.context_length
     fit = fit_decode()
     # Decode reads the cache at the end of the prompt plus half the generated span on average; the
     # budget's context length is the pessimistic bound used here.
-    tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context)
+    tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context, float_fraction)
     compute_precision = "int8" if precision == "int8" else "fp16"
     flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
     flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
     ttft_s = flops / (mode_tops(target, mode, compute_precision, sparse) * 1e12 * PREFILL_UTILISATION)
-    memory = stored_weight_bytes(shape, precision, group_size) + shape.kv_bytes_per_token() * context
+    memory = stored_weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_per_token() * context
     latency_s = 1.0 / tokens_per_s
     return Prediction(
         power_mode=mode.name, watts=mode.watts, precision=precision, decode_tokens_per_s=tokens_per_s,

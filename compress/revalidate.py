@@ -96,7 +96,8 @@ def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on
     metrics = validation["metrics"]
     onnx = _stage_record(run_dir, "export_onnx")
     onnx_dir = run_dir / report["artifacts"]["onnx"]
-    predictions = target_predictions(onnx_dir, onnx["output"]["meta"].get("precision", "fp32"), target, mode)
+    predictions = target_predictions(onnx_dir, onnx["output"]["meta"].get("precision", "fp32"), target, mode,
+                                     onnx["output"]["meta"].get("float_linear_fraction", 0.0))
     checks = gate_checks(metrics, predictions, target, must_measure=False)
     device_result = None
     if on_device:

@@ -83,3 +83,11 @@ def test_predict_command_on_a_7b_config(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert "lowest_power_mode_meeting_latency_budget" in result
     assert main(["predict", "target=jetson-orin", f"model_config={path}", "precision=fp3"]) == 2
+
+
+def test_linears_left_fp16_are_read_at_fp16():
+    nano = load_target("jetson-orin-nano-8gb")
+    int8, mixed, fp16 = (predict(nano, SMOL, p, float_fraction=f) for p, f in (("int8", 0.0), ("int8", 0.25), ("fp16", 0.0)))
+    assert fp16.decode_tokens_per_s < mixed.decode_tokens_per_s < int8.decode_tokens_per_s
+    assert int8.memory_gb < mixed.memory_gb < fp16.memory_gb
+    assert predict(nano, SMOL, "int8", float_fraction=1.0).decode_tokens_per_s == pytest.approx(fp16.decode_tokens_per_s)

@@ -178,11 +178,11 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
     return require_measured(checks) if must_measure else checks
 
 
-def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str) -> dict[str, Any]:
-    """Latency-model predictions for every power mode and the chosen one."""
+def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str, float_fraction: float = 0.0) -> dict[str, Any]:
+    """Latency-model predictions for every power mode and the chosen one (``float_fraction`` of the linears left FP16)."""
     shape = model_shape(onnx_dir)
-    all_modes = predict_all_modes(target, shape, precision)
-    chosen = predict(target, shape, precision, power_mode).to_json()
+    all_modes = predict_all_modes(target, shape, precision, float_fraction=float_fraction)
+    chosen = predict(target, shape, precision, power_mode, float_fraction=float_fraction).to_json()
     lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)
     return {"target": target.name, "modes": [p.to_json() for p in all_modes], "chosen": chosen,
             "lowest_power_mode_meeting_latency_budget": lowest.power_mode if lowest else None}
@@ -204,7 +204,8 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
         atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE_FILE,
                           device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.plan.evaluation, config))
     precision = source.meta.get("precision", "fp32")
-    predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode)
+    predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode,
+                                     source.meta.get("float_linear_fraction", 0.0))
     checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)
     gate = gate_json(checks)
     out = ctx.stage_dir / "validation.json"
