@@ -29,7 +29,7 @@ DATA = {
     "austen": ["calib=calib_data/calibration/emma.txt,calib_data/calibration/mansfieldpark.txt",
                "distill.teacher_generations=0"],
 }
-DISTILLING = {"distill", "default"}
+DISTILLING = {"distill"}
 
 
 def run_cell(data: str, recipe: str) -> dict | None:
