@@ -113,9 +113,8 @@ def greedy_requests(prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
 
 def output_ids(responses: dict[str, Any], count: int) -> list[list[int]]:
     """Generated token ids per request, in request order; raises when a request failed or is missing."""
-    by_request: dict[int, list[int]] = {}
-    for response in responses.get("responses", []):
-        by_request[int(response["request_idx"]) + int(response.get("batch_idx", 0))] = [int(t) for t in response["output_ids"]]
+    ordered = sorted(responses.get("responses", []), key=lambda r: (int(r["request_idx"]), int(r.get("batch_idx", 0))))
+    by_request = {index: [int(t) for t in response["output_ids"]] for index, response in enumerate(ordered)}
     missing = [i for i in range(count) if not by_request.get(i)]
     if missing:
         raise UsageError(f"llm_inference returned no tokens for request {missing[0]} of {count}")
