@@ -6,6 +6,7 @@ Loading is safe by default: safetensors where present, ``weights_only`` torch lo
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 import logging
@@ -106,6 +107,13 @@ def _folder_license(path: Path) -> str:
 
 def gguf_architecture(path: Path) -> str:
     """Read ``general.architecture`` from a GGUF header; a corrupt file is a usage error."""
+    stat = Path(path).stat()
+    return _gguf_architecture(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_architecture(path: str, size: int, mtime_ns: int) -> str:
+    """Parsing a GGUF's fields reads its whole vocabulary (seconds), so a file is read once per size and time stamp."""
     with open(path, "rb") as handle:
         if handle.read(4) != _GGUF_MAGIC:
             raise UsageError(f"{path} is not a GGUF file (bad magic bytes)")
