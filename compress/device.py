@@ -9,7 +9,6 @@ say "not run: ..." and change nothing.
 from __future__ import annotations
 
 import hashlib
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -148,16 +147,10 @@ def measure_edgellm_on_device(run_dir: Path, folder: Path) -> dict[str, Any]:
     prompts = [p["text"] for p in reference["prompts"]]
     power_mode = edgellm_device.read_power_mode()
     with tempfile.TemporaryDirectory(prefix="edgellm-", dir=folder) as work:
-        work_dir = Path(work)
-        atomic_write_json(work_dir / "input.json", edgellm_device.greedy_requests(prompts, reference["max_new_tokens"]))
-        command = edgellm_device.inference_command(tool, folder / plan["engine_dir"], work_dir / "input.json",
-                                                   work_dir / "output.json", work_dir / "profile.json")
-        result = subprocess.run(command, capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            last = (result.stderr or result.stdout).strip().splitlines()
-            raise UsageError(f"llm_inference failed (exit {result.returncode}): {last[-1] if last else ''}")
-        device_ids = edgellm_device.output_ids(read_json(work_dir / "output.json"), len(prompts))
-        figures = edgellm_device.profile_figures(read_json(work_dir / "profile.json"))
+        responses, profile = edgellm_device.run_inference(
+            tool, folder / plan["engine_dir"], edgellm_device.greedy_requests(prompts, reference["max_new_tokens"]), Path(work))
+    device_ids = edgellm_device.output_ids(responses, len(prompts))
+    figures = edgellm_device.profile_figures(profile)
     agreement = edgellm_device.greedy_agreement(reference["host_output_ids"], device_ids)
     return {"runtime": "edgellm", **figures, **agreement, "prompts": len(prompts), "new_tokens": reference["max_new_tokens"],
             "power_mode_read": power_mode, "engine_sha256": read_json(manifest_path)["engine_sha256"],

@@ -81,6 +81,22 @@ def family_of(config: Any) -> Family:
     return BY_MODEL_TYPE[model_type]
 
 
+def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each kind of decoder linear, from a ``config.json`` mapping."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    kv = config.get("num_key_value_heads") or heads
+    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden), "v_proj": (kv * head_dim, hidden),
+            "o_proj": (hidden, heads * head_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
+            "down_proj": (hidden, inter)}
+
+
+def is_decoder_linear(module: str, family: Family) -> bool:
+    """Whether a checkpoint module name (``model.layers.N.self_attn.q_proj``) is one of the family's block linears."""
+    return ".layers." in module and module.split(".layers.", 1)[1].split(".", 1)[-1] in family.linears()
+
+
 def check_attention_window(config: dict[str, Any], context_length: int) -> None:
     """Sliding-window attention is exported as full attention, which is exact only while the context fits the window."""
     family = family_of(config)

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from compress.deploy.edgellm import EDGELLM_VERSION, edgellm_python
 from compress.deploy.unified_checkpoint import WEIGHTS_FILE, integer_weight, write_unified_checkpoint
 from compress.errors import StageError
-from compress.families import family_of
+from compress.families import family_of, is_decoder_linear
 from compress.fsutil import path_size, read_json
 from compress.quantization import load_quantization
 
@@ -54,11 +54,10 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
                 numbers[f"{name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
             if f"{name}.bias" in stored:
                 numbers[f"{name}.bias"] = source.get_tensor(f"{name}.bias").half().contiguous()
-        decoder_linears = set(family_of(read_json(Path(quantized_dir) / "config.json")).linears())
+        family = family_of(read_json(Path(quantized_dir) / "config.json"))
         for key in stored:
             module = key.rsplit(".", 1)[0]
-            if (key.endswith(".weight") and module not in linears and ".layers." in module
-                    and module.split(".layers.", 1)[1].split(".", 1)[-1] in decoder_linears):
+            if key.endswith(".weight") and module not in linears and is_decoder_linear(module, family):
                 numbers[f"{module}.float_weight"] = source.get_tensor(key).half().contiguous()
     return numbers
 

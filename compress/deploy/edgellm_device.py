@@ -104,6 +104,21 @@ def inference_command(tool: str | Path, engine_dir: str | Path, input_file: str 
             "--profileOutputFile", str(profile_file), "--warmup", str(warmup)]
 
 
+def run_inference(tool: Path, engine_dir: Path, request: dict[str, Any], work_dir: Path, warmup: int = 1) -> tuple[dict, dict]:
+    """Write ``request`` as Edge-LLM's input file, run ``llm_inference`` in ``work_dir``; its responses and its profile."""
+    from compress.fsutil import atomic_write_json, read_json
+
+    atomic_write_json(work_dir / "input.json", request)
+    command = inference_command(tool, engine_dir, work_dir / "input.json", work_dir / "output.json", work_dir / "profile.json",
+                                warmup)
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        last = (result.stderr or result.stdout).strip().splitlines()
+        raise UsageError(f"llm_inference failed (exit {result.returncode}): {last[-1] if last else ''}")
+    profile = read_json(work_dir / "profile.json") if (work_dir / "profile.json").is_file() else {}
+    return read_json(work_dir / "output.json"), profile
+
+
 def greedy_requests(prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
     """An Edge-LLM input file asking for greedy continuations of raw prompts (no chat template), one request each."""
     return {"batch_size": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 1, "max_generate_length": max_new_tokens,

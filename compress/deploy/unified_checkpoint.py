@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 
 from compress import __version__
 from compress.errors import UsageError
-from compress.families import family_of
+from compress.families import family_of, is_decoder_linear
 from compress.quantization import LinearQuant, load_quantization
 
 QUANT_ALGOS = {8: "W8A8_SQ_PER_CHANNEL", 4: "W4A16_AWQ"}
@@ -120,7 +120,7 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
     tensors: dict[str, torch.Tensor] = {}
     quantized_bytes = fp16_bytes = 0
-    decoder_linears = set(family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))).linears())
+    family = family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8")))
     float_linears: list[str] = []
     with safe_open(str(quantized_dir / WEIGHTS_FILE), framework="pt") as source:
         for key in list(source.keys()):
@@ -134,7 +134,7 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                 continue
             tensor = source.get_tensor(key)
             tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
-            if key.endswith(".weight") and ".layers." in module and module.split(".layers.", 1)[1].split(".", 1)[-1] in decoder_linears:
+            if key.endswith(".weight") and is_decoder_linear(module, family):
                 float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
                 quantized_bytes += tensor.numel() * 2
                 fp16_bytes += tensor.numel() * 2

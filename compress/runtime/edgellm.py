@@ -7,15 +7,13 @@ hashes ``compress build-engine`` recorded before it is used.
 
 from __future__ import annotations
 
-import subprocess
 import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from compress.deploy import edgellm_device
-from compress.errors import UsageError
-from compress.fsutil import atomic_write_json, read_json, sha256_file
+from compress.fsutil import read_json, sha256_file
 
 
 class EdgeLLMGenerator:
@@ -46,16 +44,9 @@ class EdgeLLMGenerator:
 
     def _run(self, prompts: list[str], options) -> list[dict[str, Any]]:
         with tempfile.TemporaryDirectory(prefix="edgellm-") as work:
-            work_dir = Path(work)
-            atomic_write_json(work_dir / "input.json", self._request_file(prompts, options))
-            command = edgellm_device.inference_command(self.tool, self.folder / self.plan["engine_dir"], work_dir / "input.json",
-                                                       work_dir / "output.json", work_dir / "profile.json", warmup=0)
-            result = subprocess.run(command, capture_output=True, text=True, check=False)
-            if result.returncode != 0:
-                last = (result.stderr or result.stdout).strip().splitlines()
-                raise UsageError(f"llm_inference failed (exit {result.returncode}): {last[-1] if last else ''}")
-            responses = read_json(work_dir / "output.json").get("responses", [])
-        return sorted(responses, key=lambda r: (int(r["request_idx"]), int(r.get("batch_idx", 0))))
+            output, _ = edgellm_device.run_inference(self.tool, self.folder / self.plan["engine_dir"],
+                                                     self._request_file(prompts, options), Path(work), warmup=0)
+        return sorted(output.get("responses", []), key=lambda r: (int(r["request_idx"]), int(r.get("batch_idx", 0))))
 
     def generate(self, prompts: str | Sequence[str], **options) -> str | list[str]:
         """Answer one prompt (returns a string) or a batch of prompts (returns a list)."""

@@ -18,6 +18,7 @@ from compress.config import StrictModel, Target
 from compress.deploy.bundle import export_bundle
 from compress.deploy.edgellm import EDGELLM_VERSION
 from compress.errors import UsageError
+from compress.families import linear_shapes
 from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
@@ -33,17 +34,6 @@ HEAD_DIMS = (64, 128, 256, 512)
 
 class ExportEdgeLLMConfig(StrictModel):
     """Options of the Edge-LLM export (none yet: the pinned exporter's defaults)."""
-
-
-def _linear_widths(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(out, in) of each kind of decoder linear."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden), "v_proj": (kv * head_dim, hidden),
-            "o_proj": (hidden, heads * head_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter)}
 
 
 def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None) -> None:
@@ -71,7 +61,7 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
                          f"{', '.join(target.edgellm.precisions)}, not {precision}; choose another quantize.method")
     if quantize is not None and quantize.scheme()[0] == 4:
         group = quantize.scheme()[2]
-        for name, (out_features, in_features) in _linear_widths(model_config).items():
+        for name, (out_features, in_features) in linear_shapes(model_config).items():
             if out_features % INT4_ALIGNMENT or in_features % INT4_ALIGNMENT or in_features % group:
                 raise UsageError(f"export_edgellm: {name} is {out_features} x {in_features}; Edge-LLM {EDGELLM_VERSION}'s INT4 "
                                  f"GEMM needs both multiples of {INT4_ALIGNMENT} and the input width a multiple of the group "

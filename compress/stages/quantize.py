@@ -13,8 +13,8 @@ from compress.artifact import HF_MODEL, Artifact
 from compress.config import Target
 from compress.data import calibration_windows
 from compress.errors import UsageError
+from compress.families import linear_shapes
 from compress.models import load_causal_lm, load_tokenizer, save_model_folder
-from compress.perf_model import ModelShape
 from compress.quantization import QuantizeConfig, quantize_model, save_quantization
 from compress.stages import StageDef, register
 
@@ -30,13 +30,9 @@ def check_target(config: QuantizeConfig, target: Target) -> None:
 
 def float_linear_fraction(model_config, float_linears: list[str]) -> float:
     """Share of the decoder linear parameters the quantize stage leaves float (the latency model reads them at FP16)."""
-    if not float_linears:
-        return 0.0
-    shape = ModelShape.from_config(model_config.to_dict())
-    widths = {"q_proj": shape.num_heads * shape.head_dim, "k_proj": shape.num_kv_heads * shape.head_dim,
-              "v_proj": shape.num_kv_heads * shape.head_dim, "o_proj": shape.num_heads * shape.head_dim,
-              "gate_proj": shape.intermediate_size, "up_proj": shape.intermediate_size, "down_proj": shape.intermediate_size}
-    return round(sum(shape.hidden_size * widths[name] for name in float_linears) / shape.layer_linear_params(), 6)
+    shapes = linear_shapes(model_config.to_dict())
+    total = sum(out * inp for out, inp in shapes.values())
+    return round(sum(shapes[name][0] * shapes[name][1] for name in float_linears) / total, 6)
 
 
 def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
