@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from compress.algorithms.calibration import decoder_blocks
 from compress.distillation import DistillConfig, Distiller, read_job
 from compress.models import load_causal_lm
 
@@ -25,7 +26,7 @@ def _wrap(config: DistillConfig):
         if config.distributed == "fsdp":
             from torch.distributed.fsdp import fully_shard
 
-            for block in model.model.layers:
+            for block in decoder_blocks(model):
                 fully_shard(block)
             fully_shard(model)
             return model

@@ -31,6 +31,7 @@ from tqdm import tqdm
 from compress.algorithms.calibration import capture_first_block_inputs, decoder_blocks, run_block
 from compress.config import StrictModel
 from compress.errors import UsageError
+from compress.families import attention_geometry, family_of, rows_keeping
 from compress.fsutil import atomic_write_json
 
 log = logging.getLogger(__name__)
@@ -95,7 +96,7 @@ class DistillConfig(StrictModel):
 
 def decoder_parameters(cfg: dict[str, Any], layers: int | None = None, intermediate: int | None = None,
                        heads: int | None = None) -> int:
-    """Parameters of a Llama-family decoder config with optional new depth, MLP width and query heads."""
+    """Parameters of a decoder config with optional new depth, MLP width and query heads."""
     hidden = cfg["hidden_size"]
     n_heads = cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or n_heads
@@ -163,13 +164,14 @@ def layer_influence(model, windows: torch.Tensor) -> list[float]:
 
 
 def mlp_channel_importance(model, windows: torch.Tensor) -> list[torch.Tensor]:
-    """Per layer, mean ``|act(gate(x)) * up(x)|`` of every intermediate channel (the down_proj input)."""
-    sums = [torch.zeros(block.mlp.down_proj.in_features, dtype=torch.float64) for block in decoder_blocks(model)]
+    """Per layer, mean ``|act(gate(x)) * up(x)|`` of every intermediate channel (the MLP output projection's input)."""
+    output = family_of(model.config).mlp_output
+    sums = [torch.zeros(block.get_submodule(output).in_features, dtype=torch.float64) for block in decoder_blocks(model)]
     handles = []
     for index, block in enumerate(decoder_blocks(model)):
         def hook(_module, args, index=index):
             sums[index] += args[0].detach().abs().reshape(-1, args[0].shape[-1]).sum(dim=0).double()
-        handles.append(block.mlp.down_proj.register_forward_pre_hook(hook))
+        handles.append(block.get_submodule(output).register_forward_pre_hook(hook))
     try:
         with torch.no_grad():
             for row in windows:
@@ -180,39 +182,50 @@ def mlp_channel_importance(model, windows: torch.Tensor) -> list[torch.Tensor]:
     return sums
 
 
-def _linear_subset(linear: torch.nn.Linear, index: torch.Tensor, dim: int) -> torch.nn.Linear:
-    from compress.pruning import _select
+def drop_layers(model, kept: list[int]) -> None:
+    """Keep only the decoder layers at ``kept`` (in order); each keeps its attention kind (sliding or full)."""
+    blocks = decoder_blocks(model)
+    model.model.layers = torch.nn.ModuleList([blocks[i] for i in kept])
+    attention = family_of(model.config).attention
+    for new_index, block in enumerate(decoder_blocks(model)):
+        if hasattr(block.get_submodule(attention), "layer_idx"):
+            block.get_submodule(attention).layer_idx = new_index
+    model.config.num_hidden_layers = len(kept)
+    if getattr(model.config, "layer_types", None):
+        model.config.layer_types = [model.config.layer_types[i] for i in kept]
 
-    return _select(linear, index, dim)
+
+def narrow_mlp(model, importance: list[torch.Tensor], width: int) -> None:
+    """Keep the ``width`` most important intermediate channels of every layer: rows of the gate and up parts
+    (separate or fused) and the matching input columns of the output projection."""
+    from compress.pruning import replace_module, select_linear
+
+    family = family_of(model.config)
+    inputs = family.linears_with("gate")
+    for block, scores in zip(decoder_blocks(model), importance, strict=True):
+        keep = torch.sort(scores.topk(width).indices).values
+        for name in dict.fromkeys((*inputs, *family.linears_with("up"))):
+            rows = rows_keeping(family, model.config, name, {"gate": keep, "up": keep})
+            replace_module(block, name, select_linear(block.get_submodule(name), rows, dim=0))
+        replace_module(block, family.mlp_output, select_linear(block.get_submodule(family.mlp_output), keep, dim=1))
+        mlp = block.get_submodule(family.mlp_output.rsplit(".", 1)[0])
+        if hasattr(mlp, "intermediate_size"):
+            mlp.intermediate_size = width
+    model.config.intermediate_size = width
 
 
 def build_student(model, windows: torch.Tensor, shape: dict[str, int]) -> dict[str, Any]:
     """Prune ``model`` in place to ``shape``; returns what was kept and the importance scores."""
-    from compress.pruning import head_geometry, head_importance, plan_heads, prune_heads
+    from compress.pruning import head_importance, plan_heads, prune_heads
 
     influence = layer_influence(model, windows)
     order = sorted(range(len(influence)), key=lambda i: -influence[i])
     kept_layers = sorted(order[: shape["num_layers"]])
-    blocks = decoder_blocks(model)
-    model.model.layers = torch.nn.ModuleList([blocks[i] for i in kept_layers])
-    for new_index, block in enumerate(model.model.layers):
-        if hasattr(block.self_attn, "layer_idx"):
-            block.self_attn.layer_idx = new_index
-    model.config.num_hidden_layers = len(kept_layers)
-    if getattr(model.config, "layer_types", None):
-        model.config.layer_types = [model.config.layer_types[i] for i in kept_layers]
+    drop_layers(model, kept_layers)
     width = shape["intermediate_size"]
     if width < model.config.intermediate_size:
-        importance = mlp_channel_importance(model, windows)
-        for block, scores in zip(model.model.layers, importance, strict=True):
-            keep = torch.sort(scores.topk(width).indices).values
-            block.mlp.gate_proj = _linear_subset(block.mlp.gate_proj, keep, 0)
-            block.mlp.up_proj = _linear_subset(block.mlp.up_proj, keep, 0)
-            block.mlp.down_proj = _linear_subset(block.mlp.down_proj, keep, 1)
-            if hasattr(block.mlp, "intermediate_size"):
-                block.mlp.intermediate_size = width
-        model.config.intermediate_size = width
-    heads, kv, _ = head_geometry(model.config)
+        narrow_mlp(model, mlp_channel_importance(model, windows), width)
+    heads, kv, _ = attention_geometry(model.config)
     head_plan = None
     if shape["num_attention_heads"] < heads:
         scores = head_importance(model, windows[: max(1, len(windows) // 2)], "taylor")

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel, BertConfig, BertModel
 
-from compress.pruning import _select
+from compress.pruning import select_linear
 
 PRUNED_BERT_TYPE = "compress-pruned-bert"
 
@@ -92,12 +92,12 @@ def prune_encoder_heads(model, plan: list[list[int]]) -> None:
             raise ValueError("a layer cannot lose its last head")
         rows = torch.cat([torch.arange(h * head_size, (h + 1) * head_size) for h in kept])
         attention = layer.attention.self
-        attention.query = _select(attention.query, rows, dim=0)
-        attention.key = _select(attention.key, rows, dim=0)
-        attention.value = _select(attention.value, rows, dim=0)
+        attention.query = select_linear(attention.query, rows, dim=0)
+        attention.key = select_linear(attention.key, rows, dim=0)
+        attention.value = select_linear(attention.value, rows, dim=0)
         attention.num_attention_heads = len(kept)
         attention.all_head_size = len(kept) * head_size
-        layer.attention.output.dense = _select(layer.attention.output.dense, rows, dim=1)
+        layer.attention.output.dense = select_linear(layer.attention.output.dense, rows, dim=1)
 
 
 def save_pruned_encoder(model, tokenizer, plan: list[list[int]], folder: Path) -> None:

@@ -1,10 +1,14 @@
 """Decoder families: the one place that says how a family's blocks are wired.
 
 Every stage that reaches into a decoder block (quantization's smoothing folds and rotation,
-sparsity's shared Hessians, head pruning, distillation's narrowing, the Edge-LLM export) reads
-the wiring from here instead of assuming Llama's. An activation point is where a group of
+sparsity's shared Hessians, head pruning, distillation's narrowing, the exports, the latency model)
+reads the wiring from here instead of assuming Llama's. An activation point is where a group of
 linears reads the same input; its producer is the module whose output scaling can absorb a
 per-channel scale exactly (an RMSNorm's weight, or the rows of the linear that computes it).
+
+A linear is made of parts: ``q_proj`` is the part "q"; Phi-3's fused ``qkv_proj`` is "q", "k" and
+"v" stacked by rows, its ``gate_up_proj`` "gate" then "up". Head pruning keeps rows of part "q",
+MLP narrowing rows of "gate" and "up", and a fold into a fused producer scales the rows of one part.
 
 Families whose wiring compress does not describe are refused when the plan is checked, naming
 the model type and the supported list, before any work: on an undescribed layout a fold lands
@@ -15,6 +19,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from compress.errors import UsageError
 
@@ -27,6 +33,7 @@ class ActivationPoint:
     consumers: tuple[str, ...]
     producer: str
     producer_kind: str  # "norm" (an RMSNorm weight) or "rows" (output rows of a linear)
+    producer_part: str | None = None  # for "rows": the part of the producer whose rows make the activation
 
 
 @dataclass(frozen=True)
@@ -36,9 +43,18 @@ class Family:
     model_types: tuple[str, ...]
     points: tuple[ActivationPoint, ...]
     rotated_point: str  # the input a Hadamard rotation may be chosen for (down_proj's)
+    fused: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (linear, its parts in row order) for fused projections
+    attn_output: str = "self_attn.o_proj"
+    mlp_output: str = "mlp.down_proj"
+    norm_offset: float = 0.0  # an RMSNorm multiplying by (offset + weight): Gemma's (1 + w)
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window_key: str | None = None  # config key of a sliding attention window, when the family has one
+
+    @property
+    def attention(self) -> str:
+        """The path of a block's attention module."""
+        return self.attn_output.rsplit(".", 1)[0]
 
     def linears(self) -> tuple[str, ...]:
         """Every quantizable linear of a block, by its path inside the block."""
@@ -47,22 +63,87 @@ class Family:
     def point(self, name: str) -> ActivationPoint:
         return next(p for p in self.points if p.name == name)
 
+    def parts(self, linear: str) -> tuple[str, ...]:
+        """The parts a linear's rows are made of: ("q", "k", "v") for a fused qkv_proj, ("q",) for q_proj."""
+        fused = dict(self.fused)
+        return fused.get(linear) or (linear.rsplit(".", 1)[-1].removesuffix("_proj"),)
 
-# Llama's layout, shared by Mistral, Qwen2 / 2.5 (q/k/v biases) and Qwen3 (per-head q/k norms after the projections).
-# The attention output is produced by v_proj's rows (one scale per KV channel, so GQA stays exact) and the MLP
-# hidden state by up_proj's rows (act(gate) * up is linear in up).
-LLAMA_POINTS = (
-    ActivationPoint("attn_out", ("self_attn.o_proj",), "self_attn.v_proj", "rows"),
-    ActivationPoint("mlp_hidden", ("mlp.down_proj",), "mlp.up_proj", "rows"),
-    ActivationPoint("attn_in", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "input_layernorm", "norm"),
-    ActivationPoint("mlp_in", ("mlp.gate_proj", "mlp.up_proj"), "post_attention_layernorm", "norm"),
-)
+    def linears_with(self, part: str) -> tuple[str, ...]:
+        """The block linears holding rows of ``part``."""
+        return tuple(name for name in self.linears() if part in self.parts(name))
+
+
+def _getter(config: Any):
+    return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+
+
+def attention_geometry(config: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a config object or ``config.json`` mapping."""
+    get = _getter(config)
+    heads = get("num_attention_heads")
+    return heads, get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads
+
+
+def part_sizes(config: Any) -> dict[str, int]:
+    """Rows of each part of a block's linears, from a config object or ``config.json`` mapping."""
+    heads, kv, head_dim = attention_geometry(config)
+    inter = _getter(config)("intermediate_size")
+    return {"q": heads * head_dim, "k": kv * head_dim, "v": kv * head_dim, "gate": inter, "up": inter}
+
+
+def part_rows(family: Family, config: Any, linear: str, part: str) -> slice:
+    """Where ``part``'s rows sit inside ``linear``."""
+    sizes = part_sizes(config)
+    start = 0
+    for name in family.parts(linear):
+        if name == part:
+            return slice(start, start + sizes[name])
+        start += sizes[name]
+    raise KeyError(f"{linear} has no part {part!r}")
+
+
+def rows_keeping(family: Family, config: Any, linear: str, keep: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Row indices of ``linear`` that keep the given rows of some parts (indices inside the part) and every other row."""
+    sizes = part_sizes(config)
+    rows, start = [], 0
+    for name in family.parts(linear):
+        rows.append(start + (keep[name] if name in keep else torch.arange(sizes[name])))
+        start += sizes[name]
+    return torch.cat(rows)
+
+
+def _points(attn_in: tuple[str, ...], attn_v: tuple[str, str | None], mlp_in: tuple[str, ...], mlp_up: tuple[str, str | None],
+            attn_norm: str = "input_layernorm", mlp_norm: str = "post_attention_layernorm") -> tuple[ActivationPoint, ...]:
+    # The attention output is produced by the value rows (one scale per KV channel, so GQA stays exact) and the MLP
+    # hidden state by the up rows (act(gate) * up is linear in up).
+    return (
+        ActivationPoint("attn_out", ("self_attn.o_proj",), attn_v[0], "rows", attn_v[1]),
+        ActivationPoint("mlp_hidden", ("mlp.down_proj",), mlp_up[0], "rows", mlp_up[1]),
+        ActivationPoint("attn_in", attn_in, attn_norm, "norm"),
+        ActivationPoint("mlp_in", mlp_in, mlp_norm, "norm"),
+    )
+
+
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
+LLAMA_POINTS = _points(_QKV, ("self_attn.v_proj", None), _GATE_UP, ("mlp.up_proj", None))
+# Gemma 3 normalises the attention output (post_attention_layernorm) before the residual add, so the MLP reads
+# pre_feedforward_layernorm's output; its RMSNorms multiply by (1 + weight).
+GEMMA3_POINTS = _points(_QKV, ("self_attn.v_proj", None), _GATE_UP, ("mlp.up_proj", None),
+                        mlp_norm="pre_feedforward_layernorm")
+# Phi-3 / Phi-4-mini: q, k and v stacked in one qkv_proj, gate then up in one gate_up_proj.
+PHI3_POINTS = _points(("self_attn.qkv_proj",), ("self_attn.qkv_proj", "v"), ("mlp.gate_up_proj",), ("mlp.gate_up_proj", "up"))
 
 FAMILIES = {
     "llama": Family(("llama",), LLAMA_POINTS, "mlp_hidden"),
     "mistral": Family(("mistral",), LLAMA_POINTS, "mlp_hidden", sliding_window_key="sliding_window"),
     "qwen2": Family(("qwen2",), LLAMA_POINTS, "mlp_hidden", qkv_bias=True, sliding_window_key="sliding_window"),
     "qwen3": Family(("qwen3",), LLAMA_POINTS, "mlp_hidden", qk_norm=True, sliding_window_key="sliding_window"),
+    "gemma3": Family(("gemma3_text",), GEMMA3_POINTS, "mlp_hidden", norm_offset=1.0, qk_norm=True,
+                     sliding_window_key="sliding_window"),
+    "phi3": Family(("phi3",), PHI3_POINTS, "mlp_hidden",
+                   fused=(("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up"))),
+                   sliding_window_key="sliding_window"),
 }
 BY_MODEL_TYPE = {model_type: family for family in FAMILIES.values() for model_type in family.model_types}
 LLAMA = FAMILIES["llama"]
@@ -81,15 +162,21 @@ def family_of(config: Any) -> Family:
     return BY_MODEL_TYPE[model_type]
 
 
+_BLOCK_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
+
+
 def linear_shapes(config: dict[str, Any]) -> dict[str, tuple[int, int]]:
-    """(out, in) features of each kind of decoder linear, from a ``config.json`` mapping."""
+    """(out, in) features of each of a block's linears, by short name (``q_proj``, or ``qkv_proj`` where fused)."""
+    family = family_of(config)
+    sizes = part_sizes(config)
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    heads = config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    kv = config.get("num_key_value_heads") or heads
-    return {"q_proj": (heads * head_dim, hidden), "k_proj": (kv * head_dim, hidden), "v_proj": (kv * head_dim, hidden),
-            "o_proj": (hidden, heads * head_dim), "gate_proj": (inter, hidden), "up_proj": (inter, hidden),
-            "down_proj": (hidden, inter)}
+    inputs = {"o": sizes["q"], "down": inter}
+    shapes = {}
+    for linear in sorted(family.linears(), key=lambda name: _BLOCK_ORDER.index(family.parts(name)[0])):
+        parts = family.parts(linear)
+        out = hidden if parts[0] in inputs else sum(sizes[p] for p in parts)
+        shapes[linear.rsplit(".", 1)[-1]] = (out, inputs.get(parts[0], hidden))
+    return shapes
 
 
 def is_decoder_linear(module: str, family: Family) -> bool:
@@ -97,12 +184,22 @@ def is_decoder_linear(module: str, family: Family) -> bool:
     return ".layers." in module and module.split(".layers.", 1)[1].split(".", 1)[-1] in family.linears()
 
 
-def check_attention_window(config: dict[str, Any], context_length: int) -> None:
-    """Sliding-window attention is exported as full attention, which is exact only while the context fits the window."""
+def sliding_layers(config: dict[str, Any]) -> int:
+    """How many layers attend through a sliding window (0 when the family or config has none)."""
     family = family_of(config)
     key = family.sliding_window_key
+    if not key or not config.get(key) or not config.get("use_sliding_window", True):
+        return 0
+    layer_types = config.get("layer_types")
+    if layer_types:
+        return sum(kind == "sliding_attention" for kind in layer_types)
+    return int(config["num_hidden_layers"])
+
+
+def check_attention_window(config: dict[str, Any], context_length: int) -> None:
+    """Sliding-window attention is exported as full attention, which is exact only while the context fits the window."""
+    key = family_of(config).sliding_window_key
     window = config.get(key) if key else None
-    uses_window = config.get("use_sliding_window", True)
-    if window and uses_window and window < context_length:
+    if sliding_layers(config) and window < context_length:
         raise UsageError(f"{config['model_type']}: {key}={window} is shorter than the target's context_length {context_length}; "
                          "compress exports full attention, so lower budgets.context_length to the window or below")

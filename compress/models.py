@@ -14,6 +14,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from compress.errors import UsageError
 from compress.fsutil import disk_write_error, is_disk_write_error, sha256_file, staging_dir, written_path
@@ -21,7 +22,9 @@ from compress.fsutil import disk_write_error, is_disk_write_error, sha256_file, 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_GGUF_ARCHITECTURES = ("llama",)
+# GGUF architectures (llama.cpp's names) whose transformers reading lands in a family compress describes; llama.cpp
+# writes Mistral models as "llama".
+SUPPORTED_GGUF_ARCHITECTURES = ("gemma3", "llama", "phi3", "qwen2", "qwen3")
 _GGUF_MAGIC = b"GGUF"
 
 
@@ -105,14 +108,28 @@ def _folder_license(path: Path) -> str:
     return "unknown"
 
 
+@dataclass(frozen=True)
+class GGUFHeader:
+    """What compress reads of a GGUF file before loading it: the architecture, its scalar fields, the tensor names."""
+
+    architecture: str
+    fields: dict[str, Any]  # "<architecture>.<key>" fields with one number each, by key without the prefix
+    tensors: frozenset[str]
+
+
 def gguf_architecture(path: Path) -> str:
     """Read ``general.architecture`` from a GGUF header; a corrupt file is a usage error."""
+    return gguf_header(path).architecture
+
+
+def gguf_header(path: Path) -> GGUFHeader:
+    """The GGUF header of ``path``; a corrupt file is a usage error."""
     stat = Path(path).stat()
-    return _gguf_architecture(str(path), stat.st_size, stat.st_mtime_ns)
+    return _gguf_header(str(path), stat.st_size, stat.st_mtime_ns)
 
 
 @functools.lru_cache(maxsize=8)
-def _gguf_architecture(path: str, size: int, mtime_ns: int) -> str:
+def _gguf_header(path: str, size: int, mtime_ns: int) -> GGUFHeader:
     """Parsing a GGUF's fields reads its whole vocabulary (seconds), so a file is read once per size and time stamp."""
     with open(path, "rb") as handle:
         if handle.read(4) != _GGUF_MAGIC:
@@ -121,22 +138,54 @@ def _gguf_architecture(path: str, size: int, mtime_ns: int) -> str:
         from gguf import GGUFReader
 
         reader = GGUFReader(str(path))
-        field = reader.fields["general.architecture"]
-        return bytes(field.parts[field.data[0]]).decode("utf-8")
-    except UsageError:
-        raise
+        arch = reader.fields["general.architecture"].contents()
+        fields = {key[len(arch) + 1:]: field.contents() for key, field in reader.fields.items()
+                  if key.startswith(f"{arch}.") and len(field.data) == 1}
+        return GGUFHeader(arch, fields, frozenset(tensor.name for tensor in reader.tensors))
     except Exception as exc:  # the gguf reader raises many types on truncated or corrupt files
         raise UsageError(f"{path} is a corrupt GGUF file: {type(exc).__name__}: {exc}") from exc
+
+
+def gguf_config_fixes(header: GGUFHeader, config: dict[str, Any]) -> dict[str, Any]:
+    """Config values transformers' GGUF reader leaves out for some architectures, read from the header.
+
+    Without them the model loads with wrong numbers rather than failing: Phi-3's partial rotary
+    (``rope.dimension_count`` of ``head_dim``), a head size other than hidden / heads (Qwen3's
+    ``attention.key_length``), Phi-3's sliding window.
+    """
+    fields, fixes = header.fields, {}
+    heads = config["num_attention_heads"]
+    head_dim = fields.get("attention.key_length") or config.get("head_dim") or config["hidden_size"] // heads
+    if head_dim != (config.get("head_dim") or config["hidden_size"] // heads):
+        fixes["head_dim"] = int(head_dim)
+    rotary = fields.get("rope.dimension_count")
+    if header.architecture == "phi3" and rotary and rotary != head_dim:
+        rope = dict(config.get("rope_parameters") or {})
+        rope["partial_rotary_factor"] = rotary / head_dim
+        fixes["rope_parameters"] = rope
+        fixes["partial_rotary_factor"] = rotary / head_dim
+    window = fields.get("attention.sliding_window")
+    if window and not config.get("sliding_window"):
+        fixes["sliding_window"] = int(window)
+    return fixes
+
+
+def _check_gguf(path: Path) -> None:
+    header = gguf_header(path)
+    if header.architecture not in SUPPORTED_GGUF_ARCHITECTURES:
+        raise UsageError(f"GGUF architecture {header.architecture!r} in {path} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})")
+    scaled = sorted(name for name in header.tensors if name.startswith("rope_factors"))
+    if scaled:
+        raise UsageError(f"{path} scales its RoPE with per-frequency factors ({', '.join(scaled)}, LongRoPE), which "
+                         "transformers does not read from GGUF, so the model would load with wrong positions; "
+                         "give the Hugging Face folder instead")
 
 
 def check_model_files(source: ModelSource, weights_required: bool = True, trust_remote_code: bool = False) -> None:
     """Cheap checks before any work: the files are there, parse, are of a supported kind, and load safely."""
     if source.kind == "gguf":
-        arch = gguf_architecture(source.path)
-        if arch not in SUPPORTED_GGUF_ARCHITECTURES:
-            raise UsageError(
-                f"GGUF architecture {arch!r} in {source.path} is not supported (supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)})"
-            )
+        _check_gguf(source.path)
         return
     config = source.path / "config.json"
     if not config.is_file():
@@ -254,12 +303,26 @@ def model_config(source: ModelSource) -> dict | None:
     converted = gguf_cache_dir(source.path) / "config.json"
     if converted.is_file():  # reading a GGUF's config through transformers parses the whole file
         return json.loads(converted.read_text(encoding="utf-8"))
-    from transformers import AutoConfig
-
     try:
-        return AutoConfig.from_pretrained(str(source.path.parent), gguf_file=source.path.name).to_dict()
+        return _gguf_config(source.path).to_dict()
+    except UsageError:
+        raise
     except Exception as exc:
         raise UsageError(f"cannot read the config of GGUF model {source.path}: {exc}") from exc
+
+
+def _gguf_config(gguf_path: Path):
+    """transformers' config of a GGUF file, completed with what its reader leaves out (:func:`gguf_config_fixes`)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    fixes = gguf_config_fixes(gguf_header(gguf_path), config.to_dict())
+    if fixes:
+        log.info("%s: completing the config from the GGUF header: %s", gguf_path.name, ", ".join(
+            f"{key}={value}" for key, value in fixes.items() if key != "rope_parameters"))
+    for key, value in fixes.items():
+        setattr(config, key, value)
+    return config
 
 
 def _convert_gguf(gguf_path: Path, out: Path) -> None:
@@ -268,7 +331,7 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=_gguf_config(gguf_path), dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:
         raise UsageError(f"cannot load GGUF model {gguf_path}: {first_line(exc)}") from exc

@@ -45,6 +45,8 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     tie_word_embeddings: bool
+    sliding_layers: int = 0  # layers attending through a window of sliding_window tokens (Gemma 3, Mistral)
+    sliding_window: int = 0
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -61,6 +63,7 @@ class ModelShape:
                 head_dim=int(cfg.get("head_dim") or hidden // heads),
                 vocab_size=int(cfg["vocab_size"]),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                **_windows(cfg),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"model config is not a decoder LLM config: missing or bad {exc}") from exc
@@ -86,6 +89,20 @@ class ModelShape:
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_CACHE_BYTES
+
+    def kv_bytes_read(self, context: int) -> float:
+        """KV-cache bytes one decoded token reads at ``context``: a sliding layer reads at most its window."""
+        sliding = self.sliding_layers * min(context, self.sliding_window)
+        return self.kv_bytes_per_token() / self.num_layers * ((self.num_layers - self.sliding_layers) * context + sliding)
+
+
+def _windows(cfg: dict[str, Any]) -> dict[str, int]:
+    """Sliding-window layers of a described family's config; none for any other."""
+    from compress.families import BY_MODEL_TYPE, family_of, sliding_layers
+
+    if cfg.get("model_type") not in BY_MODEL_TYPE or not sliding_layers(cfg):
+        return {}
+    return {"sliding_layers": sliding_layers(cfg), "sliding_window": int(cfg[family_of(cfg).sliding_window_key])}
 
 
 @dataclass(frozen=True)
@@ -179,7 +196,7 @@ def mode_tops(target: Target, mode: PowerMode, precision: str, sparse: bool = Fa
 def _bandwidth_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
                   float_fraction: float = 0.0) -> float:
     """Milliseconds per token at the full bandwidth of the mode (the roofline, efficiency 1)."""
-    read = weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_per_token() * context
+    read = weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_read(context)
     return read / (mode_bandwidth_gbps(target, mode) * 1e9) * 1000
 
 
@@ -271,7 +288,7 @@ def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | 
     flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
     flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
     ttft_s = flops / (mode_tops(target, mode, compute_precision, sparse) * 1e12 * PREFILL_UTILISATION)
-    memory = stored_weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_per_token() * context
+    memory = stored_weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_read(context)
     latency_s = 1.0 / tokens_per_s
     return Prediction(
         power_mode=mode.name, watts=mode.watts, precision=precision, decode_tokens_per_s=tokens_per_s,

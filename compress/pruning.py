@@ -1,4 +1,4 @@
-"""Structured attention-head pruning for Llama-family decoders (GQA-aware).
+"""Structured attention-head pruning for decoders of every described family (GQA-aware).
 
 Importance: the first-order Taylor estimate of the loss change when a head is removed,
 ``|sum over tokens and head dims of o_h * dL/do_h|`` where ``o_h`` is the head's slice of the
@@ -22,6 +22,7 @@ from pydantic import Field, PositiveInt, model_validator
 from compress.algorithms.calibration import decoder_blocks
 from compress.config import StrictModel
 from compress.errors import UsageError
+from compress.families import attention_geometry, family_of, rows_keeping
 
 
 class PruneHeadsConfig(StrictModel):
@@ -43,17 +44,9 @@ class PruneHeadsConfig(StrictModel):
         return self
 
 
-def head_geometry(config) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a Llama-family config."""
-    heads = config.num_attention_heads
-    kv = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return heads, kv, head_dim
-
-
 def head_importance(model, windows: torch.Tensor, method: str = "taylor") -> torch.Tensor:
     """``(layers, heads)`` importance scores on calibration windows."""
-    heads, _, head_dim = head_geometry(model.config)
+    heads, _, head_dim = attention_geometry(model.config)
     blocks = decoder_blocks(model)
     scores = torch.zeros(len(blocks), heads, dtype=torch.float64)
     captured: dict[int, torch.Tensor] = {}
@@ -66,7 +59,8 @@ def head_importance(model, windows: torch.Tensor, method: str = "taylor") -> tor
             captured[index] = x
         return hook
 
-    handles = [block.self_attn.o_proj.register_forward_pre_hook(make_hook(i)) for i, block in enumerate(blocks)]
+    output = family_of(model.config).attn_output
+    handles = [block.get_submodule(output).register_forward_pre_hook(make_hook(i)) for i, block in enumerate(blocks)]
     try:
         for row in windows:
             ids = row[None]
@@ -76,7 +70,7 @@ def head_importance(model, windows: torch.Tensor, method: str = "taylor") -> tor
                 loss.backward()
                 for index, x in captured.items():
                     contribution = (x * x.grad).reshape(*x.shape[:-1], heads, head_dim).sum(dim=(0, 1, 3))
-                    scores[index] += contribution.abs().double()
+                    scores[index] += contribution.detach().abs().double()
             else:
                 with torch.no_grad():
                     model(ids, use_cache=False)
@@ -92,7 +86,7 @@ def head_importance(model, windows: torch.Tensor, method: str = "taylor") -> tor
 
 def heads_per_group_to_keep(config, prune: PruneHeadsConfig, parameter_count) -> int:
     """How many query heads each KV group keeps."""
-    heads, kv, _ = head_geometry(config)
+    heads, kv, _ = attention_geometry(config)
     per_group = heads // kv
     if prune.fraction is not None:
         return max(1, math.floor(per_group * (1 - prune.fraction) + 1e-9))
@@ -119,18 +113,22 @@ def plan_heads(scores: torch.Tensor, kv_heads: int, keep_per_group: int) -> list
 
 
 def prune_heads(model, plan: list[list[int]]) -> None:
-    """Remove query heads physically: smaller ``q_proj`` rows and ``o_proj`` columns; the config follows."""
-    _, kv, head_dim = head_geometry(model.config)
+    """Remove query heads physically: fewer query rows (``q_proj``, or the q part of a fused ``qkv_proj``, with
+    their biases) and fewer attention-output columns; KV heads, per-head q/k norms and the config follow."""
+    family = family_of(model.config)
+    _, kv, head_dim = attention_geometry(model.config)
     counts = {len(kept) for kept in plan}
     if len(counts) != 1:
         raise UsageError("every layer must keep the same number of heads (GQA rule)")
     for block, kept in zip(decoder_blocks(model), plan, strict=True):
         if not kept:
             raise UsageError("a layer cannot lose its last head")
-        rows = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kept])
-        attn = block.self_attn
-        attn.q_proj = _select(attn.q_proj, rows, dim=0)
-        attn.o_proj = _select(attn.o_proj, rows, dim=1)
+        query = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kept])
+        for name in family.linears_with("q"):
+            rows = rows_keeping(family, model.config, name, {"q": query})
+            replace_module(block, name, select_linear(block.get_submodule(name), rows, dim=0))
+        replace_module(block, family.attn_output, select_linear(block.get_submodule(family.attn_output), query, dim=1))
+        attn = block.get_submodule(family.attention)
         attn.num_key_value_groups = len(kept) // kv
         if hasattr(attn, "num_heads"):
             attn.num_heads = len(kept)
@@ -138,7 +136,14 @@ def prune_heads(model, plan: list[list[int]]) -> None:
     model.config.head_dim = head_dim
 
 
-def _select(linear: torch.nn.Linear, index: torch.Tensor, dim: int) -> torch.nn.Linear:
+def replace_module(block, path: str, module: torch.nn.Module) -> None:
+    """Put ``module`` at ``path`` inside ``block``."""
+    parent, _, name = path.rpartition(".")
+    setattr(block.get_submodule(parent) if parent else block, name, module)
+
+
+def select_linear(linear: torch.nn.Linear, index: torch.Tensor, dim: int) -> torch.nn.Linear:
+    """A new linear keeping the rows (``dim=0``, with their biases) or input columns (``dim=1``) at ``index``."""
     weight = linear.weight.detach().index_select(dim, index).clone()
     bias = linear.bias
     if bias is not None and dim == 0:
@@ -153,6 +158,6 @@ def _select(linear: torch.nn.Linear, index: torch.Tensor, dim: int) -> torch.nn.
 
 def attention_parameters_after(config, keep_per_group: int, total_parameters: int) -> int:
     """Parameter count after keeping ``keep_per_group`` query heads per KV group in every layer."""
-    heads, kv, head_dim = head_geometry(config)
+    heads, kv, head_dim = attention_geometry(config)
     removed_heads = heads - kv * keep_per_group
     return total_parameters - config.num_hidden_layers * removed_heads * 2 * head_dim * config.hidden_size

@@ -1,13 +1,17 @@
-"""Quantizing a Llama-family decoder block by block: SmoothQuant W8A8, AWQ / GPTQ INT4, RTN.
+"""Quantizing a decoder block by block: SmoothQuant W8A8, AWQ / GPTQ INT4, RTN.
 
 Per block, statistics of the four linear inputs are gathered in one pass (attention input,
 attention output, MLP input, MLP hidden). Migration scales (SmoothQuant or AWQ) are folded into
-the producer of each input, so the float function is unchanged:
+the producer of each input, as :mod:`compress.families` describes it, so the float function is
+unchanged. On Llama:
 
 * attention input -> ``input_layernorm`` weight; q/k/v columns
 * attention output -> ``v_proj`` rows (equal per grouped KV channel, so GQA stays exact); o_proj columns
 * MLP input -> ``post_attention_layernorm`` weight; gate/up columns
 * MLP hidden -> ``up_proj`` rows; down_proj columns
+
+(Gemma 3's MLP input comes from ``pre_feedforward_layernorm``, whose ``1 + w`` form the fold keeps;
+Phi-3's producers are the v and up parts of its fused ``qkv_proj`` and ``gate_up_proj``.)
 
 For W8A8 with ``hadamard_block``, the MLP hidden state may instead be rotated by a block-diagonal
 Hadamard matrix in front of ``down_proj`` (kept where it gives the lower output error on the
@@ -55,7 +59,7 @@ from compress.algorithms.quant import (
 from compress.algorithms.rotation import rotate
 from compress.config import StrictModel
 from compress.errors import UsageError
-from compress.families import ActivationPoint, Family, family_of
+from compress.families import ActivationPoint, Family, attention_geometry, family_of, part_rows
 from compress.fsutil import atomic_write_json, read_json
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,10 @@ QUANT_CONFIG_FILE = "quantization.json"
 QUANT_SCALES_FILE = "quant_scales.safetensors"
 OUTLIER_MARGIN_DB = 10.0
 CLIP_SEARCH_TOKENS = 256
+
+
+# A block linear by its short name; Phi-3's are fused (qkv_proj, gate_up_proj).
+LinearName = Literal["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
 
 
 class QuantizeConfig(StrictModel):
@@ -82,10 +90,10 @@ class QuantizeConfig(StrictModel):
     gptq_damp: float = Field(0.01, gt=0.0, lt=1.0)
     gptq_act_order: bool = True
     act_scale: Literal["absmax", "mse"] = "absmax"
-    float_activations: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
+    float_activations: list[LinearName] = []
     float_activations_below_db: float | None = None
     # Linears left unquantized (float weights and inputs; FP16 in a deployment checkpoint).
-    float_linears: list[Literal["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]] = []
+    float_linears: list[LinearName] = []
     # Largest Hadamard block for the down_proj input rotation (the largest power of two up to this
     # that divides the layer's width is used); 0 turns the rotation off.
     hadamard_block: Literal[0, 32, 64, 128, 256] = 0
@@ -177,36 +185,41 @@ def rotation_block(width: int, limit: int) -> int:
 
 
 def _kv_groups(block, config) -> torch.Tensor:
-    """For each o_proj input channel, the v_proj output channel it is computed from."""
-    attn = block.self_attn
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    n_heads = attn.o_proj.in_features // head_dim
-    n_kv = attn.v_proj.out_features // head_dim
+    """For each attention-output channel, the value channel (row of the value part) it is computed from."""
+    family = family_of(config)
+    heads, kv, head_dim = attention_geometry(config)
+    n_heads = block.get_submodule(family.attn_output).in_features // head_dim
     head = torch.arange(n_heads).repeat_interleave(head_dim)
     dim = torch.arange(head_dim).repeat(n_heads)
-    return (head // (n_heads // n_kv)) * head_dim + dim
+    return (head // (n_heads // kv)) * head_dim + dim
 
 
-def fold_scales(block, point: ActivationPoint, scales: torch.Tensor, kv_groups: torch.Tensor) -> None:
+def fold_scales(block, point: ActivationPoint, scales: torch.Tensor, kv_groups: torch.Tensor, config) -> None:
     """Divide the producer's output by ``scales`` and multiply the consumers' input columns by it (exact in float)."""
+    family = family_of(config)
     with torch.no_grad():
         producer = block.get_submodule(point.producer)
         if point.producer_kind == "norm":
-            producer.weight.div_(scales)
-        elif point.name == "attn_out":
-            # One scale per attention-output channel; every query head of a KV group reads the same v_proj row.
-            per_kv = torch.zeros(producer.out_features).index_copy_(0, kv_groups, scales)
-            _scale_rows(producer, 1.0 / per_kv)
+            # The norm multiplies by (offset + w); (offset + w) / s is the new factor.
+            producer.weight.copy_((family.norm_offset + producer.weight) / scales - family.norm_offset)
         else:
-            _scale_rows(producer, 1.0 / scales)
+            rows = part_rows(family, config, point.producer, point.producer_part) if point.producer_part \
+                else slice(0, producer.out_features)
+            if point.name == "attn_out":
+                # One scale per attention-output channel; every query head of a KV group reads the same value row.
+                width = rows.stop - rows.start
+                scales_out = torch.zeros(width).index_copy_(0, kv_groups, scales)
+            else:
+                scales_out = scales
+            _scale_rows(producer, rows, 1.0 / scales_out)
         for name in point.consumers:
             block.get_submodule(name).weight.mul_(scales[None, :])
 
 
-def _scale_rows(linear: torch.nn.Linear, factors: torch.Tensor) -> None:
-    linear.weight.mul_(factors[:, None])
+def _scale_rows(linear: torch.nn.Linear, rows: slice, factors: torch.Tensor) -> None:
+    linear.weight[rows].mul_(factors[:, None])
     if linear.bias is not None:
-        linear.bias.mul_(factors)
+        linear.bias[rows].mul_(factors)
 
 
 ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
@@ -339,11 +352,11 @@ def _migration(config: QuantizeConfig, point: str, stats: InputStats, weights: l
     return Migration()
 
 
-def _quantize_weight(config: QuantizeConfig, name: str, weight: torch.Tensor, stats: InputStats) -> tuple[torch.Tensor, torch.Tensor]:
+def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputStats,
+                     search_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     bits, _, group = config.scheme()
     clip: torch.Tensor | float = 1.0
-    if config.method == "int4" and "awq" in config.algorithm and not name.endswith(("q_proj", "k_proj")):
-        # As in AWQ, query and key projections are not clipped: attention scores are too sensitive.
+    if config.method == "int4" and "awq" in config.algorithm and search_clip:
         clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, bits, group)
     use_gptq = (config.method == "int4" and "gptq" in config.algorithm) or (config.method == "int8" and config.weight_algorithm == "gptq")
     if use_gptq:
@@ -379,7 +392,7 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
     block_size = rotation_block(linears[rotated.consumers[0]].in_features, config.hadamard_block)
     rotations = {rotated.name: block_size} if block_size and rotated in active else None
     stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
-    migrations = _prepare_inputs(block, active, linears, stats, config, _kv_groups(block, model_config))
+    migrations = _prepare_inputs(block, active, linears, stats, config, model_config)
     result: dict[str, LinearQuant] = {}
     for point in active:
         samples = stats[point.name].sample_matrix(config.sample_tokens)
@@ -388,28 +401,31 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             if config.is_float(name):
                 continue
             input_scale = None if name.rsplit(".", 1)[-1] in config.float_activations else point_scale
-            result[f"{prefix}.{name}"] = _quantize_linear(config, name, linears[name], stats[point.name], samples, input_scale,
-                                                          migrations[point.name], index)
+            # As in AWQ, weights computing queries and keys are not clipped: attention scores are too sensitive.
+            search_clip = not {"q", "k"} & set(family.parts(name))
+            result[f"{prefix}.{name}"] = _quantize_linear(config, linears[name], stats[point.name], samples, input_scale,
+                                                          migrations[point.name], index, search_clip)
     return result
 
 
 def _prepare_inputs(block, points: list[ActivationPoint], linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats],
-                    config: QuantizeConfig, kv_groups: torch.Tensor) -> dict[str, Migration]:
+                    config: QuantizeConfig, model_config) -> dict[str, Migration]:
     """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated view."""
+    kv_groups = _kv_groups(block, model_config)
     migrations: dict[str, Migration] = {}
     for point in points:
         weights = [linears[name].weight.detach() for name in point.consumers]
         migration = migrations[point.name] = _migration(config, point.name, stats[point.name], weights, kv_groups)
         if migration.scales is not None:
-            fold_scales(block, point, migration.scales, kv_groups)
+            fold_scales(block, point, migration.scales, kv_groups, model_config)
             stats[point.name].rescale(migration.scales)
         elif migration.rotation:
             stats[point.name] = stats[point.name].rotated_view()
     return migrations
 
 
-def _quantize_linear(config: QuantizeConfig, name: str, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
-                     input_scale: float | None, migration: Migration, index: int) -> LinearQuant:
+def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
+                     input_scale: float | None, migration: Migration, index: int, search_clip: bool) -> LinearQuant:
     """Quantize one linear in place (the ``index``-th consumer of its input) and measure its SQNR on ``samples``."""
     weight = linear.weight.detach().clone()
     if migration.rotation:
@@ -417,7 +433,7 @@ def _quantize_linear(config: QuantizeConfig, name: str, linear: torch.nn.Linear,
     if migration.gptq_weights:
         dequantized, weight_scales = migration.gptq_weights[index]
     else:
-        dequantized, weight_scales = _quantize_weight(config, name, weight, stats)
+        dequantized, weight_scales = _quantize_weight(config, weight, stats, search_clip)
     x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
     error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
     if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:

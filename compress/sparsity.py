@@ -1,4 +1,4 @@
-"""Pruning a Llama-family decoder's linear layers block by block (2:4 or unstructured).
+"""Pruning a decoder's linear layers block by block (2:4 or unstructured).
 
 Embeddings and the LM head stay dense. Calibration walks the blocks in order like quantization:
 each block's inputs come from the already-pruned blocks before it.

@@ -33,18 +33,28 @@ def build_tokenizer(vocab_size: int = 512, chat_template: bool = False):
 
 
 def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                     intermediate: int = 128, seed: int = 0, chat_template: bool = False, family: str = "llama") -> Path:
+                     intermediate: int = 128, seed: int = 0, chat_template: bool = False, family: str = "llama",
+                     **config_overrides) -> Path:
     """Save a randomly initialised decoder (GQA) with a trained tokenizer to ``folder``.
 
-    ``family`` is a transformers model type: "llama", "mistral", "qwen2" (q/k/v biases), "qwen3" (q/k norms) or "phi3".
+    ``family``: "llama", "mistral", "qwen2" (q/k/v biases), "qwen3" (q/k norms), "gemma3" (text; offset norms,
+    post-norms, sliding-window layers) or "phi3" (fused projections, partial rotary).
     """
     import transformers
 
     tokenizer = build_tokenizer(chat_template=chat_template)
     torch.manual_seed(seed)
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "phi3": "Phi3"}[family]
-    config_cls, model_cls = getattr(transformers, f"{names}Config"), getattr(transformers, f"{names}ForCausalLM")
-    extra = {"head_dim": hidden // heads} if family == "qwen3" else {}
+    names = {"llama": ("Llama", "Llama"), "mistral": ("Mistral", "Mistral"), "qwen2": ("Qwen2", "Qwen2"),
+             "qwen3": ("Qwen3", "Qwen3"), "gemma3": ("Gemma3Text", "Gemma3"), "phi3": ("Phi3", "Phi3")}[family]
+    config_cls, model_cls = getattr(transformers, f"{names[0]}Config"), getattr(transformers, f"{names[1]}ForCausalLM")
+    extra = {
+        "qwen3": {"head_dim": hidden // heads},
+        # Every other layer slides over a window longer than the targets' contexts, so full attention is exact; a wider
+        # initialisation than the default gives the random model peaked logits, so top-1 agreement means something.
+        "gemma3": {"head_dim": hidden // heads, "sliding_window": 4096, "initializer_range": 0.1, "layer_types": [
+            "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]},
+        "phi3": {"partial_rotary_factor": 0.5},
+    }.get(family, {}) | config_overrides
     config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                         max_position_embeddings=2048, tie_word_embeddings=True,

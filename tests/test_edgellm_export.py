@@ -146,7 +146,7 @@ def test_sparse_models_and_other_families_are_refused(capsys, tmp_path, tiny_wid
     config["model_type"] = "mistral"
     (other / "config.json").write_text(json.dumps(config))
     assert main(["run", "target=jetson-orin", "recipe=edgellm-int4", f"model={other}", f"out={tmp_path / 'b'}"]) == 2
-    assert "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama, qwen2, qwen3)" in capsys.readouterr().err
+    assert "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama, phi3, qwen2, qwen3)" in capsys.readouterr().err
 
 
 def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys, tmp_path):
@@ -160,6 +160,28 @@ def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys
     assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"out={tmp_path / 'b'}"]) == 2
     assert "Edge-LLM's config has one num_attention_heads for every layer" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_phi3_fused_projections_are_checked_part_by_part(tmp_path):
+    """Phi-3 stores q/k/v and gate/up fused; Edge-LLM splits them on load, so custody compares each part's rows."""
+    folder = build_tiny_llama(tmp_path / "phi3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
+                              family="phi3")
+    out = tmp_path / "run"
+    proc = _run(folder, out, "edgellm-int4", "quantize.group_size=32")
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    custody = json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]
+    assert custody["tensors_compared"] == 14 * 2 and custody["mismatches"] == 0
+    assert "partial_rotary_factor" in custody["config_fields"]
+    quantized, bundle = out / "02_quantize" / "model", tmp_path / "bundle"
+    shutil.copytree(out / "04_export_edgellm" / "bundle", bundle)
+    scale = "_model.model.layers.0.self_attn.k_proj.weight_scale"
+    _tamper(bundle, scale, lambda a: (a * np.float16(1.01)).astype(a.dtype))
+    with pytest.raises(StageError, match=f"{scale}: .* values differ"):
+        check_custody(quantized, bundle, tmp_path)
+    config_path = bundle / "llm" / "config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), "partial_rotary_factor": 1.0}))
+    with pytest.raises(StageError, match="partial_rotary_factor = 1.0, the model has 0.5"):
+        check_bundle_config(bundle, json.loads((quantized / "config.json").read_text()))
 
 
 def test_qwen2_biases_are_part_of_the_chain_of_custody(tmp_path):

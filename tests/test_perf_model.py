@@ -91,3 +91,38 @@ def test_linears_left_fp16_are_read_at_fp16():
     assert fp16.decode_tokens_per_s < mixed.decode_tokens_per_s < int8.decode_tokens_per_s
     assert int8.memory_gb < mixed.memory_gb < fp16.memory_gb
     assert predict(nano, SMOL, "int8", float_fraction=1.0).decode_tokens_per_s == pytest.approx(fp16.decode_tokens_per_s)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
+def test_predict_reads_the_config_of_every_family(family, tmp_path, capsys):
+    import transformers
+
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma3Text", "phi3": "Phi3"}
+    config = getattr(transformers, f"{names[family]}Config")(
+        hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=256, vocab_size=262144, tie_word_embeddings=True).to_dict()
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    assert main(["predict", "target=jetson-orin-nano-8gb", f"model_config={path}", "precision=int4", "context=4096",
+                 "power=MAXN_SUPER"]) == 0
+    result = json.loads(capsys.readouterr().out)["selected"]
+    expected = predict(load_target("jetson-orin-nano-8gb"), ModelShape.from_config(config), "int4", "MAXN_SUPER", context=4096)
+    assert result["decode_tokens_per_s"] == pytest.approx(expected.decode_tokens_per_s, rel=1e-3)
+    assert result["decode_tokens_per_s"] > 0 and result["memory_gb"] > 0
+
+
+def test_sliding_window_layers_read_at_most_their_window():
+    """Gemma 3 1B: five of every six layers attend over 512 tokens, so at a long context they read far less KV cache."""
+    import transformers
+
+    config = transformers.Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
+                                           num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512).to_dict()
+    windowed = ModelShape.from_config(config)
+    assert windowed.sliding_layers == sum(kind == "sliding_attention" for kind in config["layer_types"]) > 20
+    full = ModelShape.from_config({**config, "sliding_window": None})
+    assert full.sliding_layers == 0
+    assert windowed.kv_bytes_read(256) == full.kv_bytes_read(256)  # inside the window nothing changes
+    assert windowed.kv_bytes_read(8192) < 0.25 * full.kv_bytes_read(8192)
+    nano = load_target("jetson-orin-nano-8gb")
+    fast, slow = (predict(nano, shape, "int4", context=8192) for shape in (windowed, full))
+    assert fast.decode_tokens_per_s > slow.decode_tokens_per_s and fast.memory_gb < slow.memory_gb

@@ -32,7 +32,7 @@ class BlockInputs:
 
 
 def decoder_blocks(model) -> torch.nn.ModuleList:
-    """The decoder blocks of a Llama-family causal LM."""
+    """The decoder blocks of a causal LM of a described family."""
     return model.model.layers
 
 

@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from compress.deploy.edgellm import EDGELLM_VERSION, edgellm_python
 from compress.deploy.unified_checkpoint import WEIGHTS_FILE, integer_weight, write_unified_checkpoint
 from compress.errors import StageError
-from compress.families import family_of, is_decoder_linear
+from compress.families import Family, family_of, is_decoder_linear, part_rows
 from compress.fsutil import path_size, read_json
 from compress.quantization import load_quantization
 
@@ -41,25 +41,42 @@ EXPORT_TIMEOUT_S = 3600
 
 def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
     """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured, and its
-    bias in FP16; per decoder linear left float, its weight in FP16."""
+    bias in FP16; per decoder linear left float, its weight in FP16. A fused linear (Phi-3's ``qkv_proj``) is listed
+    as the parts Edge-LLM splits it into (``q_proj``, ``k_proj``, ``v_proj``), each with its rows."""
     meta, linears = load_quantization(quantized_dir)
     bits = meta["weight_bits"]
+    config = read_json(Path(quantized_dir) / "config.json")
+    family = family_of(config)
     numbers: dict[str, torch.Tensor] = {}
     with safe_open(str(Path(quantized_dir) / WEIGHTS_FILE), framework="pt") as source:
         stored = set(source.keys())
         for name, quant in linears.items():
-            numbers[f"{name}.integers"] = integer_weight(name, source.get_tensor(f"{name}.weight"), quant, bits)
-            numbers[f"{name}.weight_scale"] = quant.weight_scales.float().contiguous()
-            if bits == 8:
-                numbers[f"{name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
+            per_row = {"integers": integer_weight(name, source.get_tensor(f"{name}.weight"), quant, bits),
+                       "weight_scale": quant.weight_scales.float()}
             if f"{name}.bias" in stored:
-                numbers[f"{name}.bias"] = source.get_tensor(f"{name}.bias").half().contiguous()
-        family = family_of(read_json(Path(quantized_dir) / "config.json"))
+                per_row["bias"] = source.get_tensor(f"{name}.bias").half()
+            for part_name, rows in _parts(family, config, name):
+                numbers.update({f"{part_name}.{kind}": tensor[rows].contiguous() for kind, tensor in per_row.items()})
+                if bits == 8:
+                    numbers[f"{part_name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
         for key in stored:
             module = key.rsplit(".", 1)[0]
             if key.endswith(".weight") and module not in linears and is_decoder_linear(module, family):
-                numbers[f"{module}.float_weight"] = source.get_tensor(key).half().contiguous()
+                weight = source.get_tensor(key).half()
+                numbers.update({f"{part_name}.float_weight": weight[rows].contiguous()
+                                for part_name, rows in _parts(family, config, module)})
     return numbers
+
+
+def _parts(family: Family, config: dict[str, Any], module: str) -> list[tuple[str, slice]]:
+    """A checkpoint linear as the separate linears Edge-LLM loads it into, with their rows."""
+    prefix, _, linear = module.partition(".layers.")
+    layer, _, path = linear.partition(".")
+    parts = family.parts(path)
+    if len(parts) == 1:
+        return [(module, slice(None))]
+    parent = path.rsplit(".", 1)[0]
+    return [(f"{prefix}.layers.{layer}.{parent}.{part}_proj", part_rows(family, config, path, part)) for part in parts]
 
 
 def run_export(checkpoint: Path, bundle: Path, log_file: Path) -> float:
@@ -103,6 +120,8 @@ def _model_facts(config: dict[str, Any]) -> dict[str, Any]:
         "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
         "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
         "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
+        "rope_type": rope.get("rope_type") or rope.get("type") or "default",
+        "partial_rotary_factor": float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         "rms_norm_eps": float(config["rms_norm_eps"]),
         "eos_token_id": sorted(eos if isinstance(eos, list) else [eos]),
     }

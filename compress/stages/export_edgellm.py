@@ -23,8 +23,9 @@ from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
 
-# Decoder families the pinned Edge-LLM exports and compress's quantize -> export path is tested on (Llama, Qwen3).
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+# Decoder families the pinned Edge-LLM exports and compress's quantize -> export path is tested on (Gemma 3 and
+# Mistral are not in Edge-LLM 0.11's model list).
+SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
 # Edge-LLM 0.11's INT4 GEMM plugin (V2, the default) tiles weights in blocks of 64 in both dimensions.
 INT4_ALIGNMENT = 64
 # Head sizes the pinned Edge-LLM's attention plugin has prefill kernels for (fmha_v2_d64/d128/d256/d512
@@ -53,7 +54,8 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
     model_type = model_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UsageError(f"export_edgellm: model_type {model_type!r} is not supported for Edge-LLM deployment "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a recipe that ends at export_onnx "
+                         "(recipe=int8 or recipe=int4) gives the portable Q/DQ ONNX")
     check_attention_shape(model_config)
     precision = {4: "int4", 8: "int8"}.get(quantize.scheme()[0], "fp16") if quantize is not None else "fp16"
     if precision not in target.edgellm.precisions:

@@ -22,6 +22,7 @@ from compress.algorithms.sparse import onnx_24_fraction
 from compress.artifact import HF_MODEL, ONNX, Artifact
 from compress.config import StrictModel
 from compress.errors import StageError
+from compress.families import attention_geometry
 from compress.fsutil import atomic_write_json, path_size
 from compress.models import load_causal_lm, load_tokenizer
 from compress.quantization import attach_activation_quant, load_quantization
@@ -70,11 +71,10 @@ class _DecoderWithCache(torch.nn.Module):
 
 
 def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = False) -> DecoderLayout:
-    """KV-cache layout of a Llama-family decoder (per-layer KV heads allow pruned layers)."""
+    """KV-cache layout of a decoder: KV heads per layer and head size (head pruning keeps every KV head)."""
     cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = [layer.self_attn.k_proj.out_features // head_dim for layer in model.model.layers]
-    return DecoderLayout(cfg.num_hidden_layers, kv_heads, head_dim, eos_token_ids, int8_activations)
+    _, kv, head_dim = attention_geometry(cfg)
+    return DecoderLayout(cfg.num_hidden_layers, [kv] * cfg.num_hidden_layers, head_dim, eos_token_ids, int8_activations)
 
 
 def write_qdq(graph_model, model, quant_meta: dict, linears: dict) -> dict:

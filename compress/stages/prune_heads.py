@@ -10,12 +10,11 @@ import logging
 
 from compress.artifact import HF_MODEL, Artifact
 from compress.data import calibration_windows
-from compress.errors import UsageError
+from compress.families import attention_geometry, family_of
 from compress.models import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
 from compress.pruning import (
     PruneHeadsConfig,
     attention_parameters_after,
-    head_geometry,
     head_importance,
     heads_per_group_to_keep,
     plan_heads,
@@ -29,12 +28,11 @@ log = logging.getLogger(__name__)
 def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx) -> Artifact:
     tokenizer = load_tokenizer(source.path)
     model = load_causal_lm(source.path)
-    if not hasattr(model, "model") or not hasattr(model.model, "layers") or not hasattr(model.model.layers[0], "self_attn"):
-        raise UsageError(f"prune_heads supports Llama-family decoders; got {type(model).__name__}")
+    family_of(model.config)
     windows = calibration_windows(tokenizer, ctx.plan.calibration, config.calib_window, config.calib_windows,
                                   min_tokens=config.min_calib_tokens)
     before = count_parameters(model)
-    heads, kv, _ = head_geometry(model.config)
+    heads, kv, _ = attention_geometry(model.config)
     keep = heads_per_group_to_keep(model.config, config, lambda k: attention_parameters_after(model.config, k, before))
     log.info("scoring %d heads x %d layers (%s); keeping %d of %d query heads per KV group", heads,
              model.config.num_hidden_layers, config.importance, keep, heads // kv)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 
+from compress.algorithms.calibration import decoder_blocks
 from compress.artifact import HF_MODEL, Artifact
 from compress.config import Target
 from compress.data import calibration_windows
@@ -62,7 +63,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
     if config.hadamard_block:
         blocks = sorted({q.rotation for q in result.linears.values() if q.rotation})
         log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %s)", len(rotated),
-                 len(model.model.layers), "/".join(map(str, blocks)) or "-")
+                 len(decoder_blocks(model)), "/".join(map(str, blocks)) or "-")
     bits, acts, group = config.scheme()
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
