@@ -55,6 +55,15 @@ class Budgets(StrictModel):
     max_memory_gb: PositiveFloat
     context_length: PositiveInt = 2048
     prompt_length: PositiveInt = 128
+    # Encoders (sentence embeddings, classifiers) against their fp32 model on the evaluation sentences.
+    min_embedding_cosine: float = Field(0.99, gt=0.0, le=1.0, description="mean cosine similarity of embeddings to the fp32 model's")
+    min_embedding_cosine_worst: float = Field(0.95, gt=0.0, le=1.0, description="lowest cosine similarity over the sentences")
+    min_neighbour_agreement: float = Field(0.85, gt=0.0, le=1.0,
+                                           description="mean overlap of each sentence's 5 nearest neighbours with the fp32 model's")
+    min_label_agreement: float = Field(0.98, gt=0.0, le=1.0, description="share of classifier labels equal to the fp32 model's")
+    max_accuracy_drop_pct: PositiveFloat = Field(1.0, description="accuracy lost on a labelled set (eval_labels=), points")
+    max_encoder_batch_ms: PositiveFloat = Field(20.0, description="one batch of encoder_batch sentences on the target")
+    encoder_batch: PositiveInt = 8
 
 
 class EdgeLLMStack(StrictModel):

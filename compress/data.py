@@ -174,3 +174,24 @@ def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n
             f"need {max(min_tokens, n_windows * window)} tokens"
         )
     return windows
+
+
+_SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)]*\s+")
+
+
+def text_sentences(text: str, limit: int, min_chars: int = 20, max_chars: int = 400, skip_chars: int = 0) -> list[str]:
+    """Up to ``limit`` sentences of ``text`` (after ``skip_chars``), whitespace-joined, between ``min_chars`` and ``max_chars``."""
+    found = []
+    for piece in _SENTENCE_END.split(text[skip_chars:]):
+        sentence = " ".join(piece.split())
+        if min_chars <= len(sentence) <= max_chars:
+            found.append(sentence)
+            if len(found) == limit:
+                break
+    return found
+
+
+def domain_sentences(sources: Sequence[TextSource], per_domain: int) -> list[tuple[str, list[str]]]:
+    """``per_domain`` sentences of each source, by domain (evaluation text skips its opening, as for decoders)."""
+    return [(s.domain, text_sentences(s.text, per_domain, skip_chars=EVAL_SKIP_CHARS if len(s.text) > 4 * EVAL_SKIP_CHARS else 0))
+            for s in sources]

@@ -203,3 +203,60 @@ def check_attention_window(config: dict[str, Any], context_length: int) -> None:
     if sliding_layers(config) and window < context_length:
         raise UsageError(f"{config['model_type']}: {key}={window} is shorter than the target's context_length {context_length}; "
                          "compress exports full attention, so lower budgets.context_length to the window or below")
+
+
+@dataclass(frozen=True)
+class EncoderFamily:
+    """How one encoder family's layers are wired (paths inside a layer; the layer list inside the base model).
+
+    In a post-LN encoder every LayerNorm output feeds a residual add as well as the next linears, so a
+    smoothing scale cannot be folded into the LayerNorm without changing the residual stream: the q/k/v
+    and FFN inputs are smoothed online (a per-channel multiply in front of their quantizer), and only the
+    attention output, produced by the value rows, takes its scale for free.
+    """
+
+    model_types: tuple[str, ...]
+    layers: str
+    attn_in: tuple[str, str, str]  # query, key, value: read the layer input
+    attn_out: str  # reads the attention context (produced by the value rows)
+    ffn_in: str  # reads the attention block's normalised output
+    ffn_out: str  # reads the activation of ffn_in's output (GELU, kept float)
+
+    @property
+    def value(self) -> str:
+        return self.attn_in[2]
+
+    def linears(self) -> tuple[str, ...]:
+        return (*self.attn_in, self.attn_out, self.ffn_in, self.ffn_out)
+
+
+_BERT_LAYOUT = ("encoder.layer", ("attention.self.query", "attention.self.key", "attention.self.value"), "attention.output.dense",
+                "intermediate.dense", "output.dense")
+ENCODER_FAMILIES = {
+    "bert": EncoderFamily(("bert", "roberta", "xlm-roberta", "compress-pruned-bert"), *_BERT_LAYOUT),
+    "distilbert": EncoderFamily(("distilbert",), "transformer.layer", ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
+                                "attention.out_lin", "ffn.lin1", "ffn.lin2"),
+    "mpnet": EncoderFamily(("mpnet",), "encoder.layer", ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
+                           "attention.attn.o", "intermediate.dense", "output.dense"),
+}
+ENCODER_BY_MODEL_TYPE = {model_type: family for family in ENCODER_FAMILIES.values() for model_type in family.model_types}
+
+
+def model_kind(config: Any) -> str:
+    """"encoder" for the encoder families compress describes, "decoder" otherwise (decoders are checked by :func:`family_of`)."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return "encoder" if model_type in ENCODER_BY_MODEL_TYPE else "decoder"
+
+
+def encoder_family_of(config: Any) -> EncoderFamily:
+    """The encoder family of a config; a usage error for any other."""
+    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    if model_type not in ENCODER_BY_MODEL_TYPE:
+        raise UsageError(f"model_type {model_type!r} is not an encoder family compress describes "
+                         f"(supported: {', '.join(sorted(ENCODER_BY_MODEL_TYPE))})")
+    return ENCODER_BY_MODEL_TYPE[model_type]
+
+
+def encoder_layers(model) -> list:
+    """The layers of an encoder (a base model or one with a task head)."""
+    return list(model.base_model.get_submodule(encoder_family_of(model.config).layers))

@@ -349,6 +349,23 @@ def first_line(exc: BaseException) -> str:
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
+def load_encoder(folder: Path, trust_remote_code: bool = False, name: str | None = None):
+    """Load an encoder in fp32, safely: with its sequence-classification head when it has one, else the bare encoder."""
+    import torch
+    from transformers import AutoModel, AutoModelForSequenceClassification
+
+    import compress.encoder_pruning  # noqa: F401  (registers the pruned-BERT config with the Auto classes)
+
+    config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
+    heads = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
+    loader = AutoModelForSequenceClassification if heads else AutoModel
+    try:
+        model = loader.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
+    except Exception as exc:
+        raise UsageError(f"cannot load encoder {name or folder}: {first_line(exc)}") from exc
+    return model.eval()
+
+
 def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None):
     """Load a causal LM in fp32 for CPU work, safely; ``name`` is what the user called the model, for errors."""
     import torch

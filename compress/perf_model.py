@@ -309,3 +309,34 @@ def lowest_power_mode_meeting_budget(predictions: list[Prediction], max_latency_
     meeting = [p for p in predictions if p.decode_latency_ms <= max_latency_ms]
     return min(meeting, key=lambda p: p.watts) if meeting else None
 
+
+
+# Share of the tensor cores' peak an encoder's GEMMs reach. No published encoder measurement on these
+# targets anchors it, so it is an assumption, stated in every encoder prediction.
+ENCODER_COMPUTE_EFFICIENCY = 0.5
+
+
+def predict_encoder_batch(target: Target, mode: PowerMode, config: dict[str, Any], precision: str, batch: int,
+                          tokens: int) -> dict[str, Any]:
+    """Predicted milliseconds for one encoder batch of ``batch`` sentences of ``tokens`` tokens, and sentences/s.
+
+    ``config`` holds hidden_size, num_hidden_layers, intermediate_size, vocab_size and, for a pruned
+    model, linear_params (the parameters of its layers' linears).
+
+    A batch is the larger of its GEMM time (``2 x linear parameters x tokens`` plus attention, at the
+    mode's tensor-core rate times :data:`ENCODER_COMPUTE_EFFICIENCY`) and its weight reads (at the
+    fitted decode bandwidth efficiency), plus the fitted fixed cost per layer.
+    """
+    hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    linear_params = config.get("linear_params") or layers * (4 * hidden * hidden + 2 * hidden * inter)
+    flops = 2.0 * linear_params * batch * tokens + 4.0 * layers * batch * tokens * tokens * hidden
+    compute_ms = flops / (mode_tops(target, mode, "int8" if precision == "int8" else "fp16") * 1e12 * ENCODER_COMPUTE_EFFICIENCY) * 1e3
+    weights = linear_params * device_bits(precision) / 8 + config["vocab_size"] * hidden * 2
+    fit = fit_decode()
+    memory_ms = weights / (mode_bandwidth_gbps(target, mode) * 1e9 * fit.efficiency) * 1e3
+    fixed_ms = layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz) * fit.per_layer_ms
+    batch_ms = max(compute_ms, memory_ms) + fixed_ms
+    memory_gb = (weights + 2 * batch * tokens * max(hidden, inter) * 2) / 1e9 + RUNTIME_OVERHEAD_GB
+    return {"power_mode": mode.name, "precision": precision, "batch": batch, "tokens": tokens, "batch_ms": round(batch_ms, 4),
+            "sentences_per_s": round(1000.0 * batch / batch_ms, 2), "bound": "compute" if compute_ms > memory_ms else "memory",
+            "memory_gb": round(memory_gb, 4), "compute_efficiency_assumed": ENCODER_COMPUTE_EFFICIENCY}

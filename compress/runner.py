@@ -37,7 +37,7 @@ from compress.data import (
     unseen_domains,
 )
 from compress.errors import CompressError, StageError, UsageError
-from compress.families import check_attention_window, family_of
+from compress.families import check_attention_window, family_of, model_kind
 from compress.fsutil import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_path, staging_dir, written_path
 from compress.models import DEFAULT_MODEL, ModelSource, model_config, resolve_model
 from compress.predict_cli import select_power_mode
@@ -47,7 +47,9 @@ from compress.stages import StageDef, get_stage
 log = logging.getLogger("compress")
 
 MANIFEST_SCHEMA = "1.0"
-RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "power", "seed", "trust_remote_code")
+RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "eval_labels", "power", "seed", "trust_remote_code")
+# What recipe=default means for each kind of model.
+DEFAULT_RECIPES = {"decoder": "default", "encoder": "encoder-int8"}
 _TRACKED_LIBRARIES = ("torch", "transformers", "onnx", "onnxruntime", "onnxscript", "numpy", "safetensors", "tensorrt")
 
 
@@ -61,6 +63,7 @@ class RunOptions:
     out: Path | None = None
     calib: str | None = None
     eval: str | None = None
+    eval_labels: str | None = None
     power: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
@@ -242,14 +245,22 @@ def default_out_dir(options: RunOptions, target: Target, recipe: Recipe) -> Path
 def build_plan(options: RunOptions) -> Plan:
     """Resolve and check everything before any work; every problem is a :class:`UsageError`."""
     target = load_target(options.target)
-    recipe = load_recipe(options.recipe)
+    model = resolve_model(options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code)
+    recipe_name = options.recipe
+    if recipe_name == "default":
+        kind = model_kind(model_config(model) or {})
+        recipe_name = DEFAULT_RECIPES[kind]
+        if recipe_name != "default":
+            log.info("recipe=default for %s %s: %s", _article(kind), kind, recipe_name)
+    recipe = load_recipe(recipe_name)
     stage_options, budget_overrides = _stage_options(recipe, options.overrides)
     if budget_overrides:
         target = apply_budget_overrides(target, budget_overrides)
     power_mode = (select_power_mode(target, options.power) if options.power else target.power_mode()).name
     planned = _check_stage_chain(recipe, stage_options, target)
     out_dir = options.out or default_out_dir(options, target, recipe)
-    model = resolve_model(options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code)
+    if options.eval_labels is not None and not Path(options.eval_labels).is_file():
+        raise UsageError(f"eval_labels={options.eval_labels}: no such file")
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
     check_disjoint(calibration, evaluation)
@@ -284,7 +295,8 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
 def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelSource) -> None:
     """Stage rules that depend on the stages before them or on the model's shape (e.g. what a deployment format takes)."""
     config = model_config(model)
-    if config is not None:
+    kind = model_kind(config or {})
+    if config is not None and kind == "decoder":
         try:
             family_of(config)
             check_attention_window(config, target.budgets.context_length)
@@ -292,9 +304,18 @@ def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelS
             raise UsageError(f"model={model.spec}: {exc}") from exc
     earlier: dict[str, StrictModel] = {}
     for stage in planned:
+        if kind not in stage.stage.model_kinds:
+            kinds = " and ".join(f"{k}s" for k in stage.stage.model_kinds)
+            raise UsageError(f"stage {stage.stage.name} works on {kinds}; model={model.spec} is {_article(kind)} {kind} "
+                             f"({(config or {}).get('model_type')}): use {_article(kind)} {kind} recipe (recipe=default picks "
+                             f"{DEFAULT_RECIPES[kind]})")
         if stage.stage.check_plan is not None:
             stage.stage.check_plan(stage.config, earlier, target, config)
         earlier[stage.stage.name] = stage.config
+
+
+def _article(word: str) -> str:
+    return "an" if word[0] in "aeiou" else "a"
 
 
 def _kinds(kind: str | tuple[str, ...]) -> str:
@@ -318,6 +339,8 @@ def _assign_fingerprints(plan: Plan) -> None:
             material["target"] = plan.target.model_dump(mode="json")
             material["power_mode"] = plan.power_mode
             material["require_measured"] = plan.options.require_measured
+            if plan.options.eval_labels:
+                material["eval_labels"] = sha256_path(Path(plan.options.eval_labels))
         upstream = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
         planned.fingerprint = upstream
 

@@ -1,13 +1,15 @@
-"""Rewrite a float ONNX decoder into a Q/DQ graph from a quantized model's scales.
+"""Rewrite a float ONNX graph (decoder or encoder) into a Q/DQ graph from a quantized model's scales.
 
 Each quantized linear appears in the exported graph as a ``MatMul`` whose weight initializer is
 the transposed dequantized weight. The initializer is found by value (exporters rename
 initializers freely), replaced by integer levels plus a ``DequantizeLinear`` (INT8 per output
 channel, or INT4 block-wise along the input dimension, opset 21), and for W8A8 the activation
 input of the ``MatMul`` gets a ``QuantizeLinear``/``DequantizeLinear`` pair with the static scale.
-A linear quantized on a Hadamard-rotated input gets the rotation in front of that pair
-(``Reshape`` to blocks, ``MatMul`` by the Hadamard block, ``Reshape`` back) and its integer weight
-in the rotated basis. No float copy of a quantized weight is kept.
+A linear whose input is smoothed online (an encoder's LayerNorm outputs, which also feed a
+residual) gets a per-channel ``Mul`` in front of that pair. A linear quantized on a
+Hadamard-rotated input gets the rotation in front of that pair (``Reshape`` to blocks, ``MatMul``
+by the Hadamard block, ``Reshape`` back) and its integer weight in the rotated basis. No float copy
+of a quantized weight is kept.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ class LinearForExport:
     bits: int
     input_scale: float | None
     rotation: int = 0  # Hadamard block size of the input rotation; ``dequantized`` is stored rotated back
+    input_smoothing: np.ndarray | None = None  # per-channel divisor applied to the input online, before its quantizer
 
     def grid_weight(self) -> np.ndarray:
         """The weight on its quantization grid (in the rotated basis for a rotated linear)."""
@@ -126,10 +129,17 @@ def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[st
         new_inits.extend(tensors)
         new_nodes.append(dq)
         matmuls = [p for p in consumers.get(init.name, []) if original_nodes[p].op_type == "MatMul"]
-        for index, position in enumerate(matmuls if linear.input_scale is not None or linear.rotation else []):
+        rewrites_input = linear.input_scale is not None or linear.rotation or linear.input_smoothing is not None
+        for index, position in enumerate(matmuls if rewrites_input else []):
             node = original_nodes[position]
             tag = f"{init.name}_{index}"
             source = node.input[0]
+            if linear.input_smoothing is not None:
+                inverse = numpy_helper.from_array((1.0 / linear.input_smoothing).astype(np.float32), f"{tag}_smooth_inv")
+                new_inits.append(inverse)
+                before.setdefault(position, []).append(
+                    helper.make_node("Mul", [source, inverse.name], [f"{tag}_smoothed"], name=f"{tag}_smooth_Mul"))
+                source = f"{tag}_smoothed"
             if linear.rotation:
                 nodes, source = _rotation(source, linear, tag, shared)
                 before.setdefault(position, []).extend(nodes)

@@ -6,7 +6,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from compress.artifact import EDGELLM_BUNDLE, ENGINE, ONNX
+from compress.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, REPORT
 from compress.fsutil import atomic_write_json, atomic_write_text, read_json
 from compress.gate import NOT_MEASURED, exit_code_for
 from compress.report.html import render_html
@@ -36,7 +36,7 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
     from compress.runner import data_record, library_versions
 
     run_dir = plan.out_dir
-    validation = next((r for r in records if r.name == "validate"), None)
+    validation = next((r for r in records if r.artifact.kind == REPORT), None)
     gate = validation.artifact.meta["gate"] if validation else {
         "verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
     report = {

@@ -7,7 +7,7 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from compress.report.markdown import DOMAIN_HEADERS, _fmt, _stage_summary, domain_rows, validation_metrics
+from compress.report.markdown import DOMAIN_HEADERS, _fmt, _stage_summary, decoder_predictions, domain_rows, validation_metrics
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:60rem;color:#222}
@@ -64,7 +64,7 @@ def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
         "<h2>Stages</h2>",
         _table(["#", "stage", "status", "time (s)", "peak RSS (MB)", "summary"], stages),
     ]
-    predictions = report.get("predictions")
+    predictions = decoder_predictions(report)
     if predictions:
         rows = [[escape(m["power_mode"]), _fmt(m["watts"]), f"{m['decode_tokens_per_s']:.1f}", f"{m['decode_latency_ms']:.2f}",
                  f"{m['ttft_ms']:.1f}", f"{m['memory_gb']:.2f}", f"{m['joules_per_token']:.3f}"] for m in predictions["modes"]]

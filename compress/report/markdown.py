@@ -41,9 +41,18 @@ def _stage_summary(stage: dict[str, Any]) -> str:
         parts.append(f"max logit diff {parity['max_abs_logit_diff']:.2e}, greedy {'identical' if parity['greedy_match'] else 'DIFFERENT'}")
     if "perplexity_onnx" in metrics:
         parts.append(f"ppl {metrics['perplexity_onnx']:.3f} (teacher {_fmt(metrics.get('perplexity_teacher'), 5)})")
-    if "host_latency" in metrics:
-        lat = metrics["host_latency"]
+    if "embedding_cosine_mean" in metrics:
+        parts.append(f"{metrics['sentences']} sentences: cosine mean {metrics['embedding_cosine_mean']:.4f}, "
+                     f"worst {metrics['embedding_cosine_min']:.4f}, neighbour agreement {metrics['neighbour_agreement']:.3f}")
+    if "label_agreement" in metrics:
+        parts.append(f"{metrics['sentences']} sentences: label agreement {metrics['label_agreement']:.4f}")
+    if "parity_min_cosine" in metrics:
+        parts.append(f"{metrics['precision']}, parity minimum cosine {metrics['parity_min_cosine']:.6f}")
+    lat = metrics.get("host_latency")
+    if isinstance(lat, dict):
         parts.append(f"host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms")
+    elif lat:
+        parts.append("host " + ", ".join(f"batch {row['batch']} p50 {row['p50_ms']:.1f} ms" for row in lat))
     if "custody" in metrics:
         custody = metrics["custody"]
         parts.append(f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "
@@ -59,6 +68,12 @@ def _stage_summary(stage: dict[str, Any]) -> str:
 def validation_metrics(report: dict[str, Any]) -> dict[str, Any]:
     """The validate stage's metrics of a report (empty without one)."""
     return next((s.get("metrics") or {} for s in report.get("stages", []) if s["name"] == "validate"), {})
+
+
+def decoder_predictions(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The latency model's decoder predictions of a report (None for an encoder run or without a validate stage)."""
+    predictions = report.get("predictions")
+    return predictions if predictions and predictions.get("kind") != "encoder" else None
 
 
 DOMAIN_HEADERS = ["domain", "seen", "tokens", "perplexity", "reference", "change", "top-1 agreement", "mean KL (nats)"]
@@ -108,6 +123,18 @@ def _on_device_section(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _encoder_predictions(report: dict[str, Any]) -> list[str]:
+    predictions = report.get("predictions")
+    if not predictions or predictions.get("kind") != "encoder":
+        return []
+    lines = ["", f"## Predicted on {predictions['target']} (latency model, not measured)", "",
+             f"Compute at {predictions['chosen']['compute_efficiency_assumed']:.0%} of the tensor cores' peak (assumed).", "",
+             "| power mode | batch | tokens | ms per batch | sentences/s | bound | memory GB |", "|---|---|---|---|---|---|---|"]
+    lines += [f"| {m['power_mode']} | {m['batch']} | {m['tokens']} | {m['batch_ms']:.2f} | {m['sentences_per_s']:.0f} | {m['bound']} | "
+              f"{m['memory_gb']:.2f} |" for m in predictions["modes"]]
+    return lines
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """Render the report as Markdown."""
     target = report["target"]
@@ -136,7 +163,8 @@ def render_markdown(report: dict[str, Any]) -> str:
     for index, stage in enumerate(report["stages"], start=1):
         lines.append(f"| {index} | {stage['name']} | {stage['status']} | {_fmt(stage['duration_s'])} | "
                      f"{_fmt(stage['peak_rss_mb'])} | {_stage_summary(stage)} |")
-    predictions = report.get("predictions")
+    predictions = decoder_predictions(report)
+    lines += _encoder_predictions(report)
     if predictions:
         lines += ["", f"## Predicted on {predictions['target']} (latency model, not measured)", "",
                   "| power mode | W | decode tokens/s | ms/token | TTFT ms | memory GB | J/token |", "|---|---|---|---|---|---|---|"]

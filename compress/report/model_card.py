@@ -9,7 +9,7 @@ def render_model_card(report: dict[str, Any]) -> str:
     """A model card for the run's final artifact."""
     stages = {s["name"]: s for s in report["stages"]}
     validate = stages.get("validate", {}).get("metrics", {})
-    quant = stages.get("quantize", {}).get("metrics")
+    quant = (stages.get("quantize") or stages.get("quantize_encoder") or {}).get("metrics")
     data = report.get("data", {})
     lines = [
         f"# Model card: {report['model']['spec']} compressed for {report['target']['name']}",
@@ -26,7 +26,7 @@ def render_model_card(report: dict[str, Any]) -> str:
     if quant:
         lines.append(f"- Quantization: {quant['method']} ({quant['algorithm']}), {quant['weight_bits']}-bit weights"
                      + (f", group {quant['group_size']}" if quant.get("group_size") else ", per output channel")
-                     + f"; calibrated on {quant['calibration_tokens']:,} tokens")
+                     + (f"; calibrated on {quant['calibration_tokens']:,} tokens" if "calibration_tokens" in quant else ""))
     else:
         lines.append("- None (reference export)")
     lines += ["", "## Calibration and evaluation data", ""]

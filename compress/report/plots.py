@@ -13,6 +13,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from compress.perf_model import ModelShape, predict  # noqa: E402
+from compress.report.markdown import decoder_predictions  # noqa: E402
 
 
 def _save(fig, path: Path) -> Path:
@@ -181,7 +182,7 @@ def make_plots(report: dict[str, Any], onnx_config: dict[str, Any] | None, folde
     """Every plot the report has data for, written into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     plots = {"stages": plot_stages(report, folder / "stages.png")}
-    if report.get("predictions"):
+    if decoder_predictions(report):
         plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
         plots["pareto"] = plot_pareto(report, onnx_config, folder / "pareto.png")
     for name, plot in (("domains", plot_domains), ("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve)):

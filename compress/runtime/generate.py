@@ -19,6 +19,7 @@ import numpy as np
 
 from compress.errors import CompressError, UsageError
 from compress.fsutil import read_json, sha256_path
+from compress.runtime.encoder import ENCODER_FILE, OnnxEncoder
 from compress.runtime.onnx_decoder import LAYOUT_FILE, OnnxDecoder, greedy_stream
 
 if TYPE_CHECKING:
@@ -186,13 +187,13 @@ def _run_stage_dir(run_dir: Path, name: str) -> Path | None:
     return next((run_dir / s["dir"] for s in manifest["stages"] if s["name"] == name), None)
 
 
-def _check_onnx_provenance(run_dir: Path) -> tuple[Path, dict]:
+def _check_onnx_provenance(run_dir: Path, stage: str = "export_onnx") -> tuple[Path, dict]:
     manifest = read_json(run_dir / "manifest.json")
     if manifest.get("status") != "finished":
         raise ProvenanceError(f"{run_dir} is not a finished run (status {manifest.get('status')}); rerun it to finish")
-    stage_dir = _run_stage_dir(run_dir, "export_onnx")
+    stage_dir = _run_stage_dir(run_dir, stage)
     if stage_dir is None:
-        raise ProvenanceError(f"{run_dir} has no export_onnx stage")
+        raise ProvenanceError(f"{run_dir} has no {stage} stage")
     record = read_json(stage_dir / "stage.json")
     onnx_dir = stage_dir / record["output"]["path"]
     actual = sha256_path(onnx_dir)
@@ -203,11 +204,17 @@ def _check_onnx_provenance(run_dir: Path) -> tuple[Path, dict]:
 
 
 def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "tensorrt"] = "auto",
-         threads: int | None = None) -> TextGenerator | EdgeLLMGenerator:
-    """Load a run directory (or an exported ONNX folder) for generation."""
+         threads: int | None = None) -> TextGenerator | EdgeLLMGenerator | OnnxEncoder:
+    """Load a run directory (or an exported ONNX folder): a generator for a decoder, an :class:`OnnxEncoder` for an encoder
+    (``.embed(...)``, ``.classify(...)``)."""
     from compress.models import load_tokenizer
 
     path = Path(path)
+    if (path / "manifest.json").is_file() and _run_stage_dir(path, "export_encoder") is not None:
+        onnx_dir, provenance = _check_onnx_provenance(path, "export_encoder")
+        return _encoder(onnx_dir, provenance, backend, threads)
+    if (path / ENCODER_FILE).is_file():
+        return _encoder(path, {"onnx_folder": str(path)}, backend, threads)
     if (path / "manifest.json").is_file():
         onnx_dir, provenance = _check_onnx_provenance(path)
     elif (path / LAYOUT_FILE).is_file():
@@ -225,6 +232,14 @@ def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "t
     if decoder is not None:
         return TextGenerator(_TrtNumpyAdapter(decoder), tokenizer, "tensorrt", provenance)
     return TextGenerator(OnnxDecoder(onnx_dir, threads), tokenizer, "onnxruntime", provenance)
+
+
+def _encoder(onnx_dir: Path, provenance: dict, backend: str, threads: int | None) -> OnnxEncoder:
+    if backend not in ("auto", "onnxruntime"):
+        raise UsageError(f"backend={backend!r}: encoders run in ONNX Runtime here (a TensorRT engine is built on the device)")
+    encoder = OnnxEncoder(onnx_dir, threads)
+    encoder.provenance = provenance
+    return encoder
 
 
 def _try_edgellm(run_dir: Path, tokenizer, provenance: dict, required: bool):

@@ -27,7 +27,7 @@ TargetCheck = Callable[[StrictModel, Target], None]
 PlanCheck = Callable[[StrictModel, dict[str, StrictModel], Target, "dict | None"], None]
 
 _STAGE_MODULES = ("load", "distill", "prune_heads", "sparsify", "quantize", "export_onnx", "export_edgellm", "build_engine",
-                  "validate")
+                  "validate", "prune_encoder_heads", "quantize_encoder", "export_encoder", "validate_encoder")
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,7 @@ class StageDef:
     check_target: TargetCheck | None = None
     check_plan: PlanCheck | None = None
     uses_target: bool = False
+    model_kinds: tuple[str, ...] = ("decoder",)  # the kinds of model the stage works on ("decoder", "encoder")
 
     def accepts(self, kind: str) -> bool:
         """Whether the stage takes an artifact of ``kind``."""

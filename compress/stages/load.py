@@ -6,7 +6,9 @@ import logging
 
 from compress.artifact import HF_MODEL, SOURCE, Artifact
 from compress.config import StrictModel
-from compress.models import count_parameters, link_or_copy_tree, load_causal_lm, materialize
+from compress.families import model_kind
+from compress.fsutil import read_json
+from compress.models import count_parameters, link_or_copy_tree, load_causal_lm, load_encoder, materialize
 from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
@@ -22,11 +24,14 @@ def run_load(source: Artifact, config: LoadConfig, ctx) -> Artifact:
     folder = materialize(ctx.plan.model)
     out = ctx.stage_dir / "model"
     link_or_copy_tree(folder, out)
-    model = load_causal_lm(out, trust_remote_code=ctx.plan.options.trust_remote_code, name=f"model={ctx.plan.model.spec}")
+    kind = model_kind(read_json(out / "config.json"))
+    loader = load_encoder if kind == "encoder" else load_causal_lm
+    model = loader(out, trust_remote_code=ctx.plan.options.trust_remote_code, name=f"model={ctx.plan.model.spec}")
     cfg = model.config
     meta = {
         "architecture": (cfg.architectures or [type(model).__name__])[0],
         "model_type": cfg.model_type,
+        "model_kind": kind,
         "license": ctx.plan.model.license,
         "source": ctx.plan.model.spec,
         "precision": "fp32",
@@ -45,9 +50,10 @@ def run_load(source: Artifact, config: LoadConfig, ctx) -> Artifact:
 
 STAGE = register(StageDef(
     name="load",
-    summary="load the teacher (built-in package, HF folder or GGUF) as safetensors",
+    summary="load the teacher (built-in package, HF folder or GGUF) as safetensors; a decoder LLM or an encoder",
     input_kind=SOURCE,
     output_kind=HF_MODEL,
     config_cls=LoadConfig,
     run=run_load,
+    model_kinds=("decoder", "encoder"),
 ))
