@@ -18,7 +18,7 @@ import sys
 import warnings
 from pathlib import Path
 
-from compress.errors import CompressError, Interrupted, UsageError, raise_interrupted
+from compress.errors import CompressError, Interrupted, UsageError, forget_pending_interrupts, raise_interrupted
 
 EPILOG = """examples:
   compress run target=jetson-orin                       full pipeline on the embedded default model
@@ -204,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     if hasattr(args, "pairs"):
         args.pairs = list(args.pairs) + [word for word in extra if word not in leftover]
     _setup_logging(args.quiet)
+    forget_pending_interrupts()
     previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         return COMMANDS[args.command](args)
@@ -217,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         print("compress: interrupted (SIGINT); rerun the same command to resume", file=sys.stderr)
         return 130
     finally:
+        forget_pending_interrupts()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
 

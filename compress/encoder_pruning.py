@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModel, BertConfig, BertModel
 
+from compress.algorithms.calibration import run_encoder_batches
 from compress.pruning import select_linear
 
 PRUNED_BERT_TYPE = "compress-pruned-bert"
@@ -66,14 +67,7 @@ def encoder_head_importance(model, batches: list[dict[str, torch.Tensor]]) -> to
             mask = current_mask[0][..., None].to(x.dtype)
             scores[index, : x.shape[-1]] += ((x * mask).sum(dim=(0, 1)) / mask.sum()).double()
         handles.append(layer.attention.output.dense.register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                current_mask[:] = [batch["attention_mask"]]
-                model(**batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_encoder_batches(model, batches, current_mask, handles)
     return scores
 
 

@@ -28,6 +28,7 @@ import torch
 from pydantic import PositiveInt
 from safetensors.torch import load_file, save_file
 
+from compress.algorithms.calibration import run_encoder_batches
 from compress.algorithms.quant import quantize_dequantize_activation, quantize_dequantize_weight, smoothquant_scales, sqnr_db
 from compress.config import StrictModel
 from compress.families import encoder_family_of, encoder_layers
@@ -96,14 +97,7 @@ def collect_stats(model, batches: list[dict[str, torch.Tensor]], limit: int) -> 
             def hook(_module, args, name=name):
                 stats[name].add(args[0][mask[0].bool()].detach().float())
             handles.append(layer.get_submodule(path).register_forward_pre_hook(hook))
-    try:
-        with torch.no_grad():
-            for batch in batches:
-                mask[:] = [batch["attention_mask"]]
-                model(**batch)
-    finally:
-        for handle in handles:
-            handle.remove()
+    run_encoder_batches(model, batches, mask, handles)
     return stats
 
 

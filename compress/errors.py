@@ -59,6 +59,26 @@ class Interrupted(BaseException):
         super().__init__(f"{word} ({signal.Signals(signum).name})")
 
 
+_PENDING_SIGNALS: list[int] = []
+
+
 def raise_interrupted(signum: int, _frame: object) -> None:
-    """A signal handler that turns SIGINT/SIGTERM into :class:`Interrupted`."""
+    """A signal handler that turns SIGINT/SIGTERM into :class:`Interrupted`, and remembers the signal."""
+    _PENDING_SIGNALS.append(signum)
     raise Interrupted(signum)
+
+
+def raise_pending_interrupt() -> None:
+    """Raise :class:`Interrupted` again for a signal whose exception Python dropped.
+
+    A signal can arrive while Python runs a weakref callback or a ``__del__`` (torch's exporters
+    free thread pools that way), where a raised exception is printed and ignored; the run would
+    then go on as if nothing happened. The runner calls this at stage boundaries.
+    """
+    if _PENDING_SIGNALS:
+        raise Interrupted(_PENDING_SIGNALS[-1])
+
+
+def forget_pending_interrupts() -> None:
+    """Clear remembered signals (a new command starts, or an :class:`Interrupted` was handled)."""
+    _PENDING_SIGNALS.clear()

@@ -153,13 +153,20 @@ def supported_model_types() -> list[str]:
     return sorted(BY_MODEL_TYPE)
 
 
+def _model_type(config: Any) -> str | None:
+    return config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+
+
+def _lookup(config: Any, table: dict, kind: str):
+    model_type = _model_type(config)
+    if model_type not in table:
+        raise UsageError(f"model_type {model_type!r} is not {kind} family compress describes (supported: {', '.join(sorted(table))})")
+    return table[model_type]
+
+
 def family_of(config: Any) -> Family:
     """The family of a Hugging Face config (object or ``config.json`` mapping); a usage error for any other."""
-    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    if model_type not in BY_MODEL_TYPE:
-        raise UsageError(f"model_type {model_type!r} is not a decoder family compress describes "
-                         f"(supported: {', '.join(supported_model_types())})")
-    return BY_MODEL_TYPE[model_type]
+    return _lookup(config, BY_MODEL_TYPE, "a decoder")
 
 
 _BLOCK_ORDER = ("q", "k", "v", "o", "gate", "up", "down")
@@ -244,17 +251,12 @@ ENCODER_BY_MODEL_TYPE = {model_type: family for family in ENCODER_FAMILIES.value
 
 def model_kind(config: Any) -> str:
     """"encoder" for the encoder families compress describes, "decoder" otherwise (decoders are checked by :func:`family_of`)."""
-    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    return "encoder" if model_type in ENCODER_BY_MODEL_TYPE else "decoder"
+    return "encoder" if _model_type(config) in ENCODER_BY_MODEL_TYPE else "decoder"
 
 
 def encoder_family_of(config: Any) -> EncoderFamily:
     """The encoder family of a config; a usage error for any other."""
-    model_type = config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
-    if model_type not in ENCODER_BY_MODEL_TYPE:
-        raise UsageError(f"model_type {model_type!r} is not an encoder family compress describes "
-                         f"(supported: {', '.join(sorted(ENCODER_BY_MODEL_TYPE))})")
-    return ENCODER_BY_MODEL_TYPE[model_type]
+    return _lookup(config, ENCODER_BY_MODEL_TYPE, "an encoder")
 
 
 def encoder_layers(model) -> list:

@@ -36,7 +36,7 @@ from compress.data import (
     split_paths,
     unseen_domains,
 )
-from compress.errors import CompressError, StageError, UsageError
+from compress.errors import CompressError, StageError, UsageError, raise_pending_interrupt
 from compress.families import check_attention_window, family_of, model_kind
 from compress.fsutil import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_path, staging_dir, written_path
 from compress.models import DEFAULT_MODEL, ModelSource, model_config, resolve_model
@@ -409,6 +409,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         _reset_peak_rss()
         started = time.perf_counter()
         artifact = planned.stage.run(previous, planned.config, ctx)
+        raise_pending_interrupt()  # a signal whose exception was dropped mid-stage still stops the run here
         duration = time.perf_counter() - started
         relative = Path(artifact.path).resolve().relative_to(tmp.resolve())
         output_sha = sha256_path(artifact.path)
@@ -520,6 +521,7 @@ def execute(plan: Plan) -> RunResult:
             previous = artifact
             atomic_write_json(out / "manifest.json", _manifest(plan, "running", records))
         current = out
+        raise_pending_interrupt()
         report = build_report(plan, records)
         write_reports(out, report)
         atomic_write_json(out / "manifest.json", _manifest(plan, "finished", records))

@@ -310,3 +310,24 @@ def test_on_device_validate_without_a_gpu_exits_3_and_names_the_file(capsys, tmp
         assert checks[name]["verdict"] == "NOT_MEASURED" and checks[name]["source"] == "measured"
         assert checks[name]["detail"].startswith("not run")
     assert report["exit_code"] == 3
+
+
+def test_a_signal_whose_exception_python_dropped_still_stops_the_run():
+    """A signal landing in a weakref callback (torch's exporters free thread pools that way) raises where Python only
+    prints the exception; the remembered signal is raised again at the next stage boundary."""
+    import weakref
+
+    from compress.errors import Interrupted, forget_pending_interrupts, raise_interrupted, raise_pending_interrupt
+
+    class Pool:
+        pass
+
+    forget_pending_interrupts()
+    pool = Pool()
+    reference = weakref.ref(pool, lambda _ref: raise_interrupted(signal.SIGTERM, None))
+    del pool  # the callback's Interrupted is printed and ignored by Python
+    assert reference() is None
+    with pytest.raises(Interrupted, match="terminated"):
+        raise_pending_interrupt()
+    forget_pending_interrupts()
+    raise_pending_interrupt()  # nothing pending: no exception

@@ -193,3 +193,16 @@ def collect_input_stats(block, inputs: BlockInputs, linears: dict[str, torch.nn.
         for handle in handles:
             handle.remove()
     return stats
+
+
+def run_encoder_batches(model, batches: list[dict[str, torch.Tensor]], mask: list[torch.Tensor], handles: list) -> None:
+    """Run ``batches`` through an encoder without gradients, exposing each batch's attention mask as ``mask[0]`` to the
+    hooks in ``handles``, which are removed afterwards."""
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask[:] = [batch["attention_mask"]]
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()
