@@ -18,7 +18,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from compress.errors import CompressError, Interrupted, UsageError, forget_pending_interrupts, raise_interrupted
+from compress.errors import EXIT_STAGE_ERROR, CompressError, Interrupted, UsageError, forget_pending_interrupts, raise_interrupted
+from compress.models import first_line
 
 EPILOG = """examples:
   compress run target=jetson-orin                       full pipeline on the embedded default model
@@ -217,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("compress: interrupted (SIGINT); rerun the same command to resume", file=sys.stderr)
         return 130
+    except Exception as exc:  # TensorRT, CUDA or a library failing outside a stage: exit 4, never the gate's FAIL code
+        logging.getLogger("compress").debug("unexpected failure", exc_info=exc)
+        print(f"compress: error: {type(exc).__name__}: {first_line(exc)}", file=sys.stderr)
+        return EXIT_STAGE_ERROR
     finally:
         forget_pending_interrupts()
         for sig, handler in previous.items():

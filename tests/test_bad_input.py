@@ -132,3 +132,13 @@ def test_disk_write_failure_is_a_usage_error_and_run_not_finished(tmp_path, tiny
     assert last.startswith("compress: error: cannot write to"), last
     _not_finished(out)
     assert not list(out.glob(".tmp-*")), "a staging folder was left behind"
+
+
+def test_a_library_failure_outside_a_stage_exits_4_not_the_gates_fail_code(capsys, tmp_path):
+    """TensorRT, CUDA or any library raising in ``build-engine`` / ``validate`` is a failed step (4), never FAIL (1)."""
+    run = tmp_path / "run"
+    (run / "05_build_engine").mkdir(parents=True)
+    (run / "manifest.json").write_text('{"status": "finished"}')  # a manifest without its stage list
+    assert main(["build-engine", str(run)]) == 4
+    err = capsys.readouterr().err
+    assert err.startswith("compress: error: KeyError") and "Traceback" not in err
