@@ -1,5 +1,6 @@
 """all-MiniLM-L6-v2 as fp32, INT8 (compress's W8A8) and head-pruned (a quarter of the heads): sentences/s in ONNX Runtime
-and in torch at batch 1, 8 and 32, and the embedding fidelity of each to the fp32 model.
+and in torch at batch 1, 8 and 32, and the embedding fidelity of each to the fp32 model (and of the same W8A8 without
+SmoothQuant's migration).
 
 Sentences come from the six evaluation domains, dynamically padded in both backends; the backends
 and variants alternate round by round so machine noise affects all alike. torch's INT8 is its
@@ -61,21 +62,24 @@ def _variants(folder: Path, tokenizer, sentences: list[str]):
                for i in range(0, len(calibration), 32)]
     quantized_model = load_encoder(folder)
     quantized = quantize_encoder(quantized_model, batches, EncoderQuantizeConfig())
+    unsmoothed_model = load_encoder(folder)
+    unsmoothed = quantize_encoder(unsmoothed_model, batches, EncoderQuantizeConfig(alpha=0.0))
     pruned = copy.deepcopy(reference)
     prune_encoder_heads(pruned, plan_encoder_heads(encoder_head_importance(pruned, batches), 0.25))
     torch_int8 = torch.ao.quantization.quantize_dynamic(copy.deepcopy(reference), {torch.nn.Linear}, dtype=torch.qint8)
-    return {
+    variants = {
         "fp32": (_onnx(reference, tokenizer), reference),
         "INT8": (_onnx(quantized_model, tokenizer, quantized), torch_int8),
         "pruned 25%": (_onnx(pruned, tokenizer), pruned),
-    }, reference
+    }
+    return variants, reference, _onnx(unsmoothed_model, tokenizer, unsmoothed)
 
 
 def main() -> None:
     folder = resolve_model("all-minilm-l6-v2").path
     tokenizer = load_tokenizer(folder)
     sentences = [s for _, found in domain_sentences(load_evaluation(DEFAULT_EVALUATION), PER_DOMAIN) for s in found]
-    variants, reference = _variants(folder, tokenizer, sentences)
+    variants, reference, unsmoothed = _variants(folder, tokenizer, sentences)
     truth = _torch_embed(reference, tokenizer, sentences, 32)
     print(f"{len(sentences)} evaluation sentences, {torch.get_num_threads()} threads\n")
     print("| variant | backend | cosine mean | cosine min | 5-NN agreement |\n|---|---|---|---|---|")
@@ -83,6 +87,10 @@ def main() -> None:
         for backend, embeddings in (("ONNX Runtime", encoder.embed(sentences)), ("torch", _torch_embed(model, tokenizer, sentences, 32))):
             c = cosines(embeddings, truth)
             print(f"| {name} | {backend} | {c.mean():.4f} | {c.min():.4f} | {neighbour_agreement(truth, embeddings):.3f} |")
+    embeddings = unsmoothed.embed(sentences)
+    c = cosines(embeddings, truth)
+    print(f"| INT8 without migration (alpha 0) | ONNX Runtime | {c.mean():.4f} | {c.min():.4f} | "
+          f"{neighbour_agreement(truth, embeddings):.3f} |")
     print("\n| batch | variant | ONNX Runtime sentences/s | torch sentences/s | ORT / torch |\n|---|---|---|---|---|")
     for batch_size in (1, 8, 32):
         times: dict[tuple[str, str], list[float]] = {}
