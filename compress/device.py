@@ -24,6 +24,7 @@ from compress.perf_model import ModelShape, mode_tops
 from compress.rundir import locked
 from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout
 from compress.stages.build_engine import EDGELLM_PLAN_FILE, PLAN_FILE, build_edgellm_engine, timing_cache_path
+from compress.stages.export_onnx import onnx_files_sha256
 from compress.stages.validate import DEVICE_REFERENCE_FILE
 
 ENGINE_MANIFEST = "engine_manifest.json"
@@ -106,7 +107,7 @@ def _build_on_device(run_dir: Path) -> dict[str, Any]:
     cache.parent.mkdir(parents=True, exist_ok=True)
     built = build_engine(plan, onnx_dir / ONNX_FILE, engine_dir / plan.engine_file, cache)
     manifest = {"target": plan.target, "gpu": support.device, "sm": plan.gpu_sm, "tensorrt_version": built["tensorrt_version"],
-                "engine_sha256": sha256_file(engine_dir / plan.engine_file), "onnx_sha256": sha256_file(onnx_dir / ONNX_FILE)}
+                "engine_sha256": sha256_file(engine_dir / plan.engine_file), "onnx_sha256": onnx_files_sha256(onnx_dir / ONNX_FILE)}
     atomic_write_json(engine_dir / ENGINE_MANIFEST, manifest)
     _record_built_engine(run_dir, str((engine_dir / plan.engine_file).relative_to(run_dir)), manifest)
     return manifest

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Literal
@@ -146,9 +145,8 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx) -> Artifa
         return Artifact(ENGINE, out, meta)
     cache = timing_cache_path(target.name, support.tensorrt_version or "unknown")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    shutil.copy2(onnx_path, out / ONNX_FILE)
-    built = build_engine(plan, out / ONNX_FILE, out / plan.engine_file, cache)
-    (out / ONNX_FILE).unlink()
+    # Parsed where it was exported: TensorRT finds external weight files beside the graph.
+    built = build_engine(plan, onnx_path, out / plan.engine_file, cache)
     meta.update(engine_file=plan.engine_file, device=support.device, tensorrt_version=built["tensorrt_version"],
                 metrics={"status": "built", "device": support.device, **built})
     return Artifact(ENGINE, out, meta)

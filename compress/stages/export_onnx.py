@@ -7,6 +7,7 @@ of both are recorded, and a mismatch beyond the configured tolerance fails the s
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import shutil
 import warnings
@@ -23,7 +24,7 @@ from compress.artifact import HF_MODEL, ONNX, Artifact
 from compress.config import StrictModel
 from compress.errors import StageError
 from compress.families import attention_geometry
-from compress.fsutil import atomic_write_json, path_size
+from compress.fsutil import atomic_write_json, path_size, sha256_file
 from compress.models import load_causal_lm, load_tokenizer
 from compress.quantization import attach_activation_quant, load_quantization
 from compress.runtime.onnx_decoder import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
@@ -198,6 +199,53 @@ def check_parity(model, tokenizer, folder: Path, config: ExportOnnxConfig) -> di
     }
 
 
+# A protobuf message cannot exceed 2 GiB; graphs whose weights come near it keep them in a side file.
+PROTOBUF_LIMIT_BYTES = 2 ** 31 - 2 ** 26
+EXTERNAL_DATA_SUFFIX = ".data"
+
+
+def external_files(path: Path) -> list[Path]:
+    """The files holding ``path``'s externally stored tensors (none for a self-contained graph)."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False)
+    locations = {entry.value for init in graph.graph.initializer if init.data_location == onnx.TensorProto.EXTERNAL
+                 for entry in init.external_data if entry.key == "location"}
+    return sorted(path.parent / location for location in locations)
+
+
+def save_graph(graph_model, path: Path, limit_bytes: int = PROTOBUF_LIMIT_BYTES) -> None:
+    """Save a graph, its weights in one ``<name>.data`` file beside it when they would pass the protobuf limit.
+
+    Files an earlier save (or the exporter) wrote for externally stored tensors are removed first, so the
+    folder holds exactly what the graph references.
+    """
+    import onnx
+
+    weight_bytes = sum(len(init.raw_data) for init in graph_model.graph.initializer)
+    for stale in external_files(path) if path.is_file() else []:
+        stale.unlink(missing_ok=True)
+    if weight_bytes < limit_bytes:
+        onnx.save(graph_model, str(path))
+        return
+    log.info("graph weights are %.2f GB: saved beside it in %s%s", weight_bytes / 1e9, path.name, EXTERNAL_DATA_SUFFIX)
+    onnx.save(graph_model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+              location=path.name + EXTERNAL_DATA_SUFFIX, size_threshold=1024)
+
+
+def onnx_files_sha256(path: Path) -> str:
+    """SHA-256 of a graph file, or of its file and external data files' hashes when it has any."""
+    files = external_files(path)
+    if not files:
+        return sha256_file(path)
+    return hashlib.sha256("".join(sha256_file(f) for f in [path, *files]).encode()).hexdigest()
+
+
+def onnx_files_size(path: Path) -> int:
+    """Bytes of a graph file and the external data files it references."""
+    return path_size(path) + sum(path_size(f) for f in external_files(path))
+
+
 def _rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dict:
     """Q/DQ nodes for a quantized model and one copy of a tied embedding, in one load and save of the graph."""
     import onnx
@@ -214,7 +262,7 @@ def _rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> di
         attach_activation_quant(model, linears)
     if tied and share_tied_embedding(graph_model):
         log.info("tied embedding stored once (the LM head reads the transposed table)")
-    onnx.save(graph_model, str(path))
+    save_graph(graph_model, path)
     return qdq_stats
 
 
@@ -251,7 +299,7 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
         "sparse_24": bool(source.meta.get("sparse_24")) and qdq_stats.get("onnx_pattern_24_fraction", 0) >= 0.999999,
         "layout": layout.to_json(),
         "opset": config.opset,
-        "metrics": {"onnx_size_bytes": path_size(out / ONNX_FILE), "parity": parity, **qdq_stats},
+        "metrics": {"onnx_size_bytes": onnx_files_size(out / ONNX_FILE), "parity": parity, **qdq_stats},
     }
     return Artifact(ONNX, out, meta)
 
