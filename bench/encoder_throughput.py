@@ -18,16 +18,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import onnx
 import torch
 
-from compress.algorithms.qdq import LinearForExport, apply_qdq
 from compress.data import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, domain_sentences, load_calibration, load_evaluation
 from compress.encoder_pruning import encoder_head_importance, plan_encoder_heads, prune_encoder_heads
-from compress.encoder_quantization import EncoderQuantizeConfig, quantize_encoder
+from compress.encoder_quantization import EncoderQuantizeConfig, quantize_encoder, write_encoder_qdq
 from compress.eval.embeddings import cosines, neighbour_agreement
 from compress.models import load_encoder, load_tokenizer, resolve_model
-from compress.runtime.encoder import ENCODER_FILE, OnnxEncoder, export_encoder, mean_pool
+from compress.runtime.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, export_encoder, torch_outputs
 
 ROUNDS = 3
 PER_DOMAIN = 48
@@ -37,22 +35,13 @@ def _onnx(model, tokenizer, quantized=None) -> OnnxEncoder:
     folder = Path(tempfile.mkdtemp())
     export_encoder(model, folder / ENCODER_FILE)
     if quantized:
-        graph = onnx.load(str(folder / ENCODER_FILE))
-        apply_qdq(graph, [LinearForExport(name, model.base_model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(),
-                                          8, q.input_scale, 0, None if q.smoothing is None else q.smoothing.numpy())
-                          for name, q in quantized.items()])
-        onnx.save(graph, str(folder / ENCODER_FILE))
+        write_encoder_qdq(model, quantized, folder / ENCODER_FILE)
     tokenizer.save_pretrained(folder)
     return OnnxEncoder(folder)
 
 
 def _torch_embed(model, tokenizer, sentences: list[str], batch_size: int) -> np.ndarray:
-    out = []
-    for start in range(0, len(sentences), batch_size):
-        batch = tokenizer(sentences[start:start + batch_size], padding="longest", truncation=True, max_length=256, return_tensors="pt")
-        with torch.no_grad():
-            out.append(mean_pool(model(**batch).last_hidden_state.numpy(), batch["attention_mask"].numpy()))
-    return np.concatenate(out)
+    return torch_outputs(model, tokenizer, sentences, HIDDEN_OUTPUT, batch_size)
 
 
 def _variants(folder: Path, tokenizer, sentences: list[str]):

@@ -166,7 +166,8 @@ def _quantize_linear(linear: torch.nn.Linear, samples: torch.Tensor, scales: tor
 
 
 def attach_encoder_quant(model, linears: dict[str, EncoderLinearQuant]) -> list:
-    """The torch reference of the exported graph: divide inputs by their online smoothing, then fake-quantize them."""
+    """The torch reference of the exported graph: divide inputs by their online smoothing, then round them to the INT8
+    grid of their static scale (quantize and dequantize, as the graph's Q/DQ pair does)."""
     handles = []
     for name, quant in linears.items():
         if quant.smoothing is None and quant.input_scale is None:
@@ -177,6 +178,21 @@ def attach_encoder_quant(model, linears: dict[str, EncoderLinearQuant]) -> list:
             return (quantize_dequantize_activation(x, quant.input_scale) if quant.input_scale is not None else x,)
         handles.append(model.base_model.get_submodule(name).register_forward_pre_hook(hook))
     return handles
+
+
+def write_encoder_qdq(model, linears: dict[str, EncoderLinearQuant], path: Path) -> dict[str, int]:
+    """Rewrite the float ONNX graph at ``path``, exported from ``model``, into its Q/DQ INT8 graph."""
+    import onnx
+
+    from compress.algorithms.qdq import LinearForExport, apply_qdq
+
+    graph = onnx.load(str(path))
+    stats = apply_qdq(graph, [LinearForExport(name, model.base_model.get_submodule(name).weight.detach().numpy(),
+                                              q.weight_scales.numpy(), 8, q.input_scale, 0,
+                                              None if q.smoothing is None else q.smoothing.numpy())
+                              for name, q in linears.items()])
+    onnx.save(graph, str(path))
+    return stats
 
 
 def save_encoder_quantization(linears: dict[str, EncoderLinearQuant], config: EncoderQuantizeConfig, folder: Path) -> None:

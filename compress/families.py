@@ -146,7 +146,6 @@ FAMILIES = {
                    sliding_window_key="sliding_window"),
 }
 BY_MODEL_TYPE = {model_type: family for family in FAMILIES.values() for model_type in family.model_types}
-LLAMA = FAMILIES["llama"]
 
 
 def supported_model_types() -> list[str]:

@@ -273,7 +273,14 @@ def _safetensors_data_end(file: Path) -> int:
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Where the safetensors conversion of a GGUF file is cached (named by its content hash)."""
-    return cache_root() / "models" / f"{gguf_path.stem}-{sha256_file(gguf_path)[:16]}"
+    stat = Path(gguf_path).stat()
+    return cache_root() / "models" / f"{gguf_path.stem}-{_content_hash(str(gguf_path), stat.st_size, stat.st_mtime_ns)[:16]}"
+
+
+@functools.lru_cache(maxsize=8)
+def _content_hash(path: str, size: int, mtime_ns: int) -> str:
+    """A model file's SHA-256, read once per size and time stamp (planning asks for it several times)."""
+    return sha256_file(Path(path))
 
 
 def materialize(source: ModelSource) -> Path:
@@ -303,12 +310,19 @@ def model_config(source: ModelSource) -> dict | None:
     converted = gguf_cache_dir(source.path) / "config.json"
     if converted.is_file():  # reading a GGUF's config through transformers parses the whole file
         return json.loads(converted.read_text(encoding="utf-8"))
+    stat = source.path.stat()
+    return dict(_unconverted_gguf_config(str(source.path), stat.st_size, stat.st_mtime_ns))
+
+
+@functools.lru_cache(maxsize=8)
+def _unconverted_gguf_config(path: str, size: int, mtime_ns: int) -> dict:
+    """A GGUF's config before its conversion is cached; parsing it reads the whole file, so once per size and time stamp."""
     try:
-        return _gguf_config(source.path).to_dict()
+        return _gguf_config(Path(path)).to_dict()
     except UsageError:
         raise
     except Exception as exc:
-        raise UsageError(f"cannot read the config of GGUF model {source.path}: {exc}") from exc
+        raise UsageError(f"cannot read the config of GGUF model {path}: {exc}") from exc
 
 
 def _gguf_config(gguf_path: Path):

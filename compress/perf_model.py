@@ -26,6 +26,7 @@ import numpy as np
 
 from compress.config import PowerMode, Target
 from compress.errors import UsageError
+from compress.families import BY_MODEL_TYPE, family_of, sliding_layers
 
 PRECISION_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
 KV_CACHE_BYTES = 2  # fp16 KV cache on the device
@@ -98,8 +99,6 @@ class ModelShape:
 
 def _windows(cfg: dict[str, Any]) -> dict[str, int]:
     """Sliding-window layers of a described family's config; none for any other."""
-    from compress.families import BY_MODEL_TYPE, family_of, sliding_layers
-
     if cfg.get("model_type") not in BY_MODEL_TYPE or not sliding_layers(cfg):
         return {}
     return {"sliding_layers": sliding_layers(cfg), "sliding_window": int(cfg[family_of(cfg).sliding_window_key])}

@@ -78,6 +78,19 @@ def mean_pool(hidden: np.ndarray, mask: np.ndarray, normalize: bool = True) -> n
     return pooled
 
 
+def torch_outputs(model, tokenizer, sentences: Sequence[str], output: str, batch_size: int = 32,
+                  max_length: int = 256) -> np.ndarray:
+    """What :class:`OnnxEncoder` returns, computed by the torch model: pooled embeddings, or a classifier's logits."""
+    out = []
+    for start in range(0, len(sentences), batch_size):
+        batch = tokenizer(list(sentences[start:start + batch_size]), padding="longest", truncation=True, max_length=max_length,
+                          return_tensors="pt")
+        with torch.no_grad():
+            values = getattr(model(**batch), output).float().numpy()
+        out.append(mean_pool(values, batch["attention_mask"].numpy()) if output == HIDDEN_OUTPUT else values)
+    return np.concatenate(out)
+
+
 class OnnxEncoder:
     """Sentence embeddings (``embed``) or class labels (``classify``) from an exported encoder in ONNX Runtime."""
 

@@ -12,19 +12,16 @@ import shutil
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
-import onnx
-import torch
 from pydantic import Field
 
-from compress.algorithms.qdq import LinearForExport, apply_qdq
 from compress.artifact import HF_MODEL, ONNX, Artifact
 from compress.config import StrictModel
-from compress.encoder_quantization import attach_encoder_quant, load_encoder_quantization
+from compress.encoder_quantization import attach_encoder_quant, load_encoder_quantization, write_encoder_qdq
 from compress.errors import StageError
+from compress.eval.embeddings import cosines
 from compress.fsutil import path_size
 from compress.models import load_encoder, load_tokenizer
-from compress.runtime.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, export_encoder, mean_pool
+from compress.runtime.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, export_encoder, torch_outputs
 from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
@@ -42,17 +39,6 @@ class ExportEncoderConfig(StrictModel):
     min_parity_cosine: float = Field(0.999, gt=0.0, le=1.0)  # ONNX Runtime vs torch, per sentence (embeddings or logits)
 
 
-def _outputs(model, tokenizer, output: str) -> np.ndarray:
-    batch = tokenizer(list(PARITY_SENTENCES), padding=True, return_tensors="pt")
-    with torch.no_grad():
-        values = getattr(model(**batch), output).float().numpy()
-    return mean_pool(values, batch["attention_mask"].numpy()) if output == HIDDEN_OUTPUT else values
-
-
-def _cosines(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    return (a * b).sum(axis=1) / np.clip(np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1), 1e-12, None)
-
-
 def run_export_encoder(source: Artifact, config: ExportEncoderConfig, ctx) -> Artifact:
     folder = Path(source.path)
     tokenizer = load_tokenizer(folder)
@@ -65,23 +51,16 @@ def run_export_encoder(source: Artifact, config: ExportEncoderConfig, ctx) -> Ar
     log.info("exporting the encoder to ONNX (%s)", precision)
     exported = model.half() if precision == "fp16" else model
     output = export_encoder(exported, path, config.opset)
-    qdq = {}
-    if quantized:
-        graph = onnx.load(str(path))
-        qdq = apply_qdq(graph, [LinearForExport(name, model.base_model.get_submodule(name).weight.detach().numpy(),
-                                                q.weight_scales.numpy(), 8, q.input_scale, 0,
-                                                None if q.smoothing is None else q.smoothing.numpy())
-                                for name, q in quantized.items()])
-        onnx.save(graph, str(path))
+    qdq = write_encoder_qdq(model, quantized, path) if quantized else {}
     tokenizer.save_pretrained(out)
     shutil.copy2(folder / "config.json", out / "config.json")
-    reference = load_encoder(folder)
+    reference = model if quantized else load_encoder(folder)  # a float model was exported in half precision
     if quantized:
         attach_encoder_quant(reference, quantized)
-    expected = _outputs(reference, tokenizer, output)
+    expected = torch_outputs(reference, tokenizer, PARITY_SENTENCES, output)
     encoder = OnnxEncoder(out)
     got = encoder.embed(list(PARITY_SENTENCES)) if output == HIDDEN_OUTPUT else encoder.logits(list(PARITY_SENTENCES))
-    cosine = float(_cosines(got, expected).min())
+    cosine = float(cosines(got, expected).min())
     log.info("parity: ONNX Runtime vs torch, minimum cosine %.6f over %d sentences", cosine, len(PARITY_SENTENCES))
     if cosine < config.min_parity_cosine:
         raise StageError(f"ONNX Runtime and torch disagree: minimum cosine {cosine:.6f} < {config.min_parity_cosine}")

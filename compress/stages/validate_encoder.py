@@ -26,7 +26,7 @@ from compress.fsutil import atomic_write_json, path_size, read_json
 from compress.gate import Check, gate_json, lower_bound_check, require_measured, upper_bound_check
 from compress.models import load_encoder, load_tokenizer
 from compress.perf_model import predict_encoder_batch
-from compress.runtime.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, mean_pool
+from compress.runtime.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, torch_outputs
 from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
@@ -44,17 +44,6 @@ class ValidateEncoderConfig(StrictModel):
     latency_repeats: PositiveInt = 2
 
 
-def _reference_outputs(model, tokenizer, sentences: list[str], config: ValidateEncoderConfig, output: str) -> np.ndarray:
-    out = []
-    for start in range(0, len(sentences), config.batch_size):
-        batch = tokenizer(sentences[start:start + config.batch_size], padding=True, truncation=True, max_length=config.max_length,
-                          return_tensors="pt")
-        with torch.no_grad():
-            values = getattr(model(**batch), output).float().numpy()
-        out.append(mean_pool(values, batch["attention_mask"].numpy()) if output == HIDDEN_OUTPUT else values)
-    return np.concatenate(out)
-
-
 def measure(onnx_dir: Path, teacher_dir: Path, ctx, config: ValidateEncoderConfig) -> dict[str, Any]:
     """Every target-independent measurement of an exported encoder."""
     encoder = OnnxEncoder(onnx_dir)
@@ -63,7 +52,7 @@ def measure(onnx_dir: Path, teacher_dir: Path, ctx, config: ValidateEncoderConfi
     output = encoder.output
     run = encoder.embed if output == HIDDEN_OUTPUT else encoder.logits
     domains = domain_sentences(ctx.plan.evaluation, config.sentences_per_domain)
-    reference = {d: _reference_outputs(teacher, tokenizer, s, config, output) for d, s in domains if s}
+    reference = {d: torch_outputs(teacher, tokenizer, s, output, config.batch_size, config.max_length) for d, s in domains if s}
     candidate = {d: run(s, batch_size=config.batch_size, max_length=config.max_length) for d, s in domains if s}
     log.info("ONNX encoder vs fp32 torch on %d sentences from %d domains", sum(len(s) for _, s in domains), len(reference))
     metrics: dict[str, Any] = {"output": output}
@@ -72,7 +61,7 @@ def measure(onnx_dir: Path, teacher_dir: Path, ctx, config: ValidateEncoderConfi
     if labels_file and output != HIDDEN_OUTPUT:
         texts, labels = read_labelled(Path(labels_file), read_json(onnx_dir / "config.json").get("label2id") or {})
         ours = encoder.logits(texts, batch_size=config.batch_size, max_length=config.max_length).argmax(axis=1)
-        theirs = _reference_outputs(teacher, tokenizer, texts, config, output).argmax(axis=1)
+        theirs = torch_outputs(teacher, tokenizer, texts, output, config.batch_size, config.max_length).argmax(axis=1)
         metrics["labelled"] = {"file": str(labels_file), "sentences": len(texts), "accuracy": float((ours == labels).mean()),
                                "accuracy_fp32": float((theirs == labels).mean())}
     sentences = [s for _, found in domains for s in found][: config.latency_sentences]
