@@ -201,10 +201,10 @@ def narrow_mlp(model, importance: list[torch.Tensor], width: int) -> None:
     from compress.pruning import replace_module, select_linear
 
     family = family_of(model.config)
-    inputs = family.linears_with("gate")
+    widened = [name for name in family.linears() if {"gate", "up"} & set(family.parts(name))]
     for block, scores in zip(decoder_blocks(model), importance, strict=True):
         keep = torch.sort(scores.topk(width).indices).values
-        for name in dict.fromkeys((*inputs, *family.linears_with("up"))):
+        for name in widened:
             rows = rows_keeping(family, model.config, name, {"gate": keep, "up": keep})
             replace_module(block, name, select_linear(block.get_submodule(name), rows, dim=0))
         replace_module(block, family.mlp_output, select_linear(block.get_submodule(family.mlp_output), keep, dim=1))
