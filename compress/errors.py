@@ -40,7 +40,7 @@ class StageError(CompressError):
 
 
 class MissingBackendError(CompressError):
-    """An optional heavy backend (TensorRT, pycuda, ...) is not installed."""
+    """An optional heavy backend (TensorRT, cuda-python, ...) is not installed."""
 
     exit_code = EXIT_STAGE_ERROR
 

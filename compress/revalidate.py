@@ -82,16 +82,31 @@ def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = Fa
         return _revalidate(run_dir, pairs, require_measured, on_device)
 
 
-def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on_device: bool) -> tuple[dict[str, Any], Path]:
-    budget_overrides = {k.split(".", 1)[1]: v for k, v in pairs.items() if k.startswith("budgets.")}
-    unknown = [k for k in pairs if k not in REVALIDATE_KEYS and not k.startswith("budgets.")]
-    if unknown:
-        raise UsageError(f"unknown key {unknown[0]!r} (known: {', '.join(REVALIDATE_KEYS)}, budgets.KEY)")
-    report = read_json(run_dir / "report.json")
-    target = load_target(pairs.get("target", report["target"]["name"]))
-    if budget_overrides:
-        target = apply_budget_overrides(target, budget_overrides)
-    mode = (select_power_mode(target, pairs["power"]) if "power" in pairs else target.power_mode()).name
+def _encoder_checks(run_dir: Path, target, mode: str, on_device: bool) -> tuple[list[Check], dict[str, Any], dict[str, Any] | None]:
+    """An encoder run's gate for ``target``: stored fidelity, predictions recomputed, batch latency measured when asked."""
+    from compress.stages.validate_encoder import gate_checks as encoder_gate_checks
+    from compress.stages.validate_encoder import predictions as encoder_predictions
+
+    stage_dir = next(run_dir / s["dir"] for s in read_json(run_dir / "manifest.json")["stages"] if s["name"] == "validate_encoder")
+    stored = read_json(stage_dir / _stage_record(run_dir, "validate_encoder")["output"]["path"])
+    predicted = encoder_predictions(stored["shape"], stored["precision"], target, mode, stored["metrics"]["median_tokens"])
+    checks = encoder_gate_checks(stored["metrics"], predicted, target, must_measure=False)
+    if not on_device:
+        return checks, predicted, None
+    try:
+        measured = measure_on_device(run_dir, encoder_batch=target.budgets.encoder_batch)
+    except MissingBackendError as exc:
+        return [Check(c.name, None, c.limit, NOT_MEASURED, "measured", c.unit, str(exc)) if c.name == "encoder_batch_ms" else c
+                for c in checks], predicted, {"status": str(exc), "ran": False}
+    row = next(r for r in measured["batches"] if r["batch"] == target.budgets.encoder_batch)
+    checks = [upper_bound_check(c.name, row["p50_ms"], target.budgets.max_encoder_batch_ms, "measured", "ms",
+                                f"TensorRT engine on this device, batch {row['batch']} (p50)") if c.name == "encoder_batch_ms" else c
+              for c in checks]
+    return checks, predicted, {**measured, "status": "measured", "ran": True}
+
+
+def _decoder_checks(run_dir: Path, report: dict[str, Any], target, mode: str,
+                    on_device: bool) -> tuple[list[Check], dict[str, Any], dict[str, Any] | None]:
     validation = _stage_record(run_dir, "validate")
     metrics = validation["metrics"]
     onnx = _stage_record(run_dir, "export_onnx")
@@ -102,6 +117,23 @@ def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on
     device_result = None
     if on_device:
         checks, device_result = _on_device_checks(run_dir, checks, target)
+    return checks, predictions, device_result
+
+
+def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on_device: bool) -> tuple[dict[str, Any], Path]:
+    budget_overrides = {k.split(".", 1)[1]: v for k, v in pairs.items() if k.startswith("budgets.")}
+    unknown = [k for k in pairs if k not in REVALIDATE_KEYS and not k.startswith("budgets.")]
+    if unknown:
+        raise UsageError(f"unknown key {unknown[0]!r} (known: {', '.join(REVALIDATE_KEYS)}, budgets.KEY)")
+    report = read_json(run_dir / "report.json")
+    target = load_target(pairs.get("target", report["target"]["name"]))
+    if budget_overrides:
+        target = apply_budget_overrides(target, budget_overrides)
+    mode = (select_power_mode(target, pairs["power"]) if "power" in pairs else target.power_mode()).name
+    if any(s["name"] == "validate_encoder" for s in report["stages"]):
+        checks, predictions, device_result = _encoder_checks(run_dir, target, mode, on_device)
+    else:
+        checks, predictions, device_result = _decoder_checks(run_dir, report, target, mode, on_device)
     gate = gate_json(require_measured_checks(checks) if require_measured else checks)
     exit_code = EXIT_NOT_MEASURED if device_result is not None and not device_result["ran"] else exit_code_for(gate["verdict"])
     new_report = {**report, "target": {"name": target.name, "power_mode": mode, "budgets": target.budgets.model_dump()},

@@ -84,7 +84,7 @@ def test_encoder_head_pruning_through_onnx(minilm, tmp_path):
     prune_encoder_heads(pruned, plan)
     assert pruned.encoder.layer[0].attention.self.query.out_features == 9 * head_size
     with torch.no_grad():
-        torch.testing.assert_close(pruned(**batch).last_hidden_state, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(pruned(**batch).last_hidden_state, reference, atol=1e-4, rtol=1e-4)
     save_pruned_encoder(pruned, tokenizer, plan, tmp_path / "pruned")
     from transformers import AutoModel
 
@@ -93,7 +93,7 @@ def test_encoder_head_pruning_through_onnx(minilm, tmp_path):
     assert reloaded.config.heads_kept_per_layer == plan
     assert load_pruned_encoder(tmp_path / "pruned").encoder.layer[5].attention.output.dense.in_features == 9 * head_size
     with torch.no_grad():
-        torch.testing.assert_close(reloaded(**batch).last_hidden_state, reference, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(reloaded(**batch).last_hidden_state, reference, atol=1e-4, rtol=1e-4)
     export_encoder(reloaded, tmp_path / "pruned" / ENCODER_FILE)
     onnx_embeddings = OnnxEncoder(tmp_path / "pruned").embed(SENTENCES, batch_size=4)
     torch_embeddings = mean_pool(reference.numpy(), batch["attention_mask"].numpy())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -26,29 +27,58 @@ def _graph(nodes, inits=(), opset=21):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
 
 
+def _consistent(profile, layout=LAYOUT) -> bool:
+    """Every point of a decoder profile is a real step: mask = cache + new tokens, one batch size throughout."""
+    shapes = {s.name: s for s in profile.shapes}
+    for kind in ("min", "opt", "max"):
+        ids, mask = getattr(shapes["input_ids"], kind), getattr(shapes["attention_mask"], kind)
+        past = [getattr(shapes[f"past_key_values.{i}.{part}"], kind) for i in range(layout.num_layers) for part in ("key", "value")]
+        if mask[1] != ids[1] + past[0][2] or len({ids[0], mask[0], *(p[0] for p in past)}) != 1 or len({p[2] for p in past}) != 1:
+            return False
+    return True
+
+
 def test_plan_follows_the_target():
     nano, agx = load_target("jetson-orin-nano-8gb"), load_target("jetson-agx-orin-64gb")
     plan = make_plan(nano, LAYOUT, has_qdq=True, sparse_24=True, max_batch=2)
     assert plan.gpu_sm == 87 and plan.tensorrt_version == "10.3"
-    assert plan.int8 and plan.fp16 and plan.sparse_weights
+    assert plan.int8 and plan.precision == "fp16" and plan.sparse_weights and plan.strongly_typed
     assert plan.workspace_bytes == 2 * (1 << 30)  # a quarter of 8 GB
     assert make_plan(agx, LAYOUT, has_qdq=False, sparse_24=False).workspace_bytes > plan.workspace_bytes
-    shapes = {p.name: p for p in plan.profiles}
-    assert shapes["input_ids"].max == (2, nano.budgets.context_length)
-    assert shapes["past_key_values.1.value"].min == (1, 3, 0, 64)
-    assert shapes["past_key_values.1.value"].max == (2, 3, nano.budgets.context_length - 1, 64)
+    prefill, decode = plan.profiles
+    assert (prefill.name, decode.name) == ("prefill", "decode")
+    context = nano.budgets.context_length
+    pre, dec = {s.name: s for s in prefill.shapes}, {s.name: s for s in decode.shapes}
+    assert pre["input_ids"].max == (2, context) and pre["past_key_values.1.value"].max == (2, 3, 0, 64)
+    assert dec["input_ids"].max == (2, 1) and dec["past_key_values.1.value"].max == (2, 3, context - 1, 64)
+    assert dec["attention_mask"].max == (2, context) and dec["past_key_values.0.key"].min == (1, 3, 1, 64)
+    assert all(_consistent(p) for p in (*plan.profiles, plan.trtexec_profile))
     assert BuildPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+
+
+def test_the_old_single_profile_was_inconsistent_and_is_caught():
+    """The profile compress used to write (mask and cache both at the prompt length at opt) is no real step."""
+    from compress.engine.plan import Profile, ShapeRange
+
+    context, prompt = 2048, 128
+    old = [ShapeRange("input_ids", (1, 1), (1, prompt), (1, context)), ShapeRange("attention_mask", (1, 1), (1, prompt), (1, context))]
+    old += [ShapeRange(f"past_key_values.{i}.{part}", (1, 3, 0, 64), (1, 3, prompt, 64), (1, 3, context - 1, 64))
+            for i in range(2) for part in ("key", "value")]
+    assert not _consistent(Profile("old", old))
 
 
 def test_trtexec_command():
     plan = make_plan(load_target("jetson-orin"), LAYOUT, has_qdq=True, sparse_24=True)
     command = plan.trtexec_command()
-    for flag in ("--onnx=model.onnx", "--saveEngine=model.engine", "--fp16", "--int8", "--sparsity=enable",
+    for flag in ("--onnx=engine_input.onnx", "--saveEngine=model.engine", "--stronglyTyped", "--sparsity=enable",
                  "--memPoolSize=workspace:2048M", "--builderOptimizationLevel=3", "--minShapes=input_ids:1x1",
-                 "past_key_values.0.key:1x3x0x64", "--timingCacheFile=timing-jetson-orin-nano-8gb.cache"):
+                 "past_key_values.0.key:1x3x0x64", "--timingCacheFile=timing-jetson-orin-nano-8gb.cache", "--skipInference"):
         assert flag in command
+    assert "--fp16" not in command and "--int8" not in command  # strongly typed: the graph's types give the precision
     dense = make_plan(load_target("jetson-orin"), LAYOUT, has_qdq=False, sparse_24=False).trtexec_command()
-    assert "--sparsity" not in dense and "--int8" not in dense
+    assert "--sparsity" not in dense
+    weak = dataclasses.replace(plan, strongly_typed=False, int4=True).trtexec_command()
+    assert "--fp16" in weak and "--int8" in weak and "--int4" in weak and "--stronglyTyped" not in weak
 
 
 def test_static_check_rejects_unsupported_op():
@@ -103,7 +133,7 @@ def test_deferred_build_writes_plan_and_never_an_engine(tiny_llama, tmp_path, ca
     assert not list(engine_dir.glob("*.engine"))
     plan = json.loads((engine_dir / "build_plan.json").read_text())
     assert plan["int8"] is True and plan["target"] == "jetson-orin-nano-8gb"
-    assert "trtexec --onnx=model.onnx" in (engine_dir / "build_on_device.sh").read_text()
+    assert "--onnx=engine_input.onnx" in (engine_dir / "build_on_device.sh").read_text()
     assert "deferred" in (out / "report.md").read_text()
     capsys.readouterr()
     assert main(["build-engine", str(out)]) == 3

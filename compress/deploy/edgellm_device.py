@@ -16,7 +16,6 @@ is reported as not measured.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import shutil
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.config import Target
+from compress.engine.cuda import driver_device_count as cuda_device_count
 from compress.errors import MissingBackendError, UsageError
 
 TOOLS_ENV = "COMPRESS_EDGELLM_TOOLS"
@@ -63,20 +63,6 @@ def find_tool(name: str) -> Path | None:
         return candidate if candidate.is_file() and os.access(candidate, os.X_OK) else None
     found = shutil.which(name)
     return Path(found) if found else None
-
-
-def cuda_device_count() -> int:
-    """CUDA devices the driver reports (``libcuda``; works on Jetson, where the PyPI torch wheel has no CUDA)."""
-    for library in ("libcuda.so.1", "libcuda.so"):
-        try:
-            cuda = ctypes.CDLL(library)
-        except OSError:
-            continue
-        count = ctypes.c_int(0)
-        if cuda.cuInit(0) != 0 or cuda.cuDeviceGetCount(ctypes.byref(count)) != 0:
-            return 0
-        return count.value
-    return 0
 
 
 def require_device_tool(name: str) -> Path:

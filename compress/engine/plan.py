@@ -9,12 +9,17 @@ from __future__ import annotations
 
 import shlex
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from typing import Any
 
 from compress.config import Target
+from compress.errors import UsageError
 from compress.runtime.onnx_decoder import DecoderLayout, past_names
 
 GB = 1 << 30
+PLAN_VERSION = 2
+ENGINE_ONNX_FILE = "engine_input.onnx"
+ENCODER_OPT_TOKENS = 64  # a typical command or retrieval query
 
 
 @dataclass(frozen=True)
@@ -28,89 +33,164 @@ class ShapeRange:
 
 
 @dataclass(frozen=True)
-class BuildPlan:
-    """Everything needed to build the engine for a target."""
+class Profile:
+    """One optimization profile: a shape range for every dynamic input."""
 
+    name: str
+    shapes: list[ShapeRange]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Profile:
+        shapes = [ShapeRange(s["name"], tuple(s["min"]), tuple(s["opt"]), tuple(s["max"])) for s in data["shapes"]]
+        return cls(data["name"], shapes)
+
+    def shape_flags(self) -> list[str]:
+        """``trtexec``'s --minShapes/--optShapes/--maxShapes for this profile."""
+        def shapes(kind: str) -> str:
+            return ",".join(f"{s.name}:{'x'.join(str(d) for d in getattr(s, kind))}" for s in self.shapes)
+
+        return [f"--minShapes={shapes('min')}", f"--optShapes={shapes('opt')}", f"--maxShapes={shapes('max')}"]
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """Everything needed to build the engine for a target.
+
+    ``engine_onnx_file`` is the graph TensorRT parses: the exported graph with its precision in its
+    types (FP16 activations and weights, INT8/INT4 where Q/DQ nodes say so), so the build is
+    strongly typed. ``profiles`` are what the Python API builds (prefill and decode for a decoder);
+    ``trtexec_profile`` is the single profile ``trtexec`` takes, covering both.
+    """
+
+    model_kind: str
     target: str
     gpu_sm: int
     tensorrt_version: str
     onnx_file: str
+    engine_onnx_file: str
     engine_file: str
-    fp16: bool
+    precision: str
     int8: bool
+    int4: bool
     sparse_weights: bool
     strongly_typed: bool
     workspace_bytes: int
     builder_optimization_level: int
     version_compatible: bool
     timing_cache_file: str
-    profiles: list[ShapeRange] = field(default_factory=list)
+    profiles: list[Profile] = field(default_factory=list)
+    trtexec_profile: Profile | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {"plan_version": PLAN_VERSION, **asdict(self)}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> BuildPlan:
-        profiles = [ShapeRange(p["name"], tuple(p["min"]), tuple(p["opt"]), tuple(p["max"])) for p in data["profiles"]]
-        return cls(**{**data, "profiles": profiles})
+        if data.get("plan_version") != PLAN_VERSION:
+            raise UsageError("this build plan was written by an older compress (no prefill/decode profiles, no typed "
+                             "engine graph); rerun `compress run` to write a new one")
+        fields = {k: v for k, v in data.items() if k != "plan_version"}
+        fields["profiles"] = [Profile.from_json(p) for p in data["profiles"]]
+        fields["trtexec_profile"] = Profile.from_json(data["trtexec_profile"]) if data.get("trtexec_profile") else None
+        return cls(**fields)
 
-    def trtexec_command(self) -> str:
-        """The equivalent ``trtexec`` command line."""
-        def shapes(kind: str) -> str:
-            return ",".join(f"{p.name}:{'x'.join(str(d) for d in getattr(p, kind))}" for p in self.profiles)
-
-        args = ["trtexec", f"--onnx={self.onnx_file}", f"--saveEngine={self.engine_file}",
+    def trtexec_args(self) -> list[str]:
+        """The equivalent ``trtexec`` command, as arguments."""
+        args = ["trtexec", f"--onnx={self.engine_onnx_file}", f"--saveEngine={self.engine_file}", "--skipInference",
                 f"--memPoolSize=workspace:{self.workspace_bytes // (1 << 20)}M",
                 f"--builderOptimizationLevel={self.builder_optimization_level}",
                 f"--timingCacheFile={self.timing_cache_file}",
-                f"--minShapes={shapes('min')}", f"--optShapes={shapes('opt')}", f"--maxShapes={shapes('max')}"]
+                *(self.trtexec_profile or self.profiles[0]).shape_flags()]
         if self.strongly_typed:
             args.append("--stronglyTyped")
         else:
-            if self.fp16:
-                args.append("--fp16")
-            if self.int8:
-                args.append("--int8")
+            args += ["--fp16"] + ["--int8"] * self.int8 + ["--int4"] * self.int4
         if self.sparse_weights:
             args.append("--sparsity=enable")
         if self.version_compatible:
             args.append("--versionCompatible")
-        return " ".join(shlex.quote(a) for a in args)
+        return args
+
+    def trtexec_command(self) -> str:
+        """The equivalent ``trtexec`` command line."""
+        return " ".join(shlex.quote(a) for a in self.trtexec_args())
 
 
-def decoder_profiles(layout: DecoderLayout, target: Target, max_batch: int) -> list[ShapeRange]:
-    """Profiles for batch, sequence and past length within the target's context budget."""
-    context = target.budgets.context_length
-    prompt = min(target.budgets.prompt_length, context)
-    ranges = [
-        ShapeRange("input_ids", (1, 1), (1, prompt), (max_batch, context)),
-        ShapeRange("attention_mask", (1, 1), (1, prompt), (max_batch, context)),
-        ShapeRange("position_ids", (1, 1), (1, prompt), (max_batch, context)),
-    ]
+def _decoder_point(layout: DecoderLayout, batch: int, seq: int, past: int) -> dict[str, tuple[int, ...]]:
+    """Every input's shape for one step of ``seq`` new tokens after ``past`` cached ones: the mask spans both."""
+    shapes = {"input_ids": (batch, seq), "attention_mask": (batch, past + seq), "position_ids": (batch, seq)}
     for index, name in enumerate(past_names(layout.num_layers)):
-        kv = layout.num_kv_heads[index // 2]
-        ranges.append(ShapeRange(name, (1, kv, 0, layout.head_dim), (1, kv, prompt, layout.head_dim),
-                                 (max_batch, kv, context - 1, layout.head_dim)))
-    return ranges
+        shapes[name] = (batch, layout.num_kv_heads[index // 2], past, layout.head_dim)
+    return shapes
 
 
-def make_plan(target: Target, layout: DecoderLayout, *, has_qdq: bool, sparse_24: bool, max_batch: int = 1,
+def _profile(name: str, low: dict, opt: dict, high: dict) -> Profile:
+    return Profile(name, [ShapeRange(key, low[key], opt[key], high[key]) for key in low])
+
+
+def decoder_profiles(layout: DecoderLayout, target: Target, max_batch: int) -> list[Profile]:
+    """A prefill profile (the prompt, empty cache) and a decode profile (one token, cache up to the context).
+
+    Each is built from whole steps, so at its min, opt and max the mask length is the cache length
+    plus the new tokens, as the graph requires.
+    """
+    context = target.budgets.context_length
+    prompt = min(target.budgets.prompt_length, context - 1)
+    point = partial(_decoder_point, layout)
+    prefill = _profile("prefill", point(1, 1, 0), point(1, prompt, 0), point(max_batch, context, 0))
+    decode = _profile("decode", point(1, 1, 1), point(1, 1, prompt), point(max_batch, 1, context - 1))
+    return [prefill, decode]
+
+
+def decoder_single_profile(layout: DecoderLayout, target: Target, max_batch: int) -> Profile:
+    """One profile covering prefill and decode (``trtexec`` builds one), tuned for decode.
+
+    Its max step is a full-context prompt after a full cache, so its mask bound is twice the
+    context: the engine reserves more activation memory than the two-profile build.
+    """
+    context = target.budgets.context_length
+    prompt = min(target.budgets.prompt_length, context - 1)
+    point = partial(_decoder_point, layout)
+    return _profile("all", point(1, 1, 0), point(1, 1, prompt), point(max_batch, context, context - 1))
+
+
+def encoder_profile(input_names: list[str], max_tokens: int, opt_batch: int, max_batch: int) -> Profile:
+    """Batches of 1..max_batch sentences of 1..max_tokens tokens, tuned for the target's batch of typical sentences."""
+    opt_tokens = min(ENCODER_OPT_TOKENS, max_tokens)
+    return Profile("encoder", [ShapeRange(name, (1, 1), (min(opt_batch, max_batch), opt_tokens), (max_batch, max_tokens))
+                               for name in input_names])
+
+
+def _workspace(target: Target, fraction: float) -> int:
+    return int(min(target.memory_gb * fraction, target.budgets.max_memory_gb) * GB)
+
+
+def make_plan(target: Target, layout: DecoderLayout, *, has_qdq: bool, sparse_24: bool, max_batch: int = 1, has_int4: bool = False,
               workspace_fraction: float = 0.25, optimization_level: int = 3, version_compatible: bool = False) -> BuildPlan:
-    """The build settings for ``target``: workspace limited to a share of the target's memory."""
-    workspace = int(min(target.memory_gb * workspace_fraction, target.budgets.max_memory_gb) * GB)
+    """The decoder build settings for ``target``: workspace limited to a share of the target's memory."""
     return BuildPlan(
-        target=target.name,
-        gpu_sm=target.gpu.sm,
-        tensorrt_version=target.tensorrt_version,
-        onnx_file="model.onnx",
-        engine_file="model.engine",
-        fp16=True,
-        int8=has_qdq and "int8" in target.gpu.precisions,
-        sparse_weights=sparse_24,
-        strongly_typed=False,
-        workspace_bytes=workspace,
-        builder_optimization_level=optimization_level,
-        version_compatible=version_compatible,
-        timing_cache_file=f"timing-{target.name}.cache",
+        model_kind="decoder", target=target.name, gpu_sm=target.gpu.sm, tensorrt_version=target.tensorrt_version,
+        onnx_file="model.onnx", engine_onnx_file=ENGINE_ONNX_FILE, engine_file="model.engine", precision="fp16",
+        int8=has_qdq and "int8" in target.gpu.precisions, int4=has_int4, sparse_weights=sparse_24, strongly_typed=True,
+        workspace_bytes=_workspace(target, workspace_fraction), builder_optimization_level=optimization_level,
+        version_compatible=version_compatible, timing_cache_file=f"timing-{target.name}.cache",
         profiles=decoder_profiles(layout, target, max_batch),
+        trtexec_profile=decoder_single_profile(layout, target, max_batch),
+    )
+
+
+def make_encoder_plan(target: Target, input_names: list[str], max_tokens: int, *, has_qdq: bool, max_batch: int,
+                      workspace_fraction: float = 0.25, optimization_level: int = 3, version_compatible: bool = False) -> BuildPlan:
+    """The encoder build settings for ``target``: one profile over batch and sentence length."""
+    profile = encoder_profile(input_names, max_tokens, target.budgets.encoder_batch, max_batch)
+    return BuildPlan(
+        model_kind="encoder", target=target.name, gpu_sm=target.gpu.sm, tensorrt_version=target.tensorrt_version,
+        onnx_file="encoder.onnx", engine_onnx_file=ENGINE_ONNX_FILE, engine_file="encoder.engine", precision="fp16",
+        int8=has_qdq and "int8" in target.gpu.precisions, int4=False, sparse_weights=False, strongly_typed=True,
+        workspace_bytes=_workspace(target, workspace_fraction), builder_optimization_level=optimization_level,
+        version_compatible=version_compatible, timing_cache_file=f"timing-{target.name}.cache",
+        profiles=[profile], trtexec_profile=profile,
     )

@@ -94,16 +94,24 @@ def torch_outputs(model, tokenizer, sentences: Sequence[str], output: str, batch
 class OnnxEncoder:
     """Sentence embeddings (``embed``) or class labels (``classify``) from an exported encoder in ONNX Runtime."""
 
+    backend = "onnxruntime"
+
     def __init__(self, folder: Path, threads: int | None = None) -> None:
+        self.session = make_session(Path(folder) / ENCODER_FILE, threads)
+        self._setup(folder, [i.name for i in self.session.get_inputs()], self.session.get_outputs()[0].name)
+
+    def _setup(self, folder: Path, input_names: list[str], output: str) -> None:
         from compress.models import load_tokenizer
 
         self.folder = Path(folder)
         self.tokenizer = load_tokenizer(self.folder)
-        self.session = make_session(self.folder / ENCODER_FILE, threads)
-        self.input_names = [i.name for i in self.session.get_inputs()]
-        self.output = self.session.get_outputs()[0].name
+        self.input_names = input_names
+        self.output = output
         self.last_batch_width = 0
         self.provenance: dict = {"onnx_folder": str(self.folder)}
+
+    def _forward(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        return self.session.run(None, feed)[0]
 
     def _run(self, sentences: Sequence[str], batch_size: int, max_length: int, bucket: bool, pool) -> np.ndarray:
         order = sorted(range(len(sentences)), key=lambda i: len(sentences[i])) if bucket else list(range(len(sentences)))
@@ -114,7 +122,7 @@ class OnnxEncoder:
             self.last_batch_width = batch["input_ids"].shape[1]
             feed = {name: batch[name].astype(np.int64) if name in batch else np.zeros_like(batch["input_ids"], dtype=np.int64)
                     for name in self.input_names}
-            out.append(pool(self.session.run(None, feed)[0], feed["attention_mask"]))
+            out.append(pool(self._forward(feed), feed["attention_mask"]))
         if not out:
             return np.zeros((0, 0), dtype=np.float32)
         result = np.concatenate(out)
@@ -140,3 +148,19 @@ class OnnxEncoder:
 
         id2label = read_json(self.folder / "config.json").get("id2label") or {}
         return [id2label.get(str(int(i)), str(int(i))) for i in self.logits(sentences, batch_size, max_length, bucket).argmax(axis=1)]
+
+
+class TrtEncoder(OnnxEncoder):
+    """The same API on the run's TensorRT engine (built on the device); tokenizer and labels from the exported folder."""
+
+    backend = "tensorrt"
+
+    def __init__(self, folder: Path, engine_path: Path, host_code_allowed: bool = False) -> None:
+        from compress.runtime.trt_session import EngineSession
+
+        self.engine = EngineSession(engine_path, host_code_allowed)
+        self._setup(folder, list(self.engine.inputs), self.engine.outputs[0])
+
+    def _forward(self, feed: dict[str, np.ndarray]) -> np.ndarray:
+        outputs = self.engine.run(feed)
+        return outputs[self.output].to_host(self.engine.stream).astype(np.float32)

@@ -20,7 +20,7 @@ import numpy as np
 from compress.errors import CompressError, UsageError
 from compress.fsutil import read_json, sha256_path
 from compress.runtime.encoder import ENCODER_FILE, OnnxEncoder
-from compress.runtime.onnx_decoder import LAYOUT_FILE, OnnxDecoder, greedy_stream
+from compress.runtime.onnx_decoder import LAYOUT_FILE, DecoderLayout, OnnxDecoder, greedy_stream
 
 if TYPE_CHECKING:
     from compress.runtime.edgellm import EdgeLLMGenerator
@@ -162,26 +162,6 @@ def _options(options: dict) -> GenerationOptions:
     return replace(GenerationOptions(), **{k: tuple(v) if k == "stop" else v for k, v in options.items()})
 
 
-class _TrtNumpyAdapter:
-    """Numpy in and out over :class:`~compress.runtime.trt_decoder.TrtDecoder`."""
-
-    def __init__(self, decoder) -> None:
-        import torch
-
-        self._torch = torch
-        self.inner = decoder
-        self.layout = decoder.layout
-
-    def empty_past(self, batch: int):
-        return self.inner.empty_past(batch)
-
-    def forward(self, input_ids, attention_mask, past):
-        torch = self._torch
-        logits, present = self.inner.forward(torch.from_numpy(np.asarray(input_ids)).cuda(),
-                                             torch.from_numpy(np.asarray(attention_mask)).cuda(), past)
-        return logits.float().cpu().numpy(), present
-
-
 def _run_stage_dir(run_dir: Path, name: str) -> Path | None:
     manifest = read_json(run_dir / "manifest.json")
     return next((run_dir / s["dir"] for s in manifest["stages"] if s["name"] == name), None)
@@ -212,7 +192,7 @@ def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "t
     path = Path(path)
     if (path / "manifest.json").is_file() and _run_stage_dir(path, "export_encoder") is not None:
         onnx_dir, provenance = _check_onnx_provenance(path, "export_encoder")
-        return _encoder(onnx_dir, provenance, backend, threads)
+        return _encoder(onnx_dir, provenance, backend, threads, path)
     if (path / ENCODER_FILE).is_file():
         return _encoder(path, {"onnx_folder": str(path)}, backend, threads)
     if (path / "manifest.json").is_file():
@@ -226,18 +206,31 @@ def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "t
         generator = _try_edgellm(path, tokenizer, provenance, required=backend == "edgellm")
         if generator is not None:
             return generator
-    decoder = None
+    engine = None
     if backend in ("auto", "tensorrt") and (path / "manifest.json").is_file():
-        decoder = _try_tensorrt(path, onnx_dir, required=backend == "tensorrt")
-    if decoder is not None:
-        return TextGenerator(_TrtNumpyAdapter(decoder), tokenizer, "tensorrt", provenance)
+        engine = _try_tensorrt(path, required=backend == "tensorrt")
+    if engine is not None:
+        from compress.runtime.trt_decoder import TrtDecoder
+
+        decoder = TrtDecoder(engine[0], DecoderLayout.load(onnx_dir), engine[1])
+        return TextGenerator(decoder, tokenizer, "tensorrt", provenance)
+    if backend == "tensorrt":
+        raise UsageError(f"backend='tensorrt' needs a run directory with a built engine, not {path}")
     return TextGenerator(OnnxDecoder(onnx_dir, threads), tokenizer, "onnxruntime", provenance)
 
 
-def _encoder(onnx_dir: Path, provenance: dict, backend: str, threads: int | None) -> OnnxEncoder:
-    if backend not in ("auto", "onnxruntime"):
-        raise UsageError(f"backend={backend!r}: encoders run in ONNX Runtime here (a TensorRT engine is built on the device)")
-    encoder = OnnxEncoder(onnx_dir, threads)
+def _encoder(onnx_dir: Path, provenance: dict, backend: str, threads: int | None, run_dir: Path | None = None) -> OnnxEncoder:
+    if backend not in ("auto", "onnxruntime", "tensorrt"):
+        raise UsageError(f"backend={backend!r}: encoders run in ONNX Runtime or on their TensorRT engine")
+    engine = _try_tensorrt(run_dir, required=backend == "tensorrt") if run_dir is not None and backend != "onnxruntime" else None
+    if engine is None and backend == "tensorrt":
+        raise UsageError(f"backend='tensorrt' needs a run directory with a built engine, not {onnx_dir}")
+    if engine is not None:
+        from compress.runtime.encoder import TrtEncoder
+
+        encoder = TrtEncoder(onnx_dir, engine[0], engine[1])
+    else:
+        encoder = OnnxEncoder(onnx_dir, threads)
     encoder.provenance = provenance
     return encoder
 
@@ -262,10 +255,9 @@ def _try_edgellm(run_dir: Path, tokenizer, provenance: dict, required: bool):
         return None
 
 
-def _try_tensorrt(run_dir: Path, onnx_dir: Path, required: bool):
+def _try_tensorrt(run_dir: Path, required: bool) -> tuple[Path, bool] | None:
+    """The run's built engine, checked against this TensorRT and GPU, and whether it is version-compatible; or None."""
     from compress.device import ENGINE_MANIFEST, check_engine_provenance, edgellm_engine_folder
-    from compress.runtime.onnx_decoder import DecoderLayout
-    from compress.runtime.trt_decoder import TrtDecoder
 
     stage_dir = _run_stage_dir(run_dir, "build_engine")
     engine_dir = stage_dir / "engine" if stage_dir else None
@@ -289,4 +281,4 @@ def _try_tensorrt(run_dir: Path, onnx_dir: Path, required: bool):
         log.info("TensorRT engine not used (%s); running the ONNX model in ONNX Runtime", exc)
         return None
     plan = read_json(engine_dir / "build_plan.json")
-    return TrtDecoder(engine_dir / plan["engine_file"], DecoderLayout.load(onnx_dir)) if manifest else None
+    return engine_dir / plan["engine_file"], bool(manifest.get("version_compatible"))

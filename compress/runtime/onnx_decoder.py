@@ -104,10 +104,12 @@ class OnnxDecoder:
         self.layout = DecoderLayout.load(self.folder)
         self.session = make_session(self.folder / ONNX_FILE, threads, self.layout.int8_activations)
         self._past_names = past_names(self.layout.num_layers)
+        types = {i.name: i.type for i in self.session.get_inputs()}
+        self._past_dtype = np.float16 if types.get(self._past_names[0]) == "tensor(float16)" else np.float32
 
     def empty_past(self, batch: int) -> list[np.ndarray]:
-        """A zero-length KV cache for ``batch`` sequences."""
-        return [np.zeros((batch, self.layout.num_kv_heads[i // 2], 0, self.layout.head_dim), dtype=np.float32)
+        """A zero-length KV cache for ``batch`` sequences (FP16 for an FP16 graph)."""
+        return [np.zeros((batch, self.layout.num_kv_heads[i // 2], 0, self.layout.head_dim), dtype=self._past_dtype)
                 for i in range(2 * self.layout.num_layers)]
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:

@@ -13,22 +13,27 @@ from __future__ import annotations
 
 import logging
 import os
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
+import onnx
 from pydantic import Field, PositiveInt
 
 from compress.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, Artifact
 from compress.config import StrictModel, Target
 from compress.deploy import edgellm_device
 from compress.engine.builder import build_engine, local_build_support
-from compress.engine.plan import BuildPlan, make_plan
-from compress.engine.static_check import check_onnx_file
+from compress.engine.engine_graph import engine_graph_parity, write_engine_graph
+from compress.engine.plan import BuildPlan, make_encoder_plan, make_plan
+from compress.engine.static_check import GraphFacts, check_onnx_file
 from compress.errors import MissingBackendError, StageError
-from compress.fsutil import atomic_write_json, atomic_write_text
+from compress.fsutil import atomic_write_json, atomic_write_text, read_json
 from compress.models import cache_root
-from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout
+from compress.runtime.encoder import ENCODER_FILE
+from compress.runtime.onnx_decoder import ONNX_FILE, DecoderLayout, past_names
 from compress.stages import StageDef, register
 
 log = logging.getLogger(__name__)
@@ -36,6 +41,9 @@ log = logging.getLogger(__name__)
 PLAN_FILE = "build_plan.json"
 EDGELLM_PLAN_FILE = "edgellm_build.json"
 SCRIPT_FILE = "build_on_device.sh"
+ENGINE_MANIFEST_FILE = "engine_manifest.json"
+ENCODER_MAX_TOKENS = 512
+ENCODER_MAX_BATCH = 32
 
 
 class BuildEngineConfig(StrictModel):
@@ -47,6 +55,7 @@ class BuildEngineConfig(StrictModel):
     optimization_level: int = Field(3, ge=0, le=5)
     version_compatible: bool = False
     build: Literal["auto", "defer"] = "auto"
+    min_engine_graph_cosine: float = Field(0.99, gt=0.0, le=1.0)  # FP16 engine graph vs exported graph, per position
 
 
 def timing_cache_path(target: str, tensorrt: str) -> Path:
@@ -55,15 +64,34 @@ def timing_cache_path(target: str, tensorrt: str) -> Path:
 
 
 def device_script(plan: BuildPlan) -> str:
-    """Shell script that rebuilds the engine on the device, with compress or with trtexec alone."""
+    """Shell script that builds the engine on the device with ``trtexec`` alone and writes its manifest.
+
+    ``compress build-engine RUN_DIR`` does the same through TensorRT's Python API, with separate
+    prefill and decode profiles; ``trtexec`` builds the one profile covering both.
+    """
+    trtexec = " ".join(shlex.quote(a) for a in plan.trtexec_args()[1:])
+    manifest = (
+        '{"target": "%s", "gpu": "%s", "sm": %d, "tensorrt_version": "%s", "builder": "trtexec", '
+        f'"version_compatible": {str(plan.version_compatible).lower()}, "model_kind": "{plan.model_kind}", '
+        '"engine_sha256": "%s", "engine_graph_sha256": "%s"}\\n'
+    )
     return "\n".join([
         "#!/usr/bin/env bash",
         f"# Build the TensorRT engine for {plan.target} (sm_{plan.gpu_sm}, TensorRT {plan.tensorrt_version}) on the device.",
-        "# Either, from the run directory's parent with compress installed:",
-        '#   compress build-engine "$RUN_DIR"',
-        "# or with trtexec alone, from the folder holding model.onnx:",
+        '# With compress installed: compress build-engine "$RUN_DIR"',
+        "# With trtexec alone:      bash build_on_device.sh (it works in its own folder)",
         "set -euo pipefail",
-        plan.trtexec_command(),
+        'cd "$(dirname "$0")"',
+        'TRTEXEC="${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}"',
+        f'"$TRTEXEC" {trtexec} 2>&1 | tee trtexec.log',
+        "VERSION=$(sed -n 's/.*TensorRT version: *\\([0-9.]*\\).*/\\1/p' trtexec.log | head -n 1)",
+        "GPU=$({ tr -d '\\000' < /proc/device-tree/model || nvidia-smi --query-gpu=name --format=csv,noheader; } 2>/dev/null "
+        "| head -n 1 || true)",
+        f"ENGINE_SHA=$(sha256sum {shlex.quote(plan.engine_file)} | cut -d' ' -f1)",
+        f"GRAPH_SHA=$(sha256sum {shlex.quote(plan.engine_onnx_file)} | cut -d' ' -f1)",
+        f"printf '{manifest}' {plan.target} \"${{GPU:-unknown}}\" {plan.gpu_sm} \"${{VERSION:-unknown}}\" \"$ENGINE_SHA\" \"$GRAPH_SHA\" "
+        f"> {ENGINE_MANIFEST_FILE}.tmp",
+        f"mv {ENGINE_MANIFEST_FILE}.tmp {ENGINE_MANIFEST_FILE}",
         "",
     ])
 
@@ -121,34 +149,81 @@ def run_edgellm_build(source: Artifact, config: BuildEngineConfig, ctx) -> Artif
     return Artifact(ENGINE, out, meta)
 
 
+def _encoder_max_tokens(folder: Path) -> int:
+    """The longest sentence the encoder takes: its tokenizer's limit, bounded by its position table."""
+    config = read_json(folder / "config.json")
+    positions = int(config.get("max_position_embeddings", ENCODER_MAX_TOKENS))
+    if config.get("model_type") in ("roberta", "xlm-roberta"):
+        positions -= 2  # RoBERTa's positions start after the padding index
+    tokenizer_config = folder / "tokenizer_config.json"
+    limit = int(read_json(tokenizer_config).get("model_max_length", positions)) if tokenizer_config.is_file() else positions
+    return max(1, min(positions, limit, ENCODER_MAX_TOKENS))
+
+
+def _plan(source: Artifact, onnx_path: Path, config: BuildEngineConfig, target: Target) -> tuple[BuildPlan, GraphFacts]:
+    facts = check_onnx_file(onnx_path, target, config.max_batch)
+    options = {"workspace_fraction": config.workspace_fraction, "optimization_level": config.optimization_level,
+               "version_compatible": config.version_compatible}
+    if source.meta.get("model_kind") == "encoder":
+        names = [i.name for i in onnx.load(str(onnx_path), load_external_data=False).graph.input]
+        plan = make_encoder_plan(target, names, _encoder_max_tokens(Path(source.path)), has_qdq=facts.has_qdq,
+                                 max_batch=max(config.max_batch, ENCODER_MAX_BATCH), **options)
+    else:
+        plan = make_plan(target, DecoderLayout.load(source.path), has_qdq=facts.has_qdq, has_int4=facts.has_int4,
+                         sparse_24=bool(source.meta.get("sparse_24", False)), max_batch=config.max_batch, **options)
+    return plan, facts
+
+
+def _parity_feeds(source: Artifact) -> dict[str, np.ndarray]:
+    """A short fixed input for the exported graph: eight tokens, an empty cache for a decoder."""
+    vocab = int(read_json(Path(source.path) / "config.json").get("vocab_size", 1000))
+    ids = np.random.default_rng(0).integers(min(100, vocab // 2), min(1000, vocab), (1, 8))
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "token_type_ids": np.zeros_like(ids),
+             "position_ids": np.arange(8)[None]}
+    if source.meta.get("model_kind") != "encoder":
+        layout = DecoderLayout.load(source.path)
+        for index, name in enumerate(past_names(layout.num_layers)):
+            feeds[name] = np.zeros((1, layout.num_kv_heads[index // 2], 0, layout.head_dim), dtype=np.float32)
+    return feeds
+
+
+def write_engine_input(source: Artifact, onnx_path: Path, out: Path, plan: BuildPlan, min_cosine: float) -> dict:
+    """The FP16 engine graph beside the plan, checked against the exported graph in ONNX Runtime."""
+    written = write_engine_graph(onnx_path, out / plan.engine_onnx_file)
+    parity = engine_graph_parity(onnx_path, out / plan.engine_onnx_file, _parity_feeds(source))
+    log.info("engine graph (FP16) vs exported graph in ONNX Runtime: cosine %.5f, relative max difference %.4f",
+             parity["cosine_min"], parity["relative_max_diff"])
+    if parity["cosine_min"] < min_cosine:
+        raise StageError(f"the FP16 engine graph departs from the exported graph: cosine {parity['cosine_min']:.5f} < {min_cosine}")
+    return {**written, "engine_graph_parity": parity}
+
+
 def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx) -> Artifact:
     if source.kind == EDGELLM_BUNDLE:
         return run_edgellm_build(source, config, ctx)
-    onnx_path = Path(source.path) / ONNX_FILE
+    encoder = source.meta.get("model_kind") == "encoder"
+    onnx_path = Path(source.path) / (ENCODER_FILE if encoder else ONNX_FILE)
     target = ctx.target
-    facts = check_onnx_file(onnx_path, target, config.max_batch)
-    layout = DecoderLayout.load(source.path)
-    plan = make_plan(target, layout, has_qdq=facts.has_qdq, sparse_24=bool(source.meta.get("sparse_24", False)),
-                     max_batch=config.max_batch, workspace_fraction=config.workspace_fraction,
-                     optimization_level=config.optimization_level, version_compatible=config.version_compatible)
+    plan, facts = _plan(source, onnx_path, config, target)
     out = ctx.stage_dir / "engine"
     out.mkdir()
+    engine_input = write_engine_input(source, onnx_path, out, plan, config.min_engine_graph_cosine)
     write_plan(out, plan)
     support = local_build_support(target.gpu.sm)
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "onnx": str(source.path),
-            "trtexec": plan.trtexec_command(), "static_check": "passed"}
+            "trtexec": plan.trtexec_command(), "static_check": "passed", **engine_input}
     if config.build == "defer" or not support.can_build:
         reason = "deferred by configuration" if config.build == "defer" else support.reason
         log.info("engine build deferred: %s; plan written to %s", reason, PLAN_FILE)
         meta.update(deferred=True, metrics={"status": "deferred", "reason": reason, "trtexec": plan.trtexec_command(),
-                                            "graph_nodes": facts.num_nodes, "qdq": facts.has_qdq, "int4": facts.has_int4})
+                                            "graph_nodes": facts.num_nodes, "qdq": facts.has_qdq, "int4": facts.has_int4,
+                                            "profiles": [p.name for p in plan.profiles], **engine_input})
         return Artifact(ENGINE, out, meta)
     cache = timing_cache_path(target.name, support.tensorrt_version or "unknown")
     cache.parent.mkdir(parents=True, exist_ok=True)
-    # Parsed where it was exported: TensorRT finds external weight files beside the graph.
-    built = build_engine(plan, onnx_path, out / plan.engine_file, cache)
+    built = build_engine(plan, out / plan.engine_onnx_file, out / plan.engine_file, cache)
     meta.update(engine_file=plan.engine_file, device=support.device, tensorrt_version=built["tensorrt_version"],
-                metrics={"status": "built", "device": support.device, **built})
+                metrics={"status": "built", "device": support.device, **built, **engine_input})
     return Artifact(ENGINE, out, meta)
 
 
@@ -160,4 +235,5 @@ STAGE = register(StageDef(
     config_cls=BuildEngineConfig,
     run=run_build_engine,
     uses_target=True,
+    model_kinds=("decoder", "encoder"),
 ))

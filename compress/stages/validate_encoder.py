@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from pydantic import PositiveInt
 
-from compress.artifact import HF_MODEL, ONNX, REPORT, Artifact
+from compress.artifact import ENGINE, HF_MODEL, ONNX, REPORT, Artifact
 from compress.config import StrictModel, Target
 from compress.data import domain_sentences
 from compress.eval.embeddings import batch_latency, embedding_fidelity, label_fidelity, read_labelled
@@ -123,13 +123,15 @@ def gate_checks(metrics: dict[str, Any], predicted: dict[str, Any], target: Targ
 
 def run_validate_encoder(source: Artifact, config: ValidateEncoderConfig, ctx) -> Artifact:
     teacher = ctx.first_artifact(HF_MODEL)
-    onnx_dir = Path(source.path)
+    exported = ctx.last_artifact(ONNX) or source  # the engine build, when there is one, comes between
+    onnx_dir = Path(exported.path)
     metrics = measure(onnx_dir, Path(teacher.path), ctx, config)
     shape = encoder_shape(load_encoder(Path(ctx.last_artifact(HF_MODEL).path)))
-    predicted = predictions(shape, source.meta.get("precision", "fp16"), ctx.target, ctx.plan.power_mode, metrics["median_tokens"])
+    precision = exported.meta.get("precision", "fp16")
+    predicted = predictions(shape, precision, ctx.target, ctx.plan.power_mode, metrics["median_tokens"])
     gate = gate_json(gate_checks(metrics, predicted, ctx.target, ctx.plan.options.require_measured))
     out = ctx.stage_dir / "validation.json"
-    atomic_write_json(out, {"metrics": metrics, "predictions": predicted, "gate": gate})
+    atomic_write_json(out, {"metrics": metrics, "predictions": predicted, "gate": gate, "shape": shape, "precision": precision})
     for domain, row in metrics["domains"].items():
         log.info("%-12s %s", domain, ", ".join(f"{key} {value:.4f}" for key, value in row.items() if key != "sentences"))
     for row in metrics["host_latency"]:
@@ -142,7 +144,7 @@ def run_validate_encoder(source: Artifact, config: ValidateEncoderConfig, ctx) -
 STAGE = register(StageDef(
     name="validate_encoder",
     summary="measure an encoder's embeddings or labels against its fp32 model, and batch latency; gate them",
-    input_kind=ONNX,
+    input_kind=(ONNX, ENGINE),
     output_kind=REPORT,
     config_cls=ValidateEncoderConfig,
     run=run_validate_encoder,

@@ -1,0 +1,150 @@
+"""The graph TensorRT builds from: the exported graph with FP16 in its types, for a strongly typed build.
+
+TensorRT 10.12 deprecates weak typing (precision chosen by builder flags) and TensorRT 11 removes
+those flags: a strongly typed network computes in the types the ONNX graph states. The exported
+graph is FP32 with INT8/INT4 Q/DQ nodes (what ONNX Runtime validates on the host), so the engine's
+input is derived from it: float weights, activations, KV cache and Q/DQ scales become FP16, and the
+parts where FP16 loses the answer stay FP32, as Hugging Face keeps them in half precision:
+
+- normalization statistics (the mean of squares of an RMSNorm, ``LayerNormalization``), whose
+  sums of squares overflow FP16;
+- rotary angles (position x inverse frequency before ``Cos``/``Sin``), which FP16 cannot resolve
+  past a few thousand positions.
+
+The conversion itself is ONNX Runtime's FP16 converter (``onnxruntime.transformers.float16``),
+which inserts the casts around the FP32 islands.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx.external_data_helper import load_external_data_for_model
+
+from compress.errors import StageError
+
+log = logging.getLogger(__name__)
+
+ALWAYS_FP32_OPS = ("LayerNormalization",)
+_VARIANCE_CHAIN = ("ReduceMean", "Add", "Sqrt", "Reciprocal", "Div")
+
+
+def _consumers(graph: onnx.GraphProto) -> dict[str, list[onnx.NodeProto]]:
+    users: dict[str, list[onnx.NodeProto]] = defaultdict(list)
+    for node in graph.node:
+        for name in node.input:
+            users[name].append(node)
+    return users
+
+
+def _variance_chains(graph: onnx.GraphProto) -> set[str]:
+    """Pow(x, 2) -> ReduceMean -> Add(eps) -> Sqrt -> Reciprocal/Div: the statistics of an exported RMSNorm."""
+    users = _consumers(graph)
+    keep: set[str] = set()
+    for node in graph.node:
+        if node.op_type != "Pow":
+            continue
+        chain, current = [node], node
+        while len(users[current.output[0]]) == 1 and users[current.output[0]][0].op_type in _VARIANCE_CHAIN:
+            current = users[current.output[0]][0]
+            chain.append(current)
+        if any(n.op_type == "ReduceMean" for n in chain):
+            keep.update(n.name for n in chain)
+    return keep
+
+
+def _rotary_angles(graph: onnx.GraphProto) -> set[str]:
+    """Every node feeding a ``Cos`` or ``Sin`` (they depend on positions and constants only)."""
+    producers = {output: node for node in graph.node for output in node.output}
+    keep: set[str] = set()
+    stack = [node for node in graph.node if node.op_type in ("Cos", "Sin")]
+    while stack:
+        node = stack.pop()
+        if node.name in keep:
+            continue
+        keep.add(node.name)
+        stack.extend(producers[name] for name in node.input if name in producers)
+    return keep
+
+
+def fp32_islands(graph: onnx.GraphProto) -> set[str]:
+    """Names of the nodes kept in FP32 in the engine graph."""
+    return _variance_chains(graph) | _rotary_angles(graph) | {n.name for n in graph.node if n.op_type in ALWAYS_FP32_OPS}
+
+
+def _name_nodes(graph: onnx.GraphProto) -> None:
+    for index, node in enumerate(graph.node):
+        if not node.name:
+            node.name = f"{node.op_type}_{index}"
+
+
+def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The FP16 engine graph of an exported FP32 (or already FP16) graph, Q/DQ nodes kept."""
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    copy = onnx.ModelProto()
+    copy.CopyFrom(model)  # not through bytes: a graph with its weights may pass protobuf's 2 GB limit
+    _name_nodes(copy.graph)
+    islands = fp32_islands(copy.graph)
+    converted = convert_float_to_float16(copy, keep_io_types=False, node_block_list=sorted(islands),
+                                         op_block_list=[*DEFAULT_OP_BLOCK_LIST, *ALWAYS_FP32_OPS], disable_shape_infer=True)
+    log.info("engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles)", len(islands))
+    return converted
+
+
+def write_engine_graph(source: Path, destination: Path) -> dict:
+    """Convert the exported graph at ``source`` and save it at ``destination`` (weights beside it when over 2 GB).
+
+    Types are inferred from the file (``infer_shapes_path`` works past the 2 GB limit that in-memory
+    inference has); the converter reads them from the graph's value_info.
+    """
+    from compress.stages.export_onnx import save_graph
+
+    with tempfile.TemporaryDirectory(dir=destination.parent) as work:
+        inferred = Path(work) / "inferred.onnx"
+        onnx.shape_inference.infer_shapes_path(str(source), str(inferred))
+        model = onnx.load(str(inferred), load_external_data=False)
+    load_external_data_for_model(model, str(source.parent))
+    model = to_engine_graph(model)
+    save_graph(model, destination)
+    kept = sum(1 for n in model.graph.node if n.op_type == "Cast")
+    return {"engine_graph": destination.name, "engine_graph_casts": kept}
+
+
+def _run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    typed = {}
+    for entry in session.get_inputs():
+        value = feeds[entry.name]
+        typed[entry.name] = value.astype(np.float16) if entry.type == "tensor(float16)" else value
+    return session.run(None, typed)
+
+
+def engine_graph_parity(exported: Path, engine_graph: Path, feeds: dict[str, np.ndarray]) -> dict:
+    """Run both graphs in ONNX Runtime on the same inputs and compare their first output position by position:
+    the lowest cosine, the largest difference relative to the output's range, and argmax agreement.
+
+    ONNX Runtime's CPU kernels compute some FP16 nodes in FP32, so this checks the conversion (the
+    graph, its casts and its FP16 weights), not TensorRT's FP16 arithmetic. NaN or infinity is an error.
+    """
+    reference = _run(exported, feeds)[0].astype(np.float32)
+    converted = _run(engine_graph, feeds)[0].astype(np.float32)
+    if not np.isfinite(converted).all():
+        raise StageError(f"{engine_graph.name} computes NaN or infinity in FP16 where {exported.name} does not")
+    flat_ref = reference.reshape(-1, reference.shape[-1])
+    flat_new = converted.reshape(-1, converted.shape[-1])
+    norms = np.linalg.norm(flat_ref, axis=1) * np.linalg.norm(flat_new, axis=1)
+    cosine = (flat_ref * flat_new).sum(axis=1) / np.clip(norms, 1e-12, None)
+    scale = float(np.abs(reference).max()) or 1.0
+    return {"cosine_min": round(float(cosine.min()), 6),
+            "relative_max_diff": round(float(np.abs(converted - reference).max()) / scale, 6),
+            "argmax_agreement": round(float((flat_new.argmax(-1) == flat_ref.argmax(-1)).mean()), 4)}
