@@ -122,7 +122,9 @@ def test_decoder_engine_steps_like_its_graph_with_a_batch_and_two_profiles(decod
         got, past = decoder.forward(token, mask, past)
         want, want_past = reference.forward(token, mask, want_past)
     assert past[0].shape == (2, 2, 13, 16)  # the cache stayed on the device and grew step by step
-    assert len(generator.generate(["The robot", "Pick up the red block and"], max_new_tokens=3)) == 2
+    assert decoder.max_batch == 2
+    prompts = ["The robot", "Pick up the red block and", "Stop.", "Turn left at the door"]
+    assert len(generator.generate(prompts, max_new_tokens=3)) == 4  # two engine batches of two
 
 
 def test_inputs_queued_on_another_stream_are_not_seen_without_a_wait(decoder_run, tmp_path, monkeypatch):

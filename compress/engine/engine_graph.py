@@ -11,8 +11,9 @@ parts where FP16 loses the answer stay FP32, as Hugging Face keeps them in half 
 - rotary angles (position x inverse frequency before ``Cos``/``Sin``), which FP16 cannot resolve
   past a few thousand positions.
 
-The conversion itself is ONNX Runtime's FP16 converter (``onnxruntime.transformers.float16``),
-which inserts the casts around the FP32 islands.
+A ``Cast`` sits only where a tensor enters or leaves an island: converters that cast every
+blocked node's output back to FP16 (ONNX Runtime's) would overflow the statistics between the
+nodes of an island.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_model
 
 from compress.errors import StageError
@@ -31,6 +33,7 @@ from compress.errors import StageError
 log = logging.getLogger(__name__)
 
 ALWAYS_FP32_OPS = ("LayerNormalization",)
+FP16_MAX = 65504.0
 _VARIANCE_CHAIN = ("ReduceMean", "Add", "Sqrt", "Reciprocal", "Div")
 
 
@@ -73,8 +76,11 @@ def _rotary_angles(graph: onnx.GraphProto) -> set[str]:
 
 
 def fp32_islands(graph: onnx.GraphProto) -> set[str]:
-    """Names of the nodes kept in FP32 in the engine graph."""
-    return _variance_chains(graph) | _rotary_angles(graph) | {n.name for n in graph.node if n.op_type in ALWAYS_FP32_OPS}
+    """Names of the nodes kept in FP32 in the engine graph (with the constants only they read)."""
+    islands = _variance_chains(graph) | _rotary_angles(graph) | {n.name for n in graph.node if n.op_type in ALWAYS_FP32_OPS}
+    users = _consumers(graph)
+    return islands | {n.name for n in graph.node if n.op_type == "Constant" and users[n.output[0]]
+                      and all(u.name in islands for u in users[n.output[0]])}
 
 
 def _name_nodes(graph: onnx.GraphProto) -> None:
@@ -83,18 +89,92 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
             node.name = f"{node.op_type}_{index}"
 
 
-def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
-    """The FP16 engine graph of an exported FP32 (or already FP16) graph, Q/DQ nodes kept."""
-    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+def _fp16_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
+    """A float32 tensor in float16: finite values beyond FP16's range clipped to it, infinities kept (masks use -inf)."""
+    values = numpy_helper.to_array(tensor)
+    clipped = np.where(np.isfinite(values), np.clip(values, -FP16_MAX, FP16_MAX), values)
+    return numpy_helper.from_array(clipped.astype(np.float16), tensor.name)
 
-    copy = onnx.ModelProto()
-    copy.CopyFrom(model)  # not through bytes: a graph with its weights may pass protobuf's 2 GB limit
-    _name_nodes(copy.graph)
-    islands = fp32_islands(copy.graph)
-    converted = convert_float_to_float16(copy, keep_io_types=False, node_block_list=sorted(islands),
-                                         op_block_list=[*DEFAULT_OP_BLOCK_LIST, *ALWAYS_FP32_OPS], disable_shape_infer=True)
-    log.info("engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles)", len(islands))
-    return converted
+
+def _float_tensors(model: onnx.ModelProto) -> set[str]:
+    """Names of every float32 tensor of the graph (inputs, outputs, initializers and, by type inference, the rest)."""
+    graph = model.graph
+    values = list(graph.input) + list(graph.output) + list(graph.value_info)
+    names = {v.name for v in values if v.type.tensor_type.elem_type == TensorProto.FLOAT}
+    return names | {i.name for i in graph.initializer if i.data_type == TensorProto.FLOAT}
+
+
+def _convert_node_types(node: onnx.NodeProto) -> None:
+    """Attributes that state a float32 output type or value, restated in float16."""
+    for attribute in node.attribute:
+        if node.op_type == "Cast" and attribute.name == "to" and attribute.i == TensorProto.FLOAT:
+            attribute.i = TensorProto.FLOAT16
+        elif attribute.type == onnx.AttributeProto.TENSOR and attribute.t.data_type == TensorProto.FLOAT:
+            attribute.t.CopyFrom(_fp16_tensor(attribute.t))
+
+
+def _retype_values(values, floats: set[str], fp32: set[str]) -> None:
+    for value in values:
+        if value.name in floats and value.name not in fp32:
+            value.type.tensor_type.elem_type = TensorProto.FLOAT16
+
+
+def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The FP16 engine graph of an exported FP32 graph (``model`` carries inferred types), Q/DQ nodes kept.
+
+    Every float32 tensor becomes float16 except those produced inside an FP32 island; a ``Cast``
+    is inserted only where a tensor crosses an island's boundary, so the statistics computed in an
+    island never pass through FP16 on the way.
+    """
+    graph = model.graph
+    _name_nodes(graph)
+    islands = fp32_islands(graph)
+    floats = _float_tensors(model)
+    island_consumed = {name for node in graph.node if node.name in islands for name in node.input}
+    other_consumed = {name for node in graph.node if node.name not in islands for name in node.input}
+    fp32 = {out for node in graph.node if node.name in islands for out in node.output if out in floats}
+    initializers = []
+    for init in graph.initializer:
+        if init.name not in floats:
+            initializers.append(init)
+            continue
+        if init.name in other_consumed:
+            initializers.append(_fp16_tensor(init))
+        if init.name in island_consumed:
+            kept = onnx.TensorProto()
+            kept.CopyFrom(init)
+            kept.name = init.name if init.name not in other_consumed else f"{init.name}_fp32"
+            initializers.append(kept)
+            fp32.add(kept.name)
+    renamed = {i.name: f"{i.name}_fp32" for i in graph.initializer if i.name in floats and i.name in island_consumed
+               and i.name in other_consumed}
+    casts: dict[tuple[str, int], str] = {}
+    nodes = []
+    for node in graph.node:
+        in_island = node.name in islands
+        if not in_island:
+            _convert_node_types(node)
+        for index, name in enumerate(node.input):
+            if in_island and name in renamed:
+                node.input[index] = renamed[name]
+                continue
+            if name not in floats or (name in fp32) == in_island:
+                continue
+            to = TensorProto.FLOAT if in_island else TensorProto.FLOAT16
+            if (name, to) not in casts:
+                casts[(name, to)] = f"{name}_to_{'fp32' if in_island else 'fp16'}"
+                nodes.append(helper.make_node("Cast", [name], [casts[(name, to)]], name=f"{casts[(name, to)]}_Cast", to=to))
+            node.input[index] = casts[(name, to)]
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    _retype_values(list(graph.input) + list(graph.output), floats, fp32)
+    del graph.value_info[:]
+    log.info("engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles), %d casts", len(islands),
+             len(casts))
+    return model
 
 
 def write_engine_graph(source: Path, destination: Path) -> dict:

@@ -138,10 +138,14 @@ class TextGenerator:
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         if not batch:
             return []
-        final: list[_Sequence] = [_Sequence(0) for _ in batch]
-        for sequences in self._batch_steps(batch, opts):
-            final = sequences
-        texts = [seq.text for seq in final]
+        size = getattr(self.decoder, "max_batch", None) or len(batch)  # an engine takes at most its profiles' batch
+        texts: list[str] = []
+        for start in range(0, len(batch), size):
+            chunk = batch[start:start + size]
+            final: list[_Sequence] = [_Sequence(0) for _ in chunk]
+            for sequences in self._batch_steps(chunk, opts):
+                final = sequences
+            texts += [seq.text for seq in final]
         return texts[0] if isinstance(prompts, str) else texts
 
     def stream_ids(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:

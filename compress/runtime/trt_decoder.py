@@ -2,7 +2,8 @@
 
 Token ids and the attention mask are numpy arrays, logits come back as float32 numpy; the KV
 cache stays on the device between steps (the ``present`` outputs of one step are the ``past``
-inputs of the next). A batch of prompts runs as one batch up to the engine's ``max_batch``.
+inputs of the next). A batch of prompts runs as one batch up to the engine's ``max_batch``
+(``TextGenerator.generate`` splits a larger one).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class TrtDecoder:
         self.layout = layout
         self._past = past_names(layout.num_layers)
         self._present = present_names(layout.num_layers)
+        self.max_batch = max(ranges["input_ids"][2][0] for ranges in self.session.profile_ranges)
 
     def empty_past(self, batch: int) -> list[DeviceArray]:
         """An empty cache for ``batch`` sequences (each tensor still has its own device address)."""
