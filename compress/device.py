@@ -114,8 +114,9 @@ def _build_on_device(run_dir: Path) -> dict[str, Any]:
         raise MissingBackendError(f"not run: local GPU {device[0]} is sm_{device[1]}, the plan is for sm_{plan.gpu_sm}; "
                                   "build on the device")
     source = engine_dir / plan.engine_onnx_file
-    if tensorrt_version() is None and find_trtexec() is not None:
-        built = build_with_trtexec(plan, engine_dir, find_trtexec())
+    trtexec = find_trtexec() if tensorrt_version() is None else None
+    if trtexec is not None:
+        built = build_with_trtexec(plan, engine_dir, trtexec)
     else:
         support = local_build_support(plan.gpu_sm)
         if not support.can_build:
@@ -181,8 +182,8 @@ def check_engine_provenance(engine_dir: Path) -> dict[str, Any]:
     if manifest.get("version_compatible"):
         runs_here = _version_tuple(here) >= _version_tuple(built)
         needed = f"TensorRT {built} or later"
-    else:
-        runs_here = here == built
+    else:  # trtexec prints major.minor.patch, the Python module may add the build number
+        runs_here = _version_tuple(here) == _version_tuple(built)
         needed = f"TensorRT {built}"
     if not runs_here or device[1] != manifest["sm"]:
         raise UsageError(f"engine built with TensorRT {built} for sm_{manifest['sm']} ({manifest['gpu']}) needs {needed} on "
@@ -251,8 +252,10 @@ def measure_decoder_on_device(engine_dir: Path, plan: BuildPlan, onnx_dir: Path,
     baseline_used = memory_in_use_bytes()
     decoder = TrtDecoder(engine_dir / plan.engine_file, layout, bool(manifest.get("version_compatible")))
     peak_used = memory_in_use_bytes()
-    prompt_len = prompt_len or target.budgets.prompt_length
-    prompt = np.random.default_rng(0).integers(0, 1000, (1, prompt_len))
+    context = decoder.context_length  # the engine's budgets, overridden or not
+    prompt_len = min(prompt_len or target.budgets.prompt_length, context - 1)
+    vocab = int(read_json(onnx_dir / "config.json").get("vocab_size", 1000))
+    prompt = np.random.default_rng(0).integers(0, min(vocab, 1000), (1, prompt_len))
     mask = np.ones_like(prompt)
     for _ in range(3):
         decoder.forward(prompt, mask, decoder.empty_past(1))
@@ -263,7 +266,7 @@ def measure_decoder_on_device(engine_dir: Path, plan: BuildPlan, onnx_dir: Path,
     started = time.perf_counter()
     step_mask = mask
     while len(steps) < MIN_ITERATIONS and time.perf_counter() - started < MAX_SECONDS:
-        if step_mask.shape[1] >= target.budgets.context_length - 1:
+        if step_mask.shape[1] >= context - 1:
             logits, past = decoder.forward(prompt, mask, decoder.empty_past(1))
             step_mask = mask
         token = logits[:, -1:].argmax(-1)

@@ -122,9 +122,24 @@ def test_decoder_engine_steps_like_its_graph_with_a_batch_and_two_profiles(decod
         got, past = decoder.forward(token, mask, past)
         want, want_past = reference.forward(token, mask, want_past)
     assert past[0].shape == (2, 2, 13, 16)  # the cache stayed on the device and grew step by step
-    assert decoder.max_batch == 2
+    assert decoder.max_batch == 2 and decoder.context_length == 48
     prompts = ["The robot", "Pick up the red block and", "Stop.", "Turn left at the door"]
     assert len(generator.generate(prompts, max_new_tokens=3)) == 4  # two engine batches of two
+
+
+def test_a_decoder_engine_is_measured_on_device_within_its_profiles(decoder_run, tmp_path, monkeypatch):
+    from compress import device
+
+    run = _copy(decoder_run, tmp_path)
+    install(monkeypatch)
+    assert main(["build-engine", str(run)]) == 0
+    monkeypatch.setattr(device, "MIN_ITERATIONS", 80)  # enough to wrap the 48-token context twice
+    assert main(["validate", str(run), "--on-device"]) in (0, 1)
+    measured = json.loads(next(run.glob("validate-*.json")).read_text())["on_device"]
+    assert measured["ran"] and measured["runtime"] == "tensorrt" and measured["iterations"] == 80
+    assert measured["decode"]["p50_ms"] > 0 and measured["ttft_ms"] > 0
+    checks = {c["name"]: c for c in json.loads(next(run.glob("validate-*.json")).read_text())["gate"]["checks"]}
+    assert checks["decode_latency_ms"]["source"] == "measured"
 
 
 def test_inputs_queued_on_another_stream_are_not_seen_without_a_wait(decoder_run, tmp_path, monkeypatch):

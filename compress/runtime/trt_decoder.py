@@ -26,6 +26,7 @@ class TrtDecoder:
         self._past = past_names(layout.num_layers)
         self._present = present_names(layout.num_layers)
         self.max_batch = max(ranges["input_ids"][2][0] for ranges in self.session.profile_ranges)
+        self.context_length = max(ranges[self._past[0]][2][2] for ranges in self.session.profile_ranges) + 1
 
     def empty_past(self, batch: int) -> list[DeviceArray]:
         """An empty cache for ``batch`` sequences (each tensor still has its own device address)."""
