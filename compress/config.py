@@ -92,6 +92,8 @@ class Target(StrictModel):
     int8_tops_dense: PositiveFloat
     int8_tops_sparse: PositiveFloat
     fp16_tflops_dense: PositiveFloat
+    fp8_tflops_dense: PositiveFloat | None = Field(None, description="dense FP8 tensor-core rate, where the GPU has FP8")
+    fp4_tflops_dense: PositiveFloat | None = Field(None, description="dense FP4 (NVFP4) tensor-core rate, where the GPU has FP4")
     dla_count: int = Field(ge=0)
     tensorrt_version: str
     jetpack: str | None = None
@@ -109,6 +111,9 @@ class Target(StrictModel):
             raise ValueError(f"default_power_mode {self.default_power_mode!r} is not one of {names}")
         if self.int8_tops_sparse < self.int8_tops_dense:
             raise ValueError("int8_tops_sparse must be at least int8_tops_dense")
+        for rate, precision in ((self.fp8_tflops_dense, "fp8"), (self.fp4_tflops_dense, "fp4")):
+            if (rate is not None) != (precision in self.gpu.precisions):
+                raise ValueError(f"{precision}_tflops_dense is given exactly when gpu.precisions lists {precision}")
         return self
 
     def power_mode(self, name: str | None = None) -> PowerMode:

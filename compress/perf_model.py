@@ -28,7 +28,11 @@ from compress.config import PowerMode, Target
 from compress.errors import UsageError
 from compress.families import BY_MODEL_TYPE, family_of, sliding_layers
 
-PRECISION_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4}
+PRECISION_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "fp8": 8, "nvfp4": 4}
+# Bytes of scales per weight: INT4 one FP16 scale per group; NVFP4 one FP8 (E4M3) scale per 16 weights.
+NVFP4_BLOCK = 16
+# The tensor-core rate a precision's GEMMs run at: weight-only INT4 computes in FP16, NVFP4 (W4A4) in FP4.
+COMPUTE_PRECISION = {"int8": "int8", "fp8": "fp8", "nvfp4": "fp4"}
 KV_CACHE_BYTES = 2  # fp16 KV cache on the device
 RUNTIME_OVERHEAD_GB = 0.35  # CUDA context + TensorRT runtime, typical on Jetson
 PREFILL_UTILISATION = 0.5  # share of peak tensor-core rate a prefill GEMM reaches
@@ -142,6 +146,10 @@ ANCHORS = (
            "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out"),
     Anchor("Llama-2-7B INT4 (MLC q4f16_ft)", "jetson-agx-orin-64gb", "MAXN", LLAMA2_7B, "int4", 128, 192, 46.9,
            "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM"),
+    # 383-token prompts; the KV cache read is taken at the prompt plus 64 generated tokens.
+    Anchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 128, 448, 50.8,
+           "TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
+           "383-token prompts: prefill 215.5 ms, generation 50.8 tok/s"),
 )
 
 
@@ -163,7 +171,7 @@ def device_bits(precision: str) -> int:
 def _linear_bytes(shape: ModelShape, precision: str, group_size: int, float_fraction: float = 0.0) -> float:
     """Decoder linear bytes: ``float_fraction`` of the parameters in FP16, the rest at ``precision``."""
     params = shape.decoder_linear_params() * (1.0 - float_fraction)
-    scales = params / group_size * 2 if precision == "int4" else 0  # one fp16 scale per group
+    scales = {"int4": params / group_size * 2, "nvfp4": params / NVFP4_BLOCK}.get(precision, 0.0)
     return params * device_bits(precision) / 8 + scales + shape.decoder_linear_params() * float_fraction * 2
 
 
@@ -183,10 +191,16 @@ def mode_bandwidth_gbps(target: Target, mode: PowerMode) -> float:
 
 
 def mode_tops(target: Target, mode: PowerMode, precision: str, sparse: bool = False) -> float:
-    """Peak tera-ops/s of the GPU tensor cores under the mode's clock cap."""
+    """Peak tera-ops/s of the GPU tensor cores at ``precision`` (``int8``, ``fp8``, ``fp4``, else FP16) under the mode's clock cap."""
     scale = min(1.0, mode.gpu_max_mhz / target.gpu.max_mhz)
     if precision == "int8":
         peak = target.int8_tops_sparse if sparse else target.int8_tops_dense
+    elif precision in ("fp8", "fp4"):
+        dense = target.fp8_tflops_dense if precision == "fp8" else target.fp4_tflops_dense
+        if dense is None:
+            raise UsageError(f"{target.name} (sm_{target.gpu.sm}) has no {precision.upper()} tensor cores; "
+                             f"its precisions: {', '.join(target.gpu.precisions)}")
+        peak = dense * (2 if sparse else 1)
     else:
         peak = target.fp16_tflops_dense * (2 if sparse else 1)
     return peak * scale
@@ -283,7 +297,7 @@ def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | 
     # Decode reads the cache at the end of the prompt plus half the generated span on average; the
     # budget's context length is the pessimistic bound used here.
     tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context, float_fraction)
-    compute_precision = "int8" if precision == "int8" else "fp16"
+    compute_precision = COMPUTE_PRECISION.get(precision, "fp16")
     flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
     flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
     ttft_s = flops / (mode_tops(target, mode, compute_precision, sparse) * 1e12 * PREFILL_UTILISATION)

@@ -11,11 +11,13 @@ from compress.config import load_target
 from compress.errors import UsageError
 from compress.perf_model import (
     QWEN3_0_6B,
+    QWEN3_8B,
     ModelShape,
     anchor_errors,
     fit_decode,
     lowest_power_mode_meeting_budget,
     mode_bandwidth_gbps,
+    mode_tops,
     predict,
     predict_all_modes,
     weight_bytes,
@@ -27,9 +29,23 @@ SMOL = ModelShape(30, 576, 1536, 9, 3, 64, 49152, True)
 
 def test_anchor_errors_are_small_on_every_published_point():
     rows = anchor_errors()
-    assert len(rows) == 6
-    assert sum("Edge-LLM" in row["anchor"] for row in rows) == 4
+    assert len(rows) == 7
+    assert sum("Edge-LLM" in row["anchor"] for row in rows) == 5
+    assert sum("Thor" in row["anchor"] for row in rows) == 1
     assert all(abs(row["error_pct"]) < 10 for row in rows)
+
+
+def test_thor_predictions_use_its_fp8_and_fp4_tensor_cores_and_orin_has_none():
+    thor, agx = load_target("jetson-agx-thor"), load_target("jetson-agx-orin-64gb")
+    assert [m.name for m in thor.power_modes] == ["120W", "MAXN"]
+    fp16, fp8, nvfp4 = (predict(thor, QWEN3_8B, p, "MAXN") for p in ("fp16", "fp8", "nvfp4"))
+    assert nvfp4.ttft_ms < fp8.ttft_ms < fp16.ttft_ms  # prefill is compute-bound: FP4 > FP8 > FP16 rates
+    assert fp8.decode_tokens_per_s > 1.6 * fp16.decode_tokens_per_s  # decode is bandwidth-bound: half the bytes
+    assert nvfp4.decode_tokens_per_s > 1.3 * fp8.decode_tokens_per_s
+    assert predict(thor, QWEN3_8B, "int4").decode_tokens_per_s > predict(agx, QWEN3_8B, "int4").decode_tokens_per_s
+    assert mode_tops(thor, thor.power_mode(), "fp4") == 1035 and mode_tops(thor, thor.power_mode(), "fp4", sparse=True) == 2070
+    with pytest.raises(UsageError, match=r"jetson-agx-orin-64gb \(sm_87\) has no FP4 tensor cores"):
+        predict(agx, QWEN3_8B, "nvfp4")
 
 
 def test_small_models_pay_a_fixed_cost_per_layer():
@@ -126,3 +142,11 @@ def test_sliding_window_layers_read_at_most_their_window():
     nano = load_target("jetson-orin-nano-8gb")
     fast, slow = (predict(nano, shape, "int4", context=8192) for shape in (windowed, full))
     assert fast.decode_tokens_per_s > slow.decode_tokens_per_s and fast.memory_gb < slow.memory_gb
+
+
+def test_predict_on_thor_covers_each_power_mode_and_orin_refuses_nvfp4(tiny_llama, capsys):
+    assert main(["predict", "target=jetson-agx-thor", f"model_config={tiny_llama}", "precision=nvfp4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [row["power_mode"] for row in report["modes"]] == ["120W", "MAXN"]
+    assert main(["predict", "target=jetson-orin", f"model_config={tiny_llama}", "precision=fp8"]) == 2
+    assert "jetson-orin-nano-8gb (sm_87) has no FP8 tensor cores" in capsys.readouterr().err
