@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -37,6 +38,7 @@ from pydantic import Field, PositiveInt, model_validator
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
+from compress.algorithms import kv_cache
 from compress.algorithms.calibration import (
     BlockInputs,
     InputStats,
@@ -46,16 +48,17 @@ from compress.algorithms.calibration import (
     release_freed_memory,
     run_block,
 )
-from compress.algorithms.quant import (
-    awq_search_clip,
-    awq_search_scales,
-    gptq_quantize,
-    qmax,
-    quantize_dequantize_activation,
-    quantize_dequantize_weight,
-    smoothquant_scales,
-    sqnr_db,
+from compress.algorithms.formats import (
+    ACTIVATION_FORMATS,
+    NVFP4_BLOCK,
+    ActivationFormat,
+    Fp8Grid,
+    IntGrid,
+    Nvfp4Grid,
+    WeightGrid,
+    quantize_dequantize,
 )
+from compress.algorithms.quant import awq_search_clip, awq_search_scales, gptq_quantize, smoothquant_scales, sqnr_db
 from compress.algorithms.rotation import rotate
 from compress.config import StrictModel
 from compress.errors import UsageError
@@ -65,6 +68,8 @@ from compress.fsutil import atomic_write_json, read_json
 log = logging.getLogger(__name__)
 
 QUANT_CONFIG_FILE = "quantization.json"
+ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-per-tensor",
+                           "nvfp4": "nvfp4-dynamic-block16-static-global"}
 QUANT_SCALES_FILE = "quant_scales.safetensors"
 OUTLIER_MARGIN_DB = 10.0
 CLIP_SEARCH_TOKENS = 256
@@ -75,14 +80,30 @@ LinearName = Literal["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_p
 
 
 class QuantizeConfig(StrictModel):
-    """Options of the quantize stage."""
+    """Options of the quantize stage.
 
-    method: Literal["int8", "int4", "rtn"] = "int8"
+    ``method``: ``int8`` (W8A8 SmoothQuant), ``fp8`` (W8A8 FP8 E4M3 with SmoothQuant), ``int4``
+    (weight-only, groups), ``nvfp4`` (FP4 E2M1 blocks of 16 with FP8 block scales; weight-only or,
+    with ``activations=nvfp4``, W4A4) or ``rtn`` (round to nearest, ``bits``). ``weight_algorithm``
+    is the weight rounding of the W8A8 methods, ``algorithm`` that of the 4-bit methods.
+    """
+
+    method: Literal["int8", "int4", "rtn", "fp8", "nvfp4"] = "int8"
     bits: Literal[4, 8] = 8
     algorithm: Literal["awq", "gptq", "awq+gptq"] = "awq+gptq"
     weight_algorithm: Literal["rtn", "gptq"] = "gptq"
     alpha: float | Literal["auto"] = "auto"
     group_size: Literal[32, 64, 128] = 64
+    # nvfp4 only: "float" keeps activations FP16 (W4A16), "nvfp4" quantizes them per block of 16 (W4A4).
+    activations: Literal["auto", "float", "nvfp4"] = "auto"
+    # fp8 only: one weight scale per tensor (what TensorRT Edge-LLM's FP8 linears take) or per output channel.
+    fp8_weight_scale: Literal["tensor", "channel"] = "tensor"
+    # nvfp4 only: search the per-tensor scale (weight_scale_2) for the least output error on calibration samples.
+    nvfp4_scale_search: bool = True
+    # AWQ clipping scored on the sampled rows (the attention sink left out) or on every calibration token.
+    clip_tokens: Literal["sampled", "all"] = "sampled"
+    # "fp8" stores the KV cache as FP8 E4M3 under a calibrated scale per layer for keys and for values.
+    kv_cache: Literal["fp16", "fp8"] = "fp16"
     calib_windows: PositiveInt = 32
     calib_window: PositiveInt = 512
     min_calib_tokens: PositiveInt = 2048
@@ -99,26 +120,70 @@ class QuantizeConfig(StrictModel):
     hadamard_block: Literal[0, 32, 64, 128, 256] = 0
 
     @model_validator(mode="after")
-    def _rotation_needs_int8_activations(self) -> QuantizeConfig:
-        if self.hadamard_block and not self.scheme()[1]:
-            raise ValueError("hadamard_block applies to W8A8 (method int8, or rtn with bits 8) only")
+    def _check_combinations(self) -> QuantizeConfig:
+        if self.hadamard_block and not self.is_w8a8():
+            raise ValueError("hadamard_block applies to W8A8 (method int8 or fp8, or rtn with bits 8) only")
         if self.hadamard_block and "down_proj" in self.float_linears:
             raise ValueError("hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them")
+        if self.activations == "nvfp4" and self.method != "nvfp4":
+            raise ValueError("activations=nvfp4 applies to method nvfp4 only")
+        if self.activations == "float" and self.method not in ("int4", "nvfp4"):
+            raise ValueError(f"method {self.method} quantizes activations; weight-only is method int4 or nvfp4")
+        if self.fp8_weight_scale == "channel" and self.method != "fp8":
+            raise ValueError("fp8_weight_scale applies to method fp8 only")
         return self
 
     def is_float(self, linear: str) -> bool:
         """Whether the linear at block path ``linear`` stays unquantized."""
         return linear.rsplit(".", 1)[-1] in self.float_linears
 
+    def is_w8a8(self) -> bool:
+        """Whether weights and activations are both 8-bit (INT8 or FP8), the SmoothQuant methods."""
+        return self.method in ("int8", "fp8") or (self.method == "rtn" and self.bits == 8)
+
+    def uses_awq(self) -> bool:
+        return self.method in ("int4", "nvfp4") and "awq" in self.algorithm
+
+    def uses_gptq(self) -> bool:
+        if self.method in ("int4", "nvfp4"):
+            return "gptq" in self.algorithm
+        return self.method in ("int8", "fp8") and self.weight_algorithm == "gptq"
+
     def scheme(self) -> tuple[int, bool, int | None]:
-        """(weight bits, activations quantized?, group size or None for per-channel)."""
-        if self.method == "int8":
+        """(weight bits, activations quantized?, group size or None for per-channel / per-tensor)."""
+        if self.method in ("int8", "fp8"):
             return 8, True, None
         if self.method == "int4":
             return 4, False, self.group_size
+        if self.method == "nvfp4":
+            return 4, self.activations == "nvfp4", NVFP4_BLOCK
         return (8, True, None) if self.bits == 8 else (4, False, self.group_size)
 
+    def weight_grid(self) -> WeightGrid:
+        """The grid weights are rounded to (an NVFP4 grid is bound to each weight's global scale later)."""
+        if self.method == "fp8":
+            return Fp8Grid(per_channel=self.fp8_weight_scale == "channel")
+        if self.method == "nvfp4":
+            return Nvfp4Grid()
+        bits, _, group = self.scheme()
+        return IntGrid(bits, group)
+
+    def activation_format(self) -> ActivationFormat | None:
+        """How inputs of quantized linears are quantized, or None for weight-only."""
+        if not self.scheme()[1]:
+            return None
+        return ACTIVATION_FORMATS["fp8" if self.method == "fp8" else "nvfp4" if self.method == "nvfp4" else "int8"]
+
+    def weight_format(self) -> str:
+        """``int``, ``fp8`` or ``nvfp4``: how the weights are stored."""
+        return self.method if self.method in ("fp8", "nvfp4") else "int"
+
     def precision(self) -> str:
+        """The deployment precision: ``int8``, ``int4``, ``fp8``, ``nvfp4`` (W4A4) or ``nvfp4_a16`` (weight-only)."""
+        if self.method == "nvfp4":
+            return "nvfp4" if self.scheme()[1] else "nvfp4_a16"
+        if self.method == "fp8":
+            return "fp8"
         return "int8" if self.scheme()[0] == 8 else "int4"
 
 
@@ -131,6 +196,8 @@ class LinearQuant:
     sqnr_db: float
     migration_ratio: float | None = None
     rotation: int = 0  # Hadamard block size applied to the input before quantization; 0 = none
+    global_scale: float | None = None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
+    input_format: str = "int8"  # how input_scale quantizes the input (a key of ACTIVATION_FORMATS)
 
 
 @dataclass
@@ -141,6 +208,7 @@ class QuantResult:
     linears: dict[str, LinearQuant] = field(default_factory=dict)
     calibration_tokens: int = 0
     seconds: float = 0.0
+    kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)  # per layer (k_scale, v_scale) of an FP8 KV cache
 
     def layer_errors(self) -> list[dict[str, Any]]:
         return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
@@ -250,33 +318,31 @@ class _Candidate:
 
 
 def _w8a8_candidate(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
-                    gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> _Candidate:
-    """Output MSE of the W8A8 linears after smoothing by ``scales``; RTN weights, or GPTQ given (Hessian, config).
+                    config: QuantizeConfig, hessian: torch.Tensor | None = None) -> _Candidate:
+    """Output MSE of the W8A8 linears (INT8 or FP8, as ``config`` says) after smoothing by ``scales``; RTN weights, or
+    GPTQ given the input's Hessian.
 
     GPTQ weights are kept so that the chosen candidate's weights ship without a second GPTQ pass.
     """
     x = samples / scales
-    x_q = quantize_dequantize_activation(x, float((absmax / scales).max()) / qmax(8))
-    hessian = gptq[0] / (scales[:, None] * scales[None, :]) if gptq else None
+    activation = config.activation_format()
+    x_q = activation.fake_quantize(x, activation.scale_for(float((absmax / scales).max())))
+    scaled_hessian = hessian / (scales[:, None] * scales[None, :]) if hessian is not None else None
+    grid = config.weight_grid()
     error, kept = 0.0, []
     for w in weights:
-        if gptq:
-            w_q, w_scales = gptq_quantize(w * scales, hessian, 8, None, damp=gptq[1].gptq_damp, act_order=gptq[1].gptq_act_order)
+        if scaled_hessian is not None:
+            w_q, w_scales = gptq_quantize(w * scales, scaled_hessian, grid, damp=config.gptq_damp, act_order=config.gptq_act_order)
             kept.append((w_q, w_scales))
         else:
-            w_q, _ = quantize_dequantize_weight(w * scales, 8, None)
+            w_q, _ = quantize_dequantize(w * scales, grid)
         error += (samples @ w.T - x_q @ w_q.T).pow(2).mean().item()
-    return _Candidate(error, kept if gptq else None)
+    return _Candidate(error, kept if scaled_hessian is not None else None)
 
 
-def _w8a8_error(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
-                gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> float:
-    """:func:`_w8a8_candidate`'s error alone."""
-    return _w8a8_candidate(samples, weights, scales, absmax, gptq).error
-
-
-def _gptq_error_args(config: QuantizeConfig, stats: InputStats) -> tuple[torch.Tensor, QuantizeConfig] | None:
-    return (stats.mean_hessian(), config) if config.method == "int8" and config.weight_algorithm == "gptq" else None
+def _gptq_hessian(config: QuantizeConfig, stats: InputStats) -> torch.Tensor | None:
+    """The Hessian the W8A8 searches re-rank with, when the weights are GPTQ's."""
+    return stats.mean_hessian() if config.is_w8a8() and config.uses_gptq() else None
 
 
 def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor], reduce: torch.Tensor | None
@@ -285,16 +351,16 @@ def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch
     re-ranking), and its candidate with the weights actually shipped."""
     samples = stats.sample_matrix(config.sample_tokens)
 
-    def candidate(alpha: float, gptq: tuple[torch.Tensor, QuantizeConfig] | None = None) -> _Candidate:
-        return _w8a8_candidate(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, gptq)
+    def candidate(alpha: float, hessian: torch.Tensor | None = None) -> _Candidate:
+        return _w8a8_candidate(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, config, hessian)
 
     scored = {alpha: candidate(alpha) for alpha in ALPHA_GRID}
     best = min(scored, key=lambda alpha: scored[alpha].error)
-    gptq = _gptq_error_args(config, stats)
-    if gptq is None:
+    hessian = _gptq_hessian(config, stats)
+    if hessian is None:
         return best, scored[best]
     start = GPTQ_ALPHA_GRID.index(best)
-    refined = {alpha: candidate(alpha, gptq) for alpha in GPTQ_ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]}
+    refined = {alpha: candidate(alpha, hessian) for alpha in GPTQ_ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]}
     best = min(refined, key=lambda alpha: refined[alpha].error)
     return best, refined[best]
 
@@ -305,7 +371,7 @@ def _rotation_candidate(config: QuantizeConfig, stats: InputStats, weights: list
     samples = rotated.sample_matrix(config.sample_tokens)
     rotated_weights = [rotate(w, stats.rotation) for w in weights]
     ones = torch.ones(samples.shape[1])
-    return _w8a8_candidate(samples, rotated_weights, ones, rotated.absmax, _gptq_error_args(config, rotated))
+    return _w8a8_candidate(samples, rotated_weights, ones, rotated.absmax, config, _gptq_hessian(config, rotated))
 
 
 @dataclass
@@ -326,7 +392,7 @@ def _smoothquant(config: QuantizeConfig, stats: InputStats, weights: list[torch.
     elif stats.rotation:
         alpha = config.alpha
         smoothed = _w8a8_candidate(stats.sample_matrix(config.sample_tokens), weights, _smoothing(stats, weights, alpha, reduce),
-                                   stats.absmax, _gptq_error_args(config, stats))
+                                   stats.absmax, config, _gptq_hessian(config, stats))
     else:
         return Migration(_smoothing(stats, weights, config.alpha, reduce), config.alpha)
     if stats.rotation:
@@ -336,44 +402,97 @@ def _smoothquant(config: QuantizeConfig, stats: InputStats, weights: list[torch.
     return Migration(_smoothing(stats, weights, alpha, reduce), alpha, gptq_weights=smoothed.gptq_weights)
 
 
+def _dynamic_fake_quantize(activation: ActivationFormat | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Fake quantization of a sample matrix under the scale its own maximum gives (for searches on scaled inputs)."""
+    if activation is None:
+        return None
+    return lambda x: activation.fake_quantize(x, activation.scale_for(float(x.abs().max())))
+
+
 def _migration(config: QuantizeConfig, point: str, stats: InputStats, weights: list[torch.Tensor],
                kv_groups: torch.Tensor) -> Migration:
     """Scales to fold into the producer of ``point`` (SmoothQuant or AWQ), or a Hadamard rotation."""
-    bits, _, group = config.scheme()
     reduce = kv_groups if point == "attn_out" else None
-    if config.method == "int8":
+    if config.method in ("int8", "fp8"):
         return _smoothquant(config, stats, weights, reduce)
-    if config.method == "int4" and "awq" in config.algorithm:
-        return Migration(*awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, bits, group, reduce=reduce))
+    if config.uses_awq():
+        return Migration(*awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, config.weight_grid(), reduce=reduce,
+                                            activation=_dynamic_fake_quantize(config.activation_format())))
     if stats.rotation:
-        plain = _w8a8_error(stats.sample_matrix(config.sample_tokens), weights, torch.ones_like(stats.absmax), stats.absmax)
+        samples = stats.sample_matrix(config.sample_tokens)
+        plain = _w8a8_candidate(samples, weights, torch.ones_like(stats.absmax), stats.absmax, config).error
         if _rotation_candidate(config, stats, weights).error < plain:
             return Migration(rotation=stats.rotation)
     return Migration()
 
 
-def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputStats,
+# Multipliers of the NVFP4 global scale tried by the per-tensor scale search: below 1, the blocks
+# with the largest values saturate their FP8 scale (they are clipped), and every block's scale
+# rounds to a different FP8 number.
+NVFP4_GLOBAL_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5)
+
+
+def _search_global_scale(weights: list[torch.Tensor], hessian: torch.Tensor) -> Nvfp4Grid:
+    """The NVFP4 global scale, shared by ``weights``, with the least round-to-nearest output error.
+
+    The error is ``tr(dW H dW^T)``, the output error over every calibration token: the attention
+    sink's massive activations included, which read the largest weights a smaller global scale
+    would clip (on SmolLM2's layer 11 ``down_proj``, a 0.9 shrink multiplies the sink row's output
+    error by four while barely changing the other tokens').
+    """
+    best: tuple[float, Nvfp4Grid | None] = (float("inf"), None)
+    for shrink in NVFP4_GLOBAL_SHRINKS:
+        grid = Nvfp4Grid(global_shrink=shrink).bind(weights)
+        error = 0.0
+        for w in weights:
+            delta = w - quantize_dequantize(w, grid)[0]
+            error += float(((delta @ hessian) * delta).sum())
+        if error < best[0]:
+            best = (error, grid)
+    return best[1]
+
+
+def _consumer_grids(config: QuantizeConfig, weights: list[torch.Tensor], stats: InputStats) -> list[WeightGrid]:
+    """The bound grid of each consumer of one input.
+
+    NVFP4 W4A4: one global scale for all of them (with equal global and input scales, Edge-LLM runs
+    q, k and v as one GEMM behind one activation quantizer). NVFP4 weight-only: one per linear (Edge-LLM
+    0.11's fused q/k/v GEMM quantizes its input whatever the export's ``--no-quantize-activations``
+    says, so q, k and v must not fuse).
+    """
+    grid = config.weight_grid()
+    if config.method != "nvfp4":
+        return [grid] * len(weights)
+    hessian = stats.mean_hessian() if config.nvfp4_scale_search else None
+
+    def bound(group: list[torch.Tensor]) -> Nvfp4Grid:
+        return _search_global_scale(group, hessian) if hessian is not None else Nvfp4Grid().bind(group)
+
+    if config.scheme()[1]:
+        return [bound(weights)] * len(weights)
+    return [bound([w]) for w in weights]
+
+
+def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputStats, grid: WeightGrid,
                      search_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    bits, _, group = config.scheme()
     clip: torch.Tensor | float = 1.0
-    if config.method == "int4" and "awq" in config.algorithm and search_clip:
-        clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, bits, group)
-    use_gptq = (config.method == "int4" and "gptq" in config.algorithm) or (config.method == "int8" and config.weight_algorithm == "gptq")
-    if use_gptq:
-        act_order = config.gptq_act_order and group is None
-        return gptq_quantize(weight, stats.mean_hessian(), bits, group, damp=config.gptq_damp, clip_ratio=clip, act_order=act_order)
-    return quantize_dequantize_weight(weight, bits, group, clip)
+    if config.uses_awq() and search_clip:
+        hessian = stats.mean_hessian() if config.clip_tokens == "all" else None
+        clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, grid, hessian=hessian)
+    if config.uses_gptq():
+        act_order = config.gptq_act_order and grid.group_size is None
+        return gptq_quantize(weight, stats.mean_hessian(), grid, damp=config.gptq_damp, clip_ratio=clip, act_order=act_order)
+    return quantize_dequantize(weight, grid, clip)
 
 
-def activation_scale(samples: torch.Tensor, absmax: float, rule: str, steps: int = 20) -> float:
-    """Static per-tensor INT8 scale: from the absolute maximum, or the clipped maximum with least MSE."""
-    scale = absmax / qmax(8)
+def activation_scale(samples: torch.Tensor, absmax: float, rule: str, activation: ActivationFormat, steps: int = 20) -> float:
+    """Static per-tensor activation scale: from the absolute maximum, or the clipped maximum with least MSE."""
     if rule == "absmax":
-        return scale
-    best = (float("inf"), scale)
+        return activation.scale_for(absmax)
+    best = (float("inf"), activation.scale_for(absmax))
     for step in range(steps):
-        candidate = scale * (1.0 - 0.8 * step / steps)
-        error = (quantize_dequantize_activation(samples, candidate) - samples).pow(2).mean().item()
+        candidate = activation.scale_for(absmax * (1.0 - 0.8 * step / steps))
+        error = (activation.fake_quantize(samples, candidate) - samples).pow(2).mean().item()
         if error < best[0]:
             best = (error, candidate)
     return best[1]
@@ -381,22 +500,27 @@ def activation_scale(samples: torch.Tensor, absmax: float, rule: str, steps: int
 
 def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str) -> dict[str, LinearQuant]:
     """Quantize one decoder block in place; returns per-linear scales and errors."""
-    bits, quantize_acts, _ = config.scheme()
+    activation = config.activation_format()
     family = family_of(model_config)
     active = [p for p in family.points if not all(config.is_float(name) for name in p.consumers)]
     linears = _linears(block, family)
     points = {point.name: linears[point.consumers[0]] for point in active}
-    want_hessian = "gptq" in (config.algorithm if config.method == "int4" else config.weight_algorithm if config.method == "int8" else "")
     per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
     rotated = family.point(family.rotated_point)
     block_size = rotation_block(linears[rotated.consumers[0]].in_features, config.hadamard_block)
     rotations = {rotated.name: block_size} if block_size and rotated in active else None
+    want_hessian = (config.uses_gptq() or (config.method == "nvfp4" and config.nvfp4_scale_search)
+                    or (config.uses_awq() and config.clip_tokens == "all"))
     stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
     migrations = _prepare_inputs(block, active, linears, stats, config, model_config)
     result: dict[str, LinearQuant] = {}
     for point in active:
         samples = stats[point.name].sample_matrix(config.sample_tokens)
-        point_scale = activation_scale(samples, float(stats[point.name].absmax.max()), config.act_scale) if quantize_acts else None
+        absmax = float(stats[point.name].absmax.max())
+        point_scale = activation_scale(samples, absmax, config.act_scale, activation) if activation else None
+        consumers = [name for name in point.consumers if not config.is_float(name)]
+        weights = [_input_basis(linears[name].weight.detach(), migrations[point.name]) for name in consumers]
+        grids = dict(zip(consumers, _consumer_grids(config, weights, stats[point.name]), strict=True))
         for index, name in enumerate(point.consumers):
             if config.is_float(name):
                 continue
@@ -404,7 +528,7 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             # As in AWQ, weights computing queries and keys are not clipped: attention scores are too sensitive.
             search_clip = not {"q", "k"} & set(family.parts(name))
             result[f"{prefix}.{name}"] = _quantize_linear(config, linears[name], stats[point.name], samples, input_scale,
-                                                          migrations[point.name], index, search_clip)
+                                                          migrations[point.name], index, grids[name], search_clip)
     return result
 
 
@@ -424,84 +548,110 @@ def _prepare_inputs(block, points: list[ActivationPoint], linears: dict[str, tor
     return migrations
 
 
+def _input_basis(weight: torch.Tensor, migration: Migration) -> torch.Tensor:
+    """The weight in the basis its input is quantized in (rotated when the input is)."""
+    return rotate(weight, migration.rotation) if migration.rotation else weight
+
+
 def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
-                     input_scale: float | None, migration: Migration, index: int, search_clip: bool) -> LinearQuant:
-    """Quantize one linear in place (the ``index``-th consumer of its input) and measure its SQNR on ``samples``."""
-    weight = linear.weight.detach().clone()
-    if migration.rotation:
-        weight = rotate(weight, migration.rotation)
+                     input_scale: float | None, migration: Migration, index: int, grid: WeightGrid, search_clip: bool
+                     ) -> LinearQuant:
+    """Quantize one linear in place (the ``index``-th consumer of its input) on its bound ``grid`` and measure its SQNR on
+    ``samples``."""
+    weight = _input_basis(linear.weight.detach().clone(), migration)
     if migration.gptq_weights:
         dequantized, weight_scales = migration.gptq_weights[index]
     else:
-        dequantized, weight_scales = _quantize_weight(config, weight, stats, search_clip)
-    x_q = quantize_dequantize_activation(samples, input_scale) if input_scale else samples
+        dequantized, weight_scales = _quantize_weight(config, weight, stats, grid, search_clip)
+    activation = config.activation_format()
+    x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
     error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
     if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
-        # Mixed-precision fallback: this linear keeps INT8 weights but float inputs.
+        # Mixed-precision fallback: this linear keeps quantized weights but float inputs.
         input_scale = None
         error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
     with torch.no_grad():
         # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
         linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
-    return LinearQuant(weight_scales, input_scale, error, migration.ratio, migration.rotation)
+    return LinearQuant(weight_scales, input_scale, error, migration.ratio, migration.rotation,
+                       global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8")
 
 
 def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
-    """Fake-quantize the inputs of W8A8 linears with their static scales (torch reference of the Q/DQ graph)."""
+    """Fake-quantize the inputs of W8A8 / W4A4 linears with their static scales (torch reference of the Q/DQ graph)."""
     handles = []
     for name, quant in linears.items():
         if quant.input_scale is None:
             continue
-        scale, block = quant.input_scale, quant.rotation
+        scale, block, fake_quantize = quant.input_scale, quant.rotation, ACTIVATION_FORMATS[quant.input_format].fake_quantize
 
-        def hook(_module, args, scale=scale, block=block):
+        def hook(_module, args, scale=scale, block=block, fake_quantize=fake_quantize):
             if block:
                 # Quantized in the rotated basis, rotated back for the stored (rotated-back) weight.
-                return (rotate(quantize_dequantize_activation(rotate(args[0], block), scale), block),) + tuple(args[1:])
-            return (quantize_dequantize_activation(args[0], scale),) + tuple(args[1:])
+                return (rotate(fake_quantize(rotate(args[0], block), scale), block),) + tuple(args[1:])
+            return (fake_quantize(args[0], scale),) + tuple(args[1:])
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
     return handles
 
 
 def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True) -> QuantResult:
-    """Quantize every decoder block of ``model`` in place, walking the blocks in order."""
+    """Quantize every decoder block of ``model`` in place, walking the blocks in order.
+
+    With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
+    are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
+    """
     bits, quantize_acts, group = config.scheme()
     _check_shapes(model, family_of(model.config), group)
     started = time.perf_counter()
     inputs = capture_first_block_inputs(model, windows)
     result = QuantResult(config, calibration_tokens=int(windows.numel()))
     blocks = decoder_blocks(model)
-    for index in tqdm(range(len(blocks)), desc=f"quantize {config.method}", unit="layer", disable=not progress, leave=False):
-        block = blocks[index]
-        quantized = quantize_block(block, inputs, config, model.config, f"model.layers.{index}")
-        result.linears.update(quantized)
-        local = {name.split(f"model.layers.{index}.", 1)[1]: q for name, q in quantized.items()}
-        handles = attach_activation_quant(block, local) if quantize_acts else []
-        try:
-            inputs = BlockInputs(run_block(block, inputs), inputs.kwargs)
-        finally:
-            for handle in handles:
-                handle.remove()
-        release_freed_memory()
-        log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
+    fp8_cache = config.kv_cache == "fp8"
+    if fp8_cache:
+        kv_cache.route_attention(model)
+    try:
+        for index in tqdm(range(len(blocks)), desc=f"quantize {config.method}", unit="layer", disable=not progress, leave=False):
+            block = blocks[index]
+            amax = kv_cache.record_amax(block) if fp8_cache else None
+            quantized = quantize_block(block, inputs, config, model.config, f"model.layers.{index}")
+            if amax is not None:
+                kv_cache.stop_recording(block)
+                result.kv_scales[index] = (kv_cache.kv_scale(amax[0]), kv_cache.kv_scale(amax[1]))
+                kv_cache.set_block_scales(block, result.kv_scales[index])
+            result.linears.update(quantized)
+            local = {name.split(f"model.layers.{index}.", 1)[1]: q for name, q in quantized.items()}
+            handles = attach_activation_quant(block, local) if quantize_acts else []
+            try:
+                inputs = BlockInputs(run_block(block, inputs), inputs.kwargs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            release_freed_memory()
+            log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
+    finally:
+        if fp8_cache:
+            kv_cache.restore_attention(model)
     result.seconds = time.perf_counter() - started
     return result
 
 
 def save_quantization(result: QuantResult, folder: Path) -> None:
     """Write ``quantization.json`` and the scales beside a saved model."""
-    bits, quantize_acts, group = result.config.scheme()
+    bits, _, group = result.config.scheme()
     tensors = {f"{name}.weight_scale": q.weight_scales.contiguous().float() for name, q in result.linears.items()}
     save_file(tensors, str(folder / QUANT_SCALES_FILE))
+    activation = result.config.activation_format()
     atomic_write_json(folder / QUANT_CONFIG_FILE, {
         "method": result.config.method,
         "config": result.config.model_dump(mode="json"),
+        "format": result.config.weight_format(),
         "weight_bits": bits,
         "group_size": group,
-        "activations": "int8-static-per-tensor" if quantize_acts else "float",
-        "linears": {name: {"input_scale": q.input_scale, "sqnr_db": q.sqnr_db, "migration_ratio": q.migration_ratio,
-                           "rotation": q.rotation}
+        "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float",
+        "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}} if result.kv_scales else None,
+        "linears": {name: {"input_scale": q.input_scale, "input_format": q.input_format, "sqnr_db": q.sqnr_db,
+                           "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale}
                     for name, q in result.linears.items()},
     })
 
@@ -514,6 +664,30 @@ def load_quantization(folder: Path) -> tuple[dict[str, Any], dict[str, LinearQua
     meta = read_json(folder / QUANT_CONFIG_FILE)
     scales = load_file(str(folder / QUANT_SCALES_FILE))
     linears = {name: LinearQuant(scales[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
-                                 info.get("rotation", 0))
+                                 info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"))
                for name, info in meta["linears"].items()}
     return meta, linears
+
+
+def kv_cache_scales(meta: dict[str, Any]) -> dict[int, tuple[float, float]] | None:
+    """The per-layer ``(k_scale, v_scale)`` of a saved quantization with an FP8 KV cache, or None."""
+    cache = meta.get("kv_cache")
+    return {int(i): (float(k), float(v)) for i, (k, v) in cache["scales"].items()} if cache else None
+
+
+def attach_quantization(model, meta: dict[str, Any], linears: dict[str, LinearQuant]) -> None:
+    """Everything a saved quantization simulates at run time: quantized inputs and the FP8 KV cache."""
+    attach_activation_quant(model, linears)
+    scales = kv_cache_scales(meta)
+    if scales:
+        kv_cache.attach_kv_cache_quant(model, scales)
+
+
+def stored_grid(meta: dict[str, Any], quant: LinearQuant) -> WeightGrid:
+    """The bound grid a saved linear's weight lies on (``meta`` as :func:`load_quantization` returns it)."""
+    weight_format = meta.get("format", "int")
+    if weight_format == "nvfp4":
+        return Nvfp4Grid(quant.global_scale)
+    if weight_format == "fp8":
+        return Fp8Grid(per_channel=quant.weight_scales.dim() == 1)
+    return IntGrid(meta["weight_bits"], meta.get("group_size"))

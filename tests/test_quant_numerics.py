@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compress.algorithms.formats import Int8Activation, IntGrid
 from compress.algorithms.quant import (
     awq_search_clip,
     awq_search_scales,
@@ -56,7 +57,7 @@ def test_gptq_beats_rtn_and_keeps_sparsity_zeros():
     hessian = 2 * x.T @ x / x.shape[0]
     reference = x @ weight.T
     rtn, _ = quantize_dequantize_weight(weight, 4, 32)
-    gptq, scales = gptq_quantize(weight, hessian, 4, 32)
+    gptq, scales = gptq_quantize(weight, hessian, IntGrid(4, 32))
     assert sqnr_db(reference, x @ gptq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
     assert (gptq[:, 1::4] == 0).all()
     assert scales.shape == (96, 4)
@@ -77,20 +78,20 @@ def test_gptq_act_order_lowers_error_on_outlier_columns_and_keeps_zeros():
     weight[:, 2::4] = 0
     hessian = 2 * x.T @ x / x.shape[0]
     reference = x @ weight.T
-    in_order, scales = gptq_quantize(weight, hessian, 8, None)
-    by_energy, scales_ao = gptq_quantize(weight, hessian, 8, None, act_order=True)
+    in_order, scales = gptq_quantize(weight, hessian, IntGrid(8))
+    by_energy, scales_ao = gptq_quantize(weight, hessian, IntGrid(8), act_order=True)
     assert sqnr_db(reference, x @ by_energy.T) > sqnr_db(reference, x @ in_order.T) + 0.5
     assert (by_energy[:, 2::4] == 0).all()
     torch.testing.assert_close(scales_ao, scales)
     levels = by_energy / scales[:, None]
     assert torch.allclose(levels, levels.round(), atol=1e-4)
     with pytest.raises(ValueError, match="act_order"):
-        gptq_quantize(weight, hessian, 4, 32, act_order=True)
+        gptq_quantize(weight, hessian, IntGrid(4, 32), act_order=True)
 
 
 def test_alpha_search_reranks_with_the_shipped_gptq_weights():
     from compress.algorithms.calibration import InputStats
-    from compress.quantization import ALPHA_GRID, _search_alpha, _smoothing, _w8a8_error
+    from compress.quantization import ALPHA_GRID, _search_alpha, _smoothing, _w8a8_candidate
 
     weight, x = _layer(seed=4, out_features=128, in_features=256, tokens=1024, outliers=6, outlier_gain=80.0)
     stats = InputStats()
@@ -99,11 +100,13 @@ def test_alpha_search_reranks_with_the_shipped_gptq_weights():
     gptq_config = QuantizeConfig(method="int8", weight_algorithm="gptq")
     rtn_choice, _ = _search_alpha(rtn_config, stats, [weight], None)
     gptq_choice, shipped = _search_alpha(gptq_config, stats, [weight], None)
-    assert rtn_choice == min(ALPHA_GRID, key=lambda a: _w8a8_error(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax))
+    assert rtn_choice == min(ALPHA_GRID, key=lambda a: _w8a8_candidate(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax,
+                                                                       rtn_config).error)
     assert gptq_choice >= rtn_choice
 
     def shipped_error(alpha):
-        return _w8a8_error(x, [weight], _smoothing(stats, [weight], alpha, None), stats.absmax, (stats.mean_hessian(), gptq_config))
+        return _w8a8_candidate(x, [weight], _smoothing(stats, [weight], alpha, None), stats.absmax, gptq_config,
+                               stats.mean_hessian()).error
 
     assert shipped_error(gptq_choice) <= shipped_error(rtn_choice)
     # The search hands over the GPTQ weights it scored: on the per-channel grid, with exactly that error.
@@ -133,9 +136,9 @@ def test_awq_beats_rtn_on_outlier_channels():
     weight, x = _layer()
     reference = x @ weight.T
     rtn, _ = quantize_dequantize_weight(weight, 4, 32)
-    scales, ratio = awq_search_scales(x, [weight], 4, 32)
+    scales, ratio = awq_search_scales(x, [weight], IntGrid(4, 32))
     scaled = weight * scales
-    clip = awq_search_clip(x / scales, scaled, 4, 32)
+    clip = awq_search_clip(x / scales, scaled, IntGrid(4, 32))
     awq, _ = quantize_dequantize_weight(scaled, 4, 32, clip)
     assert ratio > 0
     assert sqnr_db(reference, (x / scales) @ awq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
@@ -160,7 +163,7 @@ def test_mse_activation_scale_clips_and_lowers_error():
     x = torch.randn(4096, 64, generator=gen)
     x[0, 0] = 300.0
     absmax = x.abs().max().item()
-    mse_scale = activation_scale(x, absmax, "mse")
+    mse_scale = activation_scale(x, absmax, "mse", Int8Activation())
     assert mse_scale < absmax / 127
     err = lambda s: (quantize_dequantize_activation(x, s) - x).pow(2).mean().item()  # noqa: E731
     assert err(mse_scale) < err(absmax / 127)

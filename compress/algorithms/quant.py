@@ -2,14 +2,18 @@
 
 Weights are ``(out_features, in_features)`` as in ``torch.nn.Linear``. Every quantizer is
 symmetric (zero point 0), the form TensorRT takes in Q/DQ networks, so exact zeros (from
-sparsity) stay zero. ``group_size=None`` means one scale per output channel.
+sparsity) stay zero. AWQ and GPTQ round through a :class:`~compress.algorithms.formats.WeightGrid`
+(integers, FP8 or NVFP4), so the same search runs on every grid.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
+
+from compress.algorithms.formats import IntGrid, WeightGrid, expand_scales, quantize_dequantize
 
 
 def qmax(bits: int) -> int:
@@ -17,36 +21,10 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def weight_scales(weight: torch.Tensor, bits: int, group_size: int | None, clip_ratio: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Per-channel ``(out,)`` or per-group ``(out, in // group)`` scales from the absolute maximum."""
-    out_features, in_features = weight.shape
-    if group_size is None:
-        absmax = weight.abs().amax(dim=1)
-    else:
-        absmax = weight.reshape(out_features, in_features // group_size, group_size).abs().amax(dim=2)
-    return (absmax * clip_ratio).clamp(min=1e-8) / qmax(bits)
-
-
-def _expand(scales: torch.Tensor, in_features: int) -> torch.Tensor:
-    if scales.dim() == 1:
-        return scales[:, None]
-    return scales.repeat_interleave(in_features // scales.shape[1], dim=1)
-
-
-def quantize_weight(weight: torch.Tensor, scales: torch.Tensor, bits: int) -> torch.Tensor:
-    """Integer levels (as float) of ``weight`` under ``scales``."""
-    return torch.clamp(torch.round(weight / _expand(scales, weight.shape[1])), -qmax(bits) - 1, qmax(bits))
-
-
-def dequantize_weight(levels: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    return levels * _expand(scales, levels.shape[1])
-
-
 def quantize_dequantize_weight(weight: torch.Tensor, bits: int, group_size: int | None, clip_ratio: torch.Tensor | float = 1.0
-                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Round-to-nearest: the dequantized weight and its scales."""
-    scales = weight_scales(weight, bits, group_size, clip_ratio)
-    return dequantize_weight(quantize_weight(weight, scales, bits), scales), scales
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Round-to-nearest on the ``bits``-bit integer grid: the dequantized weight and its scales."""
+    return quantize_dequantize(weight, IntGrid(bits, group_size), clip_ratio)
 
 
 def quantize_dequantize_activation(x: torch.Tensor, scale: float, bits: int = 8) -> torch.Tensor:
@@ -70,26 +48,31 @@ def smoothquant_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], al
     return scales.clamp(min=1e-5)
 
 
-def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], bits: int, group_size: int | None, grid: int = 20,
-                      reduce: torch.Tensor | None = None) -> tuple[torch.Tensor, float]:
+def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], grid: WeightGrid, steps: int = 20,
+                      reduce: torch.Tensor | None = None, activation: Callable[[torch.Tensor], torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, float]:
     """AWQ: the per-input-channel scale ``mean|x|^r`` (r on a grid) that minimises the quantized output error.
 
-    ``reduce`` (optional ``(in,)`` group ids) forces equal scales inside each group, for scales
-    that must be folded into a shared producer (GQA value heads). Returns the scales and the best ratio.
+    Each candidate's weights are rounded to ``grid`` (bound to each scaled weight, so NVFP4 takes
+    that weight's global scale); ``activation`` fake-quantizes the scaled input (W4A4). ``reduce``
+    (optional ``(in,)`` group ids) forces equal scales inside each group, for scales that must be
+    folded into a shared producer (GQA value heads). Returns the scales and the best ratio.
     """
     x_mean = x.abs().mean(dim=0)
     reference = [x @ w.T for w in weights]
     best = (math.inf, torch.ones_like(x_mean), 0.0)
-    for step in range(grid):
-        ratio = step / grid
+    for step in range(steps):
+        ratio = step / steps
         scales = x_mean.clamp(min=1e-4).pow(ratio)
         if reduce is not None:
             scales = _group_mean(scales, reduce)
         scales = scales / (scales.max() * scales.min()).sqrt()
+        x_scaled = x / scales if activation is None else activation(x / scales)
         error = 0.0
         for w, ref in zip(weights, reference, strict=True):
-            wq, _ = quantize_dequantize_weight(w * scales, bits, group_size)
-            error += (ref - (x / scales) @ wq.T).pow(2).mean().item()
+            scaled = w * scales
+            wq, _ = quantize_dequantize(scaled, grid.bind([scaled]))
+            error += (ref - x_scaled @ wq.T).pow(2).mean().item()
         if error < best[0]:
             best = (error, scales, ratio)
     return best[1], best[2]
@@ -101,20 +84,39 @@ def _group_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return (sums / counts)[groups]
 
 
-def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, bits: int, group_size: int, grid: int = 10,
-                    max_shrink: float = 0.5) -> torch.Tensor:
-    """AWQ clipping: per ``(out, group)`` shrink of the absolute maximum that minimises that group's output error."""
+def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, steps: int = 10, max_shrink: float = 0.5,
+                    hessian: torch.Tensor | None = None) -> torch.Tensor:
+    """AWQ clipping: per ``(out, group)`` shrink of the absolute maximum that minimises that group's output error.
+
+    ``grid`` is bound (NVFP4's global scale fixed), and grouped; for NVFP4 every block of 16 is searched.
+    The error is measured on the sample rows ``x``, or with ``hessian`` (``X^T X`` over every
+    calibration token, up to a factor) as each group's ``dW_g H_gg dW_g^T``: the same output error
+    over all tokens, the attention sink included.
+    """
+    group_size = grid.group_size
     out_features, in_features = weight.shape
     groups = in_features // group_size
     w = weight.reshape(out_features, groups, group_size)
-    xg = x.reshape(x.shape[0], groups, group_size)
-    reference = torch.einsum("tng,ong->tno", xg, w)
+    if hessian is not None:
+        index = torch.arange(groups)
+        blocks = hessian.reshape(groups, group_size, groups, group_size)[index, :, index, :]  # (groups, g, g)
+
+        def group_error(wq: torch.Tensor) -> torch.Tensor:
+            delta = w - wq.reshape(out_features, groups, group_size)
+            return torch.einsum("ong,ngh,onh->no", delta, blocks, delta)
+    else:
+        xg = x.reshape(x.shape[0], groups, group_size)
+        reference = torch.einsum("tng,ong->tno", xg, w)
+
+        def group_error(wq: torch.Tensor) -> torch.Tensor:
+            return (torch.einsum("tng,ong->tno", xg, wq.reshape(out_features, groups, group_size)) - reference).pow(2).mean(dim=0)
+
     best_error = torch.full((groups, out_features), math.inf)
     best_ratio = torch.ones(out_features, groups)
-    for step in range(grid):
-        ratio = 1 - max_shrink * step / grid
-        wq, _ = quantize_dequantize_weight(weight, bits, group_size, ratio)
-        error = (torch.einsum("tng,ong->tno", xg, wq.reshape(out_features, groups, group_size)) - reference).pow(2).mean(dim=0)
+    for step in range(steps):
+        ratio = 1 - max_shrink * step / steps
+        wq, _ = quantize_dequantize(weight, grid, ratio)
+        error = group_error(wq)
         better = error < best_error
         best_error = torch.where(better, error, best_error)
         best_ratio = torch.where(better.T, torch.full_like(best_ratio, ratio), best_ratio)
@@ -136,30 +138,33 @@ def prepare_obs(weight: torch.Tensor, hessian: torch.Tensor, damp: float) -> tup
     return w, torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
 
-def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_size: int | None, damp: float = 0.01,
+def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid, damp: float = 0.01,
                   block_size: int = 128, clip_ratio: torch.Tensor | float = 1.0, act_order: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ: quantize columns in order, feeding each column's error back through the inverse Hessian.
 
-    Per-channel scales come from the original weight; group scales from the updated weight when
+    ``grid`` is bound (NVFP4's global scale fixed). Per-tensor and per-channel scales come from
+    the original weight; group scales (integer groups, NVFP4 blocks) from the updated weight when
     the group's first column is reached. Exact zeros of ``weight`` (a sparsity mask) stay zero.
-    ``act_order`` (per-channel scales only) visits columns by decreasing Hessian diagonal, so the
+    ``act_order`` (ungrouped scales only) visits columns by decreasing Hessian diagonal, so the
     inputs with the most energy are quantized first, while most columns are left to absorb
     their error. Returns the dequantized weight and its scales.
     """
+    group_size = grid.group_size
     if act_order:
         if group_size is not None:
-            raise ValueError("act_order needs per-channel scales (group_size=None)")
+            raise ValueError("act_order needs per-channel or per-tensor scales (no groups)")
         order = torch.argsort(torch.diag(hessian), descending=True, stable=True)
         restore = torch.argsort(order)
-        dequantized, scales = gptq_quantize(weight[:, order], hessian[order][:, order], bits, None, damp, block_size, clip_ratio)
+        dequantized, scales = gptq_quantize(weight[:, order], hessian[order][:, order], grid, damp, block_size, clip_ratio)
         return dequantized[:, restore], scales
     w, h_inv = prepare_obs(weight, hessian, damp)
     out_features, in_features = w.shape
     zero_mask = weight == 0
     group = group_size or in_features
     if group_size is None:
-        scales = weight_scales(w, bits, None, clip_ratio)[:, None]
+        scales = grid.scales(w, clip_ratio)
+        column_scale = scales[:, None] if scales.dim() else scales
     else:
         scales = torch.zeros(out_features, in_features // group)
         block_size = max(group, block_size - block_size % group)
@@ -171,18 +176,16 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, bits: int, group_
         h_block = h_inv[start:end, start:end]
         for i in range(end - start):
             column = start + i
-            if group_size is not None and column % group == 0:
-                ratio = clip_ratio[:, column // group] if isinstance(clip_ratio, torch.Tensor) else clip_ratio
-                absmax = w_block[:, i:i + group].abs().amax(dim=1)
-                scales[:, column // group] = (absmax * ratio).clamp(min=1e-8) / qmax(bits)
-            scale = scales[:, column // group]
-            q = torch.clamp(torch.round(w_block[:, i] / scale), -qmax(bits) - 1, qmax(bits))
+            if group_size is not None:
+                if column % group == 0:
+                    ratio = clip_ratio[:, column // group] if isinstance(clip_ratio, torch.Tensor) else clip_ratio
+                    scales[:, column // group] = grid.group_scale(w_block[:, i:i + group], ratio)
+                column_scale = scales[:, column // group, None]
+            q = grid.levels(w_block[:, i, None], column_scale)[:, 0]
             q[zero_mask[:, column]] = 0
             levels[:, column] = q
-            error = (w_block[:, i] - q * scale) / h_block[i, i]
+            error = (w_block[:, i] - grid.dequantize(q[:, None], column_scale)[:, 0]) / h_block[i, i]
             w_block[:, i:] -= error[:, None] * h_block[i, i:][None, :]
             errors[:, i] = error
         w[:, end:] -= errors @ h_inv[start:end, end:]
-    if group_size is None:
-        scales = scales[:, 0]
-    return dequantize_weight(levels, scales), scales
+    return grid.dequantize(levels, expand_scales(scales, in_features)), scales

@@ -29,16 +29,17 @@ class DecoderLayout:
     head_dim: int
     eos_token_ids: list[int]
     int8_activations: bool = False
+    fp4_weights: bool = False  # NVFP4 weights stored as FLOAT4E2M1, which ONNX Runtime's CPU kernels do not read
 
     @classmethod
     def load(cls, folder: Path) -> DecoderLayout:
         data = json.loads((Path(folder) / LAYOUT_FILE).read_text(encoding="utf-8"))
         return cls(data["num_layers"], list(data["num_kv_heads"]), data["head_dim"], list(data.get("eos_token_ids", [])),
-                   bool(data.get("int8_activations", False)))
+                   bool(data.get("int8_activations", False)), bool(data.get("fp4_weights", False)))
 
     def to_json(self) -> dict:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "eos_token_ids": self.eos_token_ids, "int8_activations": self.int8_activations}
+                "eos_token_ids": self.eos_token_ids, "int8_activations": self.int8_activations, "fp4_weights": self.fp4_weights}
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -60,12 +61,31 @@ def host_has_int8_dot_product() -> bool:
     return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8")) or platform.machine() in ("aarch64", "arm64")
 
 
-def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False):
+def fp4_as_fp8(model_path: Path) -> bytes:
+    """The graph with its FLOAT4E2M1 initializers retyped to FLOAT8E4M3FN, serialized.
+
+    Every E2M1 value (0, 0.5, 1, 1.5, 2, 3, 4, 6 and negatives) is an E4M3 value, so the retyped
+    graph computes exactly the same numbers; ONNX Runtime's CPU kernels dequantize FP8 but not FP4.
+    """
+    import ml_dtypes
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(model_path))
+    for init in model.graph.initializer:
+        if init.data_type == onnx.TensorProto.FLOAT4E2M1:
+            values = numpy_helper.to_array(init).astype(np.float32).astype(ml_dtypes.float8_e4m3fn)
+            init.CopyFrom(numpy_helper.from_array(values, init.name))
+    return model.SerializeToString()
+
+
+def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False, fp4_weights: bool = False):
     """An ONNX Runtime CPU session.
 
     INT4 weight-only matrices run in fp32 (``accuracy_level`` 0), matching the torch reference.
     For W8A8 graphs on x86 CPUs without VNNI, ONNX Runtime's fused integer kernels saturate
     16-bit intermediate sums and break accuracy, so the Q/DQ graph is run unfused there.
+    NVFP4 weights are read through :func:`fp4_as_fp8`.
     """
     import onnxruntime as ort
 
@@ -76,7 +96,8 @@ def make_session(model_path: Path, threads: int | None = None, int8_activations:
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
     if threads:
         options.intra_op_num_threads = threads
-    return ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+    source = fp4_as_fp8(model_path) if fp4_weights else str(model_path)
+    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
 
 
 def greedy_stream(decoder, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
@@ -102,7 +123,7 @@ class OnnxDecoder:
     def __init__(self, folder: Path, threads: int | None = None) -> None:
         self.folder = Path(folder)
         self.layout = DecoderLayout.load(self.folder)
-        self.session = make_session(self.folder / ONNX_FILE, threads, self.layout.int8_activations)
+        self.session = make_session(self.folder / ONNX_FILE, threads, self.layout.int8_activations, self.layout.fp4_weights)
         self._past_names = past_names(self.layout.num_layers)
         types = {i.name: i.type for i in self.session.get_inputs()}
         self._past_dtype = np.float16 if types.get(self._past_names[0]) == "tensor(float16)" else np.float32

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from pydantic import PositiveFloat, PositiveInt
 
-from compress.algorithms.qdq import LinearForExport, apply_qdq
+from compress.algorithms.qdq import LinearForExport, apply_kv_cache_qdq, apply_qdq
 from compress.algorithms.sparse import onnx_24_fraction
 from compress.artifact import HF_MODEL, ONNX, Artifact
 from compress.config import StrictModel
@@ -26,7 +26,7 @@ from compress.errors import StageError
 from compress.families import attention_geometry
 from compress.fsutil import atomic_write_json, path_size, sha256_file
 from compress.models import load_causal_lm, load_tokenizer
-from compress.quantization import attach_activation_quant, load_quantization
+from compress.quantization import attach_quantization, kv_cache_scales, load_quantization
 from compress.runtime.onnx_decoder import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.stages import StageDef, register
 
@@ -71,11 +71,11 @@ class _DecoderWithCache(torch.nn.Module):
         return tuple(flat)
 
 
-def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = False) -> DecoderLayout:
+def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = False, fp4_weights: bool = False) -> DecoderLayout:
     """KV-cache layout of a decoder: KV heads per layer and head size (head pruning keeps every KV head)."""
     cfg = model.config
     _, kv, head_dim = attention_geometry(cfg)
-    return DecoderLayout(cfg.num_hidden_layers, [kv] * cfg.num_hidden_layers, head_dim, eos_token_ids, int8_activations)
+    return DecoderLayout(cfg.num_hidden_layers, [kv] * cfg.num_hidden_layers, head_dim, eos_token_ids, int8_activations, fp4_weights)
 
 
 def write_qdq(graph_model, model, quant_meta: dict, linears: dict) -> dict:
@@ -83,7 +83,8 @@ def write_qdq(graph_model, model, quant_meta: dict, linears: dict) -> dict:
     bits = int(quant_meta["weight_bits"])
     export = [
         LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), bits, q.input_scale,
-                        q.rotation)
+                        q.rotation, weight_format=quant_meta.get("format", "int"), global_scale=q.global_scale,
+                        input_format=q.input_format)
         for name, q in linears.items()
     ]
     return apply_qdq(graph_model, export)
@@ -257,9 +258,12 @@ def _rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> di
     qdq_stats = {}
     if quantized:
         meta, linears = quantized
-        log.info("writing Q/DQ nodes (%s, %d-bit weights)", meta["method"], meta["weight_bits"])
+        log.info("writing Q/DQ nodes (%s, %d-bit %s weights)", meta["method"], meta["weight_bits"], meta.get("format", "int"))
         qdq_stats = write_qdq(graph_model, model, meta, linears)
-        attach_activation_quant(model, linears)
+        scales = kv_cache_scales(meta)
+        if scales:
+            qdq_stats["kv_cache_qdq_pairs"] = apply_kv_cache_qdq(graph_model, scales)
+        attach_quantization(model, meta, linears)
     if tied and share_tied_embedding(graph_model):
         log.info("tied embedding stored once (the LM head reads the transposed table)")
     save_graph(graph_model, path)
@@ -270,10 +274,11 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx) -> Artifact:
     model = load_causal_lm(source.path, trust_remote_code=ctx.plan.options.trust_remote_code)
     tokenizer = load_tokenizer(source.path)
     quantized = load_quantization(source.path)
-    int8_activations = bool(quantized and quantized[0]["activations"] != "float")
+    int8_activations = bool(quantized and quantized[0]["activations"].startswith("int8"))
+    fp4_weights = bool(quantized and quantized[0].get("format") == "nvfp4")
     out = ctx.stage_dir / "onnx"
     out.mkdir()
-    layout = decoder_layout(model, eos_ids(model, tokenizer), int8_activations)
+    layout = decoder_layout(model, eos_ids(model, tokenizer), int8_activations, fp4_weights)
     log.info("exporting %d layers to ONNX with the %s exporter (opset %d)", layout.num_layers, config.exporter, config.opset)
     export_decoder(model, layout, out / ONNX_FILE, config.exporter, config.opset)
     qdq_stats = _rewrite_graph(out / ONNX_FILE, model, quantized)

@@ -1,4 +1,4 @@
-"""``quantize``: calibrated INT8 (SmoothQuant W8A8), INT4 weight-only (AWQ / GPTQ) or RTN.
+"""``quantize``: calibrated W8A8 (INT8 or FP8, SmoothQuant), INT4 weight-only (AWQ / GPTQ), NVFP4 or RTN.
 
 The output is a Hugging Face folder whose weights lie on their quantization grid (dequantized
 fp32), with ``quantization.json`` and ``quant_scales.safetensors`` beside it; ``export_onnx``
@@ -22,11 +22,20 @@ from compress.stages import StageDef, register
 log = logging.getLogger(__name__)
 
 
+# The GPU number format a deployment precision needs (NVFP4 is FP4 E2M1 values, weight-only or not).
+GPU_FORMAT = {"int8": "int8", "int4": "int4", "fp8": "fp8", "nvfp4": "fp4", "nvfp4_a16": "fp4"}
+
+
 def check_target(config: QuantizeConfig, target: Target) -> None:
-    """Refuse a precision the target's GPU cannot run."""
+    """Refuse a precision the target's GPU cannot run, naming the target and the precisions it has."""
     precision = config.precision()
-    if precision not in target.gpu.precisions:
-        raise UsageError(f"target {target.name} (sm_{target.gpu.sm}) does not support {precision}")
+    if config.kv_cache == "fp8" and "fp8" not in target.gpu.precisions:
+        raise UsageError(f"quantize.kv_cache=fp8: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no FP8; its precisions "
+                         f"are {', '.join(target.gpu.precisions)} (an FP8 KV cache needs FP8, such as target=jetson-agx-thor)")
+    if GPU_FORMAT[precision] not in target.gpu.precisions:
+        hint = " (FP8 and NVFP4 need a Blackwell GPU, such as target=jetson-agx-thor)" if precision in ("fp8", "nvfp4", "nvfp4_a16") else ""
+        raise UsageError(f"quantize.method={config.method}: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no "
+                         f"{precision} tensor cores; its precisions are {', '.join(target.gpu.precisions)}{hint}")
 
 
 def float_linear_fraction(model_config, float_linears: list[str]) -> float:
@@ -64,17 +73,17 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
         blocks = sorted({q.rotation for q in result.linears.values() if q.rotation})
         log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %s)", len(rotated),
                  len(decoder_blocks(model)), "/".join(map(str, blocks)) or "-")
-    bits, acts, group = config.scheme()
+    bits, _, group = config.scheme()
+    activation = config.activation_format()
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "precision": config.precision(),
         "float_linear_fraction": float_linear_fraction(model.config, config.float_linears),
-        "quantization": {"method": config.method, "weight_bits": bits, "group_size": group,
-                         "activations": "int8" if acts else "float"},
+        "quantization": {"method": config.method, "format": config.weight_format(), "weight_bits": bits, "group_size": group,
+                         "activations": activation.name if activation else "float", "kv_cache": config.kv_cache},
         "metrics": {
             "method": config.method,
-            "algorithm": config.algorithm if config.method == "int4" else ("smoothquant+" + config.weight_algorithm
-                                                                            if config.method == "int8" else "rtn"),
+            "algorithm": _algorithm(config),
             "weight_bits": bits,
             "group_size": group,
             "calibration_tokens": result.calibration_tokens,
@@ -86,14 +95,24 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
             "outlier_layers": outliers,
             "float_input_linears": float_inputs,
             "rotated_linears": rotated,
+            "kv_cache_scales": {str(i): list(scales) for i, scales in result.kv_scales.items()} or None,
         },
     }
     return Artifact(HF_MODEL, out, meta)
 
 
+def _algorithm(config: QuantizeConfig) -> str:
+    """How the weights were chosen, in words a report can show."""
+    if config.method in ("int4", "nvfp4"):
+        return config.algorithm + ("+global-scale-search" if config.method == "nvfp4" and config.nvfp4_scale_search else "")
+    if config.method in ("int8", "fp8"):
+        return "smoothquant+" + config.weight_algorithm
+    return "rtn"
+
+
 STAGE = register(StageDef(
     name="quantize",
-    summary="calibrated INT8 SmoothQuant W8A8, INT4 AWQ/GPTQ weight-only, or RTN",
+    summary="calibrated W8A8 (INT8 or FP8, SmoothQuant), INT4 AWQ/GPTQ weight-only, NVFP4 (W4A16 or W4A4), or RTN",
     input_kind=HF_MODEL,
     output_kind=HF_MODEL,
     config_cls=QuantizeConfig,
