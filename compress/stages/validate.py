@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +28,8 @@ from compress.eval.perplexity import perplexity, torch_logits_fn
 from compress.fsutil import atomic_write_json, path_size
 from compress.gate import Check, gate_json, lower_bound_check, require_measured, upper_bound_check
 from compress.models import load_causal_lm, load_tokenizer
-from compress.perf_model import ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
-from compress.quantization import attach_activation_quant, load_quantization
+from compress.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
+from compress.quantization import attach_quantization, load_quantization
 from compress.runtime.onnx_decoder import ONNX_FILE, OnnxDecoder
 from compress.stages import StageDef, register
 
@@ -71,12 +72,12 @@ def device_reference(decoder: OnnxDecoder, tokenizer, evaluation: list[TextSourc
 
 
 def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> float | None:
-    """Perplexity of the torch model the ONNX graph was exported from, with its simulated activation quantization."""
+    """Perplexity of the torch model the ONNX graph was exported from, with its simulated activation (and KV cache) quantization."""
     quantized = load_quantization(model_dir)
     if quantized is None:
         return None
     model = load_causal_lm(model_dir)
-    attach_activation_quant(model, quantized[1])
+    attach_quantization(model, *quantized)
     return perplexity(torch_logits_fn(model), windows, progress, desc="ppl torch quantized")
 
 
@@ -141,6 +142,11 @@ def domain_quality(per_domain: dict[str, dict[str, Any]], unseen: list[str]) -> 
     }
 
 
+def stored_kv_cache(meta: dict[str, Any]) -> str:
+    """The KV-cache precision an artifact's quantization chose (``fp16`` when it has none)."""
+    return (meta.get("quantization") or {}).get("kv_cache", "fp16")
+
+
 def model_shape(onnx_dir: Path) -> ModelShape:
     """The decoder's shape from the config saved beside the ONNX file."""
     return ModelShape.from_config(json.loads((onnx_dir / "config.json").read_text(encoding="utf-8")))
@@ -178,9 +184,11 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
     return require_measured(checks) if must_measure else checks
 
 
-def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str, float_fraction: float = 0.0) -> dict[str, Any]:
-    """Latency-model predictions for every power mode and the chosen one (``float_fraction`` of the linears left FP16)."""
-    shape = model_shape(onnx_dir)
+def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str, float_fraction: float = 0.0,
+                       kv_cache: str = "fp16") -> dict[str, Any]:
+    """Latency-model predictions for every power mode and the chosen one (``float_fraction`` of the linears left FP16,
+    the KV cache in ``kv_cache`` precision)."""
+    shape = replace(model_shape(onnx_dir), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[kv_cache])
     all_modes = predict_all_modes(target, shape, precision, float_fraction=float_fraction)
     chosen = predict(target, shape, precision, power_mode, float_fraction=float_fraction).to_json()
     lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)
@@ -205,7 +213,7 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
                           device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.plan.evaluation, config))
     precision = source.meta.get("precision", "fp32")
     predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode,
-                                     source.meta.get("float_linear_fraction", 0.0))
+                                     source.meta.get("float_linear_fraction", 0.0), stored_kv_cache(source.meta))
     checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)
     gate = gate_json(checks)
     out = ctx.stage_dir / "validation.json"
