@@ -3,10 +3,11 @@
 Three links, each checked:
 
 1. the quantize stage's folder (the numbers validate measured) -> the unified checkpoint: the
-   integers are recovered from the on-grid weights and must be exact;
+   grid values (integers, FP8 or FP4 values) are recovered from the on-grid weights and must be exact;
 2. the checkpoint -> the exported ONNX: ``edgellm_custody.py`` (run by Edge-LLM's interpreter)
-   compares every quantized linear's integers, weight scales and activation scale, in the plugin
-   layouts, with the initializers of the bundle's ``llm/model.onnx``;
+   compares every quantized linear's grid values, weight scales and activation scale, in the plugin
+   layouts, with the initializers of the bundle's ``llm/model.onnx``, and that a weight-only
+   linear's input is not quantized;
 3. the bundle's ``config.json`` against the model's: layers, heads, KV heads, head size, widths,
    vocabulary, RoPE base, norm epsilon, end-of-sequence tokens.
 
@@ -27,11 +28,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress.deploy.edgellm import EDGELLM_VERSION, edgellm_python
-from compress.deploy.unified_checkpoint import WEIGHTS_FILE, integer_weight, write_unified_checkpoint
+from compress.deploy.unified_checkpoint import NVFP4_WEIGHT_ONLY, WEIGHTS_FILE, grid_values, write_unified_checkpoint
 from compress.errors import StageError
 from compress.families import Family, family_of, is_decoder_linear, part_rows
 from compress.fsutil import path_size, read_json
-from compress.quantization import load_quantization
+from compress.quantization import kv_cache_scales, load_quantization
 
 log = logging.getLogger(__name__)
 
@@ -40,25 +41,28 @@ EXPORT_TIMEOUT_S = 3600
 
 
 def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
-    """Per quantized linear: the integers, weight scales and (W8A8) input scale that the quantize stage measured, and its
-    bias in FP16; per decoder linear left float, its weight in FP16. A fused linear (Phi-3's ``qkv_proj``) is listed
+    """What the quantize stage measured, per quantized linear: its grid values (``integers``, ``fp8_values`` or
+    ``fp4_values``), weight scales (NVFP4: FP8 ``block_scale`` and ``global_scale``), the input scale where activations
+    are quantized (``weight_only`` marks NVFP4 without), and its bias in FP16; per decoder linear left float, its weight
+    in FP16; per layer with an FP8 KV cache, its ``kv_scales`` (k, v). A fused linear (Phi-3's ``qkv_proj``) is listed
     as the parts Edge-LLM splits it into (``q_proj``, ``k_proj``, ``v_proj``), each with its rows."""
     meta, linears = load_quantization(quantized_dir)
-    bits = meta["weight_bits"]
+    weight_format = meta.get("format", "int")
     config = read_json(Path(quantized_dir) / "config.json")
     family = family_of(config)
     numbers: dict[str, torch.Tensor] = {}
     with safe_open(str(Path(quantized_dir) / WEIGHTS_FILE), framework="pt") as source:
         stored = set(source.keys())
         for name, quant in linears.items():
-            per_row = {"integers": integer_weight(name, source.get_tensor(f"{name}.weight"), quant, bits),
-                       "weight_scale": quant.weight_scales.float()}
+            values = grid_values(name, source.get_tensor(f"{name}.weight"), quant, meta)
+            per_row, scalars = _linear_numbers(weight_format, values, quant)
             if f"{name}.bias" in stored:
                 per_row["bias"] = source.get_tensor(f"{name}.bias").half()
             for part_name, rows in _parts(family, config, name):
                 numbers.update({f"{part_name}.{kind}": tensor[rows].contiguous() for kind, tensor in per_row.items()})
-                if bits == 8:
-                    numbers[f"{part_name}.input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
+                numbers.update({f"{part_name}.{kind}": tensor for kind, tensor in scalars.items()})
+        for layer, scales in (kv_cache_scales(meta) or {}).items():
+            numbers[f"model.layers.{layer}.self_attn.kv_scales"] = torch.tensor(scales, dtype=torch.float32)
         for key in stored:
             module = key.rsplit(".", 1)[0]
             if key.endswith(".weight") and module not in linears and is_decoder_linear(module, family):
@@ -66,6 +70,22 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
                 numbers.update({f"{part_name}.float_weight": weight[rows].contiguous()
                                 for part_name, rows in _parts(family, config, module)})
     return numbers
+
+
+def _linear_numbers(weight_format: str, values: torch.Tensor, quant) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One linear's numbers split into those with a row per output channel and the per-tensor scalars."""
+    scalars: dict[str, torch.Tensor] = {}
+    if quant.input_scale is not None:
+        scalars["input_scale"] = torch.tensor([quant.input_scale], dtype=torch.float32)
+    if weight_format == "fp8":
+        scalars["weight_scale"] = quant.weight_scales.float().reshape(1)
+        return {"fp8_values": values.float()}, scalars
+    if weight_format == "nvfp4":
+        scalars["global_scale"] = torch.tensor([quant.global_scale], dtype=torch.float32)
+        if quant.input_scale is None:
+            scalars["weight_only"] = torch.ones(1, dtype=torch.uint8)
+        return {"fp4_values": values.float(), "block_scale": quant.weight_scales.float()}, scalars
+    return {"integers": values, "weight_scale": quant.weight_scales.float()}, scalars
 
 
 def _parts(family: Family, config: dict[str, Any], module: str) -> list[tuple[str, slice]]:
@@ -79,10 +99,21 @@ def _parts(family: Family, config: dict[str, Any], module: str) -> list[tuple[st
     return [(f"{prefix}.layers.{layer}.{parent}.{part}_proj", part_rows(family, config, path, part)) for part in parts]
 
 
-def run_export(checkpoint: Path, bundle: Path, log_file: Path) -> float:
-    """``tensorrt-edgellm-export CHECKPOINT BUNDLE`` in Edge-LLM's environment; returns seconds taken."""
+def exporter_arguments(quant_algo: str) -> list[str]:
+    """The ``tensorrt-edgellm-export`` options a checkpoint needs.
+
+    A weight-only NVFP4 checkpoint is exported with ``--no-quantize-activations``: Edge-LLM 0.11
+    reads a dense NVFP4 checkpoint of a Llama-style model as W4A4 otherwise. (``--target-sm`` is not
+    needed: it selects plugins for Nemotron-H's and the NVFP4-A16 linears only, which these bundles
+    do not use.)
+    """
+    return ["--no-quantize-activations"] if quant_algo == NVFP4_WEIGHT_ONLY else []
+
+
+def run_export(checkpoint: Path, bundle: Path, log_file: Path, arguments: list[str] | None = None) -> float:
+    """``tensorrt-edgellm-export CHECKPOINT BUNDLE [ARGUMENTS]`` in Edge-LLM's environment; returns seconds taken."""
     exporter = edgellm_python().parent / "tensorrt-edgellm-export"
-    command = [str(exporter), str(checkpoint), str(bundle)]
+    command = [str(exporter), str(checkpoint), str(bundle), *(arguments or [])]
     log.info("exporting the Edge-LLM bundle: %s", " ".join(command))
     started = time.perf_counter()
     with open(log_file, "w", encoding="utf-8") as output:
@@ -142,7 +173,8 @@ def export_bundle(quantized_dir: Path, work: Path) -> dict[str, Any]:
     """Checkpoint, export and check; returns the metrics the stage records."""
     checkpoint, bundle = work / "checkpoint", work / "bundle"
     summary = write_unified_checkpoint(quantized_dir, checkpoint)
-    seconds = run_export(checkpoint, bundle, work / "export.log")
+    arguments = exporter_arguments(summary.quant_algo)
+    seconds = run_export(checkpoint, bundle, work / "export.log", arguments)
     custody = check_custody(quantized_dir, bundle, work)
     config = check_bundle_config(bundle, json.loads((Path(quantized_dir) / "config.json").read_text(encoding="utf-8")))
     if config["edgellm_version"] != EDGELLM_VERSION:
@@ -150,6 +182,6 @@ def export_bundle(quantized_dir: Path, work: Path) -> dict[str, Any]:
     log.info("Edge-LLM bundle: %s, %d tensors compared, all equal; config.json matches the model", summary.quant_algo,
              len(custody["compared"]))
     return {"checkpoint": summary.to_json(), "checkpoint_bytes": path_size(checkpoint), "bundle_bytes": path_size(bundle),
-            "export_seconds": round(seconds, 1), "edgellm_version": EDGELLM_VERSION,
+            "export_seconds": round(seconds, 1), "edgellm_version": EDGELLM_VERSION, "exporter_arguments": arguments,
             "custody": {"tensors_compared": len(custody["compared"]), "mismatches": 0,
                         "int4_plugin_version": custody["int4_plugin_version"], "config_fields": config["fields"]}}

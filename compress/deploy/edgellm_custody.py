@@ -5,14 +5,22 @@ Run by the interpreter that has ``tensorrt-edgellm`` (it imports nothing from ``
     python edgellm_custody.py BUNDLE_DIR EXPECTED.safetensors REPORT.json
 
 ``EXPECTED.safetensors`` holds, per quantized linear ``<name>``, what the quantize stage measured:
-``<name>.integers`` (int8 values, INT4 ones in [-8, 7]), ``<name>.weight_scale`` (float32),
-for W8A8 ``<name>.input_scale``, and ``<name>.bias`` (float16) for linears with a bias (Qwen2's q/k/v);
+``<name>.integers`` (int8 values, INT4 ones in [-8, 7]) and ``<name>.weight_scale`` (float32); or
+``<name>.fp8_values`` and the per-tensor ``<name>.weight_scale`` (FP8); or ``<name>.fp4_values``,
+``<name>.block_scale`` and ``<name>.global_scale`` (NVFP4, ``<name>.weight_only`` when its input stays
+FP16); ``<name>.input_scale`` where the input is quantized, and ``<name>.bias`` (float16) for linears
+with a bias (Qwen2's q/k/v); per attention ``<layer>.self_attn.kv_scales`` (float32 k and v scales) for an
+FP8 KV cache, compared with the layer's AttentionPlugin attributes;
 per decoder linear left float, ``<name>.float_weight`` (float16), found by value because the exporter
 folds it into a renamed, transposed constant. The others are compared with the initializer of the same name in
 ``BUNDLE_DIR/llm/model.onnx`` (Edge-LLM names them ``_model.<checkpoint name>``). INT4 weights
 sit in the INT4 GEMM plugin's packed layout, so our integers are laid out with Edge-LLM's own
 repacking function for the plugin version the bundle uses and compared byte for byte; its
-scales are stored transposed in float16. The report lists every comparison and every mismatch.
+scales are stored transposed in float16. FP8 and NVFP4 tensors are compared by value (FP8 scales
+in FP16, as Edge-LLM stores them); where Edge-LLM fused q, k and v into one ``qkv_proj_fused``
+linear (NVFP4 with equal per-tensor scales), each projection is compared with its rows of the fused
+tensors. Scales are found by following the graph from the weight, because Edge-LLM deduplicates
+equal initializers. The report lists every comparison and every mismatch.
 """
 
 import json
@@ -25,6 +33,8 @@ from safetensors.numpy import load_file
 
 _PREFIX = "_model."
 _PASS_THROUGH = {"Cast", "Transpose", "Reshape"}
+_FUSED_QKV = ("q_proj", "k_proj", "v_proj")
+_QUANTIZERS = {"QuantizeLinear", "TRT_FP4DynamicQuantize"}
 
 
 class Graph:
@@ -46,16 +56,8 @@ class Graph:
         Edge-LLM quantizes an activation once for every linear that reads it (q, k and v share one), and
         identical scales may share one initializer, so the scale is found by following the graph.
         """
-        node = next((n for n in self.consumers.get(weight, []) if n.op_type == "DequantizeLinear"), None)
-        while node is not None and node.op_type != "MatMul":
-            node = next(iter(self.consumers.get(node.output[0], [])), None)
-            if node is not None and node.op_type not in _PASS_THROUGH | {"MatMul"}:
-                return None
-        if node is None:
-            return None
-        weight_side = self._upstream(node.input[1])
-        activation = node.input[0] if weight_side is not None and weight_side.input[0] == weight else node.input[1]
-        source = self._upstream(activation)
+        activation = self.activation_input(weight)
+        source = self._upstream(activation) if activation is not None else None
         return source.input[1] if source is not None else None
 
     def bias_of(self, weight: str):
@@ -70,6 +72,45 @@ class Graph:
         if after is None or after.op_type != "Add":
             return None
         return next((name for name in after.input if name in self.initializers), None)
+
+    def weight_dequantizer(self, weight: str):
+        """The DequantizeLinear node reading ``weight``, or None."""
+        return next((n for n in self.consumers.get(weight, []) if n.op_type == "DequantizeLinear"), None)
+
+    def matmul_of(self, weight: str):
+        """The MatMul the dequantized ``weight`` feeds (through casts, transposes and reshapes), or None."""
+        node = self.weight_dequantizer(weight)
+        while node is not None and node.op_type != "MatMul":
+            node = next(iter(self.consumers.get(node.output[0], [])), None)
+            if node is not None and node.op_type not in _PASS_THROUGH | {"MatMul"}:
+                return None
+        return node
+
+    def activation_input(self, weight: str):
+        """The other input of the MatMul ``weight`` takes part in, or None."""
+        matmul, dequantizer = self.matmul_of(weight), self.weight_dequantizer(weight)
+        if matmul is None:
+            return None
+        weight_side = 1 if any(n is dequantizer for n in self._chain_up(matmul.input[1])) else 0
+        return matmul.input[1 - weight_side]
+
+    def activation_quantizers(self, weight: str) -> list:
+        """The quantize nodes feeding the activation side of ``weight``'s MatMul (none for an FP16 input)."""
+        activation = self.activation_input(weight)
+        if activation is None:
+            return []
+        return [n for n in self._chain_up(activation, through_quantizers=True) if n.op_type in _QUANTIZERS]
+
+    def _chain_up(self, tensor: str, through_quantizers: bool = False) -> list:
+        """``tensor``'s producers back through pass-through nodes (and quantize / dequantize nodes when asked), ending
+        with the first other node."""
+        chain, node = [], self.producer.get(tensor)
+        while node is not None:
+            chain.append(node)
+            if node.op_type not in _PASS_THROUGH and not (through_quantizers and node.op_type in _QUANTIZERS | {"DequantizeLinear"}):
+                break
+            node = self.producer.get(node.input[0])
+        return chain
 
     def _upstream(self, tensor: str):
         node = self.producer.get(tensor)
@@ -102,6 +143,78 @@ def _compare(report: dict, name: str, found, expected: np.ndarray) -> None:
         report["mismatches"].append(entry)
 
 
+def _fused_rows(inits: dict, name: str, expected: dict) -> tuple[str, slice] | None:
+    """Where Edge-LLM fused q, k and v: the fused linear's name and ``name``'s rows in it."""
+    parent, _, projection = name.rpartition(".")
+    if projection not in _FUSED_QKV or f"{_PREFIX}{parent}.qkv_proj_fused.weight" not in inits:
+        return None
+    start = 0
+    for part in _FUSED_QKV:
+        rows = expected[f"{parent}.{part}.fp4_values"].shape[0]
+        if part == projection:
+            return f"{parent}.qkv_proj_fused", slice(start, start + rows)
+        start += rows
+    return None
+
+
+def _values(array):
+    return None if array is None else np.asarray(array).astype(np.float32)
+
+
+def _check_fp8(report: dict, graph: Graph, name: str, expected: dict) -> None:
+    inits = graph.initializers
+    weight = f"{_PREFIX}{name}.weight"
+    _compare(report, f"{weight} (FP8)", _values(inits.get(weight)), expected[f"{name}.fp8_values"])
+    dequantize = graph.weight_dequantizer(weight)
+    scale = inits.get(dequantize.input[1]) if dequantize is not None else None
+    _compare(report, f"{_PREFIX}{name} weight scale (FP16)", None if scale is None else scale.reshape(()),
+             expected[f"{name}.weight_scale"].astype(np.float16).reshape(()))
+    scale_name = graph.activation_scale(weight)
+    _compare(report, f"{_PREFIX}{name} activation scale ({scale_name}, FP16)", inits.get(scale_name) if scale_name else None,
+             expected[f"{name}.input_scale"].astype(np.float16).reshape(()))
+
+
+def _check_nvfp4(report: dict, graph: Graph, name: str, expected: dict) -> None:
+    inits = graph.initializers
+    fused = _fused_rows(inits, name, expected)
+    linear, rows = fused if fused else (name, slice(None))
+    weight = f"{_PREFIX}{linear}.weight"
+    found = _values(inits.get(weight))
+    label = f"{weight}[{rows.start}:{rows.stop}]" if fused else weight
+    _compare(report, f"{label} (FP4)", None if found is None else found[rows], expected[f"{name}.fp4_values"])
+    dequantize = graph.weight_dequantizer(weight)
+    scales = graph.producer.get(dequantize.input[1]) if dequantize is not None else None
+    block = inits.get(scales.input[0]) if scales is not None else None
+    rows_note = f"[{rows.start}:{rows.stop}]" if fused else ""
+    _compare(report, f"{_PREFIX}{linear} block scales{rows_note} (FP8)", None if block is None else _values(block)[rows],
+             expected[f"{name}.block_scale"])
+    global_scale = inits.get(scales.input[1]) if scales is not None else None
+    _compare(report, f"{_PREFIX}{linear} global scale", None if global_scale is None else global_scale.reshape(()),
+             expected[f"{name}.global_scale"].reshape(()))
+    quantizers = graph.activation_quantizers(weight)
+    if f"{name}.weight_only" in expected:
+        entry = {"tensor": f"{_PREFIX}{linear} input (FP16, weight-only)", "shape": [], "dtype": "float16"}
+        if quantizers:
+            entry["problem"] = f"the input is quantized ({quantizers[0].op_type}) although the checkpoint is weight-only"
+            report["mismatches"].append(entry)
+        report["compared"].append(entry)
+        return
+    dynamic = next((n for n in quantizers if n.op_type == "TRT_FP4DynamicQuantize"), None)
+    _compare(report, f"{_PREFIX}{linear} activation global scale", None if dynamic is None else inits.get(dynamic.input[1]).reshape(()),
+             expected[f"{name}.input_scale"].reshape(()))
+
+
+def _check_kv_cache(report: dict, attention: dict, name: str, scales: np.ndarray) -> None:
+    """The layer's attention plugin stores an FP8 cache with our (k, v) dequantization scales."""
+    layer = name.split(".layers.", 1)[1].split(".", 1)[0]
+    node = attention.get(f"present_key_values_{layer}")
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute} if node is not None else {}
+    found = None
+    if attributes.get("enable_fp8_kv_cache") == 1:
+        found = np.asarray(attributes.get("qkv_scales", [])[1:3], dtype=np.float32)
+    _compare(report, f"layer {layer} AttentionPlugin FP8 KV cache (k_scale, v_scale)", found, scales.astype(np.float32))
+
+
 def check(bundle: str, expected_path: str) -> dict:
     model_path = f"{bundle}/llm/model.onnx"
     graph = Graph(model_path)
@@ -116,25 +229,38 @@ def check(bundle: str, expected_path: str) -> dict:
         _compare(report, f"{_PREFIX}{name}.weight (FP16, {match or 'no initializer holds it'})",
                  inits[match] if match else None, target if match is None or inits[match].shape == target.shape else target.T)
     names = sorted({key.rsplit(".", 1)[0] for key in expected})
+    attention = {out: node for node in graph.producer.values() if node.op_type == "AttentionPlugin" for out in node.output}
     for name in names:
-        integers = expected[f"{name}.integers"]
-        scale = expected[f"{name}.weight_scale"]
-        if scale.ndim == 2:  # INT4 group-wise
-            _compare(report, f"{_PREFIX}{name}.weight", inits.get(f"{_PREFIX}{name}.weight"),
-                     _int4_layout(integers, graph.plugin_version))
-            _compare(report, f"{_PREFIX}{name}.weight_scale", inits.get(f"{_PREFIX}{name}.weight_scale"),
-                     np.ascontiguousarray(scale.T).astype(np.float16))
+        if f"{name}.kv_scales" in expected:
+            _check_kv_cache(report, attention, name, expected[f"{name}.kv_scales"])
+            continue
+        if f"{name}.fp8_values" in expected:
+            _check_fp8(report, graph, name, expected)
+        elif f"{name}.fp4_values" in expected:
+            _check_nvfp4(report, graph, name, expected)
         else:
-            _compare(report, f"{_PREFIX}{name}.weight", inits.get(f"{_PREFIX}{name}.weight"), integers)
-            _compare(report, f"{_PREFIX}{name}.weight_scale", inits.get(f"{_PREFIX}{name}.weight_scale"), scale)
-            scale_name = graph.activation_scale(f"{_PREFIX}{name}.weight")
-            _compare(report, f"{_PREFIX}{name} activation scale ({scale_name})", inits.get(scale_name) if scale_name else None,
-                     expected[f"{name}.input_scale"].reshape(()))
+            _check_integers(report, graph, name, expected)
         if f"{name}.bias" in expected:
             bias_name = graph.bias_of(f"{_PREFIX}{name}.weight")
             _compare(report, f"{_PREFIX}{name} bias ({bias_name})", inits.get(bias_name) if bias_name else None,
                      expected[f"{name}.bias"])
     return report
+
+
+def _check_integers(report: dict, graph: Graph, name: str, expected: dict) -> None:
+    inits = graph.initializers
+    integers = expected[f"{name}.integers"]
+    scale = expected[f"{name}.weight_scale"]
+    if scale.ndim == 2:  # INT4 group-wise
+        _compare(report, f"{_PREFIX}{name}.weight", inits.get(f"{_PREFIX}{name}.weight"), _int4_layout(integers, graph.plugin_version))
+        _compare(report, f"{_PREFIX}{name}.weight_scale", inits.get(f"{_PREFIX}{name}.weight_scale"),
+                 np.ascontiguousarray(scale.T).astype(np.float16))
+        return
+    _compare(report, f"{_PREFIX}{name}.weight", inits.get(f"{_PREFIX}{name}.weight"), integers)
+    _compare(report, f"{_PREFIX}{name}.weight_scale", inits.get(f"{_PREFIX}{name}.weight_scale"), scale)
+    scale_name = graph.activation_scale(f"{_PREFIX}{name}.weight")
+    _compare(report, f"{_PREFIX}{name} activation scale ({scale_name})", inits.get(scale_name) if scale_name else None,
+             expected[f"{name}.input_scale"].reshape(()))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,21 @@ Integers on disk, in the layout NVIDIA's tools read (TensorRT Edge-LLM's exporte
 its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the specification):
 
 * ``hf_quant_config.json`` (and ``quantization_config`` in ``config.json``) names the algorithm:
-  ``W8A8_SQ_PER_CHANNEL`` or ``W4A16_AWQ`` with its ``group_size``; ``lm_head`` and any decoder
-  linear the quantize stage left float (``quantize.float_linears``) stay FP16 and are listed in
-  ``exclude_modules`` (Edge-LLM also treats a linear with no ``weight_scale`` as FP16).
+  ``W8A8_SQ_PER_CHANNEL``, ``W4A16_AWQ`` (with its ``group_size``), ``FP8``, ``NVFP4`` (W4A4) or
+  ``W4A16_NVFP4`` (weight-only; ``group_size`` 16); ``lm_head`` and any decoder linear the quantize
+  stage left float (``quantize.float_linears``) stay FP16 and are listed in ``exclude_modules``
+  (Edge-LLM also treats a linear with no ``weight_scale`` as FP16).
 * W8A8 linear: ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out]``, ``input_scale``
   float32 ``[]`` (the QuantizeLinear scale, amax / 127), ``pre_quant_scale`` float16 ``[in]``.
 * W4A16 linear: ``weight`` uint8 ``[out / 2, in]``, two's-complement nibbles (even output rows in
   the low nibble, odd rows in the high one), ``weight_scale`` float32 ``[out, in / group]``.
+* FP8 linear: ``weight`` float8_e4m3fn ``[out, in]``, ``weight_scale`` and ``input_scale`` float32
+  ``[]`` (FP16 numbers: Edge-LLM casts FP8 scales to FP16).
+* NVFP4 linear: ``weight`` uint8 ``[out, in / 2]``, E2M1 codes (even inputs in the low nibble),
+  ``weight_scale`` float8_e4m3fn ``[out, in / 16]`` (block scales), ``weight_scale_2`` float32 ``[]``
+  (the per-tensor scale), and for W4A4 ``input_scale`` float32 ``[]`` (the activations' global scale).
+* An FP8 KV cache: ``kv_cache_quant_algo: FP8`` and per layer ``self_attn.k_proj.k_scale`` and
+  ``self_attn.v_proj.v_scale``, float32 ``[]`` (the cache's dequantization scales, amax / 448).
 * Every other tensor (embedding, norms) in float16, ``torch_dtype: float16``.
 
 SmoothQuant and AWQ scales are already folded into the norms and producer linears of the
@@ -33,11 +41,13 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress import __version__
+from compress.algorithms.formats import e2m1_codes, levels_on_grid, pack_fp4
 from compress.errors import UsageError
 from compress.families import family_of, is_decoder_linear
-from compress.quantization import LinearQuant, load_quantization
+from compress.quantization import LinearQuant, kv_cache_scales, load_quantization, stored_grid
 
-QUANT_ALGOS = {8: "W8A8_SQ_PER_CHANNEL", 4: "W4A16_AWQ"}
+QUANT_ALGOS = {("int", 8): "W8A8_SQ_PER_CHANNEL", ("int", 4): "W4A16_AWQ", ("fp8", 8): "FP8", ("nvfp4", 4): "NVFP4"}
+NVFP4_WEIGHT_ONLY = "W4A16_NVFP4"
 HF_QUANT_CONFIG = "hf_quant_config.json"
 WEIGHTS_FILE = "model.safetensors"
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
@@ -79,6 +89,19 @@ def integer_weight(name: str, weight: torch.Tensor, quant: LinearQuant, bits: in
     return integers.to(torch.int8)
 
 
+def grid_values(name: str, weight: torch.Tensor, quant: LinearQuant, meta: dict[str, Any]) -> torch.Tensor:
+    """The grid values of a saved linear's weight: integers (int8), E4M3 values (FP8) or E2M1 values (NVFP4), exactly."""
+    if meta.get("format", "int") == "int":
+        return integer_weight(name, weight, quant, meta["weight_bits"])
+    if quant.rotation:
+        raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
+                         "cannot express; quantize with quantize.hadamard_block=0")
+    try:
+        return levels_on_grid(weight, stored_grid(meta, quant), quant.weight_scales, tolerance=0.0)
+    except ValueError as exc:
+        raise UsageError(f"{name}: {exc}; the quantized folder and its scales disagree") from exc
+
+
 def pack_int4(integers: torch.Tensor) -> torch.Tensor:
     """``[out, in]`` int4 values in int8 -> ``[out / 2, in]`` uint8, even rows low nibble, odd rows high (two's complement)."""
     if integers.shape[0] % 2:
@@ -97,8 +120,21 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(values > 7, values - 16, values).to(torch.int8)
 
 
-def _linear_tensors(name: str, weight: torch.Tensor, quant: LinearQuant, bits: int) -> dict[str, torch.Tensor]:
-    integers = integer_weight(name, weight, quant, bits)
+def _linear_tensors(name: str, weight: torch.Tensor, quant: LinearQuant, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    values = grid_values(name, weight, quant, meta)
+    weight_format, bits = meta.get("format", "int"), meta["weight_bits"]
+    if weight_format == "fp8":
+        if quant.input_scale is None:
+            raise UsageError(f"{name}: FP8 needs a calibrated input scale")
+        return {f"{name}.weight": values.to(torch.float8_e4m3fn), f"{name}.weight_scale": quant.weight_scales.float().reshape(()),
+                f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32)}
+    if weight_format == "nvfp4":
+        tensors = {f"{name}.weight": pack_fp4(e2m1_codes(values)), f"{name}.weight_scale": quant.weight_scales.to(torch.float8_e4m3fn),
+                   f"{name}.weight_scale_2": torch.tensor(quant.global_scale, dtype=torch.float32)}
+        if quant.input_scale is not None:
+            tensors[f"{name}.input_scale"] = torch.tensor(quant.input_scale, dtype=torch.float32)
+        return tensors
+    integers = values
     if bits == 8:
         if quant.input_scale is None:
             raise UsageError(f"{name}: W8A8 needs a calibrated input scale")
@@ -115,9 +151,13 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     if loaded is None:
         raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
     meta, linears = loaded
-    bits, group = meta["weight_bits"], meta.get("group_size")
+    bits, group, weight_format = meta["weight_bits"], meta.get("group_size"), meta.get("format", "int")
     if bits == 8 and meta.get("activations") == "float":
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
+    if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
+        raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
+                         "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
+    quant_algo = quant_algorithm(meta)
     tensors: dict[str, torch.Tensor] = {}
     quantized_bytes = fp16_bytes = 0
     family = family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8")))
@@ -127,7 +167,7 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
             module = key.rsplit(".", 1)[0]
             if module in linears and key.endswith(".weight"):
                 weight = source.get_tensor(key)
-                written = _linear_tensors(module, weight, linears[module], bits)
+                written = _linear_tensors(module, weight, linears[module], meta)
                 quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
                 fp16_bytes += weight.numel() * 2
                 tensors.update(written)
@@ -138,12 +178,17 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                 float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
                 quantized_bytes += tensor.numel() * 2
                 fp16_bytes += tensor.numel() * 2
+    kv_scales = kv_cache_scales(meta)
+    for layer, (k_scale, v_scale) in (kv_scales or {}).items():
+        tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
+        tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
     missing = sorted(set(linears) - {k.rsplit(".", 1)[0] for k in tensors})
     if missing:
         raise UsageError(f"{quantized_dir}: quantized linears without weights: {', '.join(missing[:3])}")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
-    quant_block = {"quant_algo": QUANT_ALGOS[bits], "kv_cache_quant_algo": None, "exclude_modules": ["lm_head", *sorted(float_linears)]}
+    quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
+                   "exclude_modules": ["lm_head", *sorted(float_linears)]}
     if bits == 4:
         quant_block["group_size"] = group
     (out / HF_QUANT_CONFIG).write_text(json.dumps(
@@ -156,5 +201,12 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     for name in _COPIED:
         if (quantized_dir / name).is_file():
             shutil.copy2(quantized_dir / name, out / name)
-    return CheckpointSummary(QUANT_ALGOS[bits], group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes,
-                             len(float_linears))
+    return CheckpointSummary(quant_algo, group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes, len(float_linears))
+
+
+def quant_algorithm(meta: dict[str, Any]) -> str:
+    """The unified checkpoint's ``quant_algo`` for a saved quantization's metadata."""
+    weight_format = meta.get("format", "int")
+    if weight_format == "nvfp4" and meta.get("activations") == "float":
+        return NVFP4_WEIGHT_ONLY
+    return QUANT_ALGOS[(weight_format, meta["weight_bits"])]

@@ -22,14 +22,15 @@ import numpy as np
 import onnx
 from pydantic import Field, PositiveInt
 
+from compress.algorithms.qdq import FP4_OPSET
 from compress.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, Artifact
 from compress.config import StrictModel, Target
 from compress.deploy import edgellm_device
 from compress.engine.builder import build_engine, local_build_support
 from compress.engine.engine_graph import engine_graph_parity, write_engine_graph
 from compress.engine.plan import BuildPlan, make_encoder_plan, make_plan
-from compress.engine.static_check import GraphFacts, check_onnx_file
-from compress.errors import MissingBackendError, StageError
+from compress.engine.static_check import MAX_OPSET, GraphFacts, check_onnx_file
+from compress.errors import MissingBackendError, StageError, UsageError
 from compress.fsutil import atomic_write_json, atomic_write_text, read_json
 from compress.models import cache_root
 from compress.runtime.encoder import ENCODER_FILE
@@ -227,6 +228,17 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx) -> Artifa
     return Artifact(ENGINE, out, meta)
 
 
+def check_plan(config: BuildEngineConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None) -> None:
+    """Refuse, before any work, a generic TensorRT build of a graph the target's ONNX parser cannot read."""
+    quantize = earlier.get("quantize")
+    if quantize is not None and quantize.method == "nvfp4" and "export_edgellm" not in earlier:
+        major = target.tensorrt_version.split(".")[0]
+        if MAX_OPSET.get(major, 21) < FP4_OPSET:
+            raise UsageError(f"build_engine: an NVFP4 graph stores FP4 weights (FLOAT4E2M1, ONNX opset {FP4_OPSET}), and the ONNX parser "
+                             f"of TensorRT {target.tensorrt_version} on {target.name} reads opset {MAX_OPSET.get(major, 21)} at most; "
+                             "deploy NVFP4 through export_edgellm (recipe=thor-nvfp4), or end the recipe at export_onnx")
+
+
 STAGE = register(StageDef(
     name="build_engine",
     summary="build the TensorRT engine (Edge-LLM's llm_build for a bundle, TensorRT for our ONNX), or defer with the commands",
@@ -234,6 +246,7 @@ STAGE = register(StageDef(
     output_kind=ENGINE,
     config_cls=BuildEngineConfig,
     run=run_build_engine,
+    check_plan=check_plan,
     uses_target=True,
     model_kinds=("decoder", "encoder"),
 ))

@@ -28,6 +28,8 @@ log = logging.getLogger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
 # Edge-LLM 0.11's INT4 GEMM plugin (V2, the default) tiles weights in blocks of 64 in both dimensions.
 INT4_ALIGNMENT = 64
+# The Edge-LLM precision a deployment precision ships as (NVFP4 weight-only and W4A4 are both NVFP4 bundles).
+EDGELLM_PRECISION = {"int8": "int8", "int4": "int4", "fp8": "fp8", "nvfp4": "nvfp4", "nvfp4_a16": "nvfp4"}
 # Head sizes the pinned Edge-LLM's attention plugin has prefill kernels for (fmha_v2_d64/d128/d256/d512
 # in the 0.11.0 wheel's libNvInfer_edgellm_plugin.so); any other size fails the engine build or runs decode only.
 HEAD_DIMS = (64, 128, 256, 512)
@@ -57,11 +59,17 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a recipe that ends at export_onnx "
                          "(recipe=int8 or recipe=int4) gives the portable Q/DQ ONNX")
     check_attention_shape(model_config)
-    precision = {4: "int4", 8: "int8"}.get(quantize.scheme()[0], "fp16") if quantize is not None else "fp16"
+    precision = EDGELLM_PRECISION[quantize.precision()] if quantize is not None else "fp16"
     if precision not in target.edgellm.precisions:
         raise UsageError(f"export_edgellm: Edge-LLM {target.edgellm.version} on {target.name} runs "
                          f"{', '.join(target.edgellm.precisions)}, not {precision}; choose another quantize.method")
-    if quantize is not None and quantize.scheme()[0] == 4:
+    if quantize is not None and quantize.method == "fp8" and quantize.fp8_weight_scale == "channel":
+        raise UsageError("export_edgellm: Edge-LLM's FP8 linears take one weight scale per tensor; set quantize.fp8_weight_scale=tensor "
+                         "(per-channel FP8 stays in the portable ONNX: end the recipe at export_onnx)")
+    if quantize is not None and quantize.kv_cache == "fp8" and quantize.precision() == "int4":
+        raise UsageError("export_edgellm: Edge-LLM 0.11 reads no FP8 KV cache from a W4A16_AWQ checkpoint; drop quantize.kv_cache=fp8 "
+                         "or quantize with method fp8 or nvfp4")
+    if quantize is not None and quantize.precision() == "int4":
         group = quantize.scheme()[2]
         for name, (out_features, in_features) in linear_shapes(model_config).items():
             if out_features % INT4_ALIGNMENT or in_features % INT4_ALIGNMENT or in_features % group:
