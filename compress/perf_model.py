@@ -6,20 +6,30 @@
   read at the context length. The per-layer term (kernel launches, norms, RoPE, attention set-up)
   is what keeps a 0.6B model further from the bandwidth roofline than an 8B one; it scales with
   the inverse of the mode's GPU clock.
-* Prefill is bound by compute: ``FLOPs / (peak ops(mode) * utilisation)`` at the precision that
-  runs the matrix multiplies (INT8 tensor cores for W8A8, FP16 otherwise; INT4 is weight-only).
+* Prefill is bound by compute: ``FLOPs / (peak ops(mode) * utilisation) + layers * per_layer_ms``
+  at the precision that runs the matrix multiplies (INT8 tensor cores for W8A8, FP8 for FP8, FP4
+  for NVFP4 W4A4, FP16 otherwise: INT4 and NVFP4 weight-only dequantize to FP16).
 * A power mode caps the GPU clock (compute scales with it) and the memory clock (bandwidth scales
   with it). Energy per token is the mode's power budget times the per-token latency, an upper bound.
 
 ``efficiency`` and ``per_layer_ms`` are fitted together on published measurements (:data:`ANCHORS`:
-TensorRT Edge-LLM's own AGX Orin results, the runtime the bundles are built for, and two earlier
-7-8B figures), minimising the relative error; :func:`anchor_errors` reports every point.
+TensorRT Edge-LLM's own AGX Orin and AGX Thor results, the runtime the bundles are built for, and
+two earlier 7-8B figures), minimising the relative error, per GPU architecture and precision where
+at least :data:`MIN_FIT_ANCHORS` anchors exist, else per architecture, else on all of them. Prefill
+is fitted the same way on :data:`PREFILL_ANCHORS` (Edge-LLM's Thor prefill times); where none
+exists for an architecture and compute precision, the utilisation is the assumed
+:data:`PREFILL_UTILISATION` with no fixed cost. :func:`anchor_errors` reports every point.
+
+NVFP4 weight-only (``nvfp4_a16``) on a Llama-style model runs through Edge-LLM's
+``--no-quantize-activations`` export, where "TensorRT dequantizes the weights on every step"
+(Edge-LLM's own help text): the FP4 weights are read and an FP16 copy is written and read back,
+which is what the decode bytes count.
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from functools import lru_cache
+from functools import cache
 from typing import Any
 
 import numpy as np
@@ -28,14 +38,16 @@ from compress.config import PowerMode, Target
 from compress.errors import UsageError
 from compress.families import BY_MODEL_TYPE, family_of, sliding_layers
 
-PRECISION_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "fp8": 8, "nvfp4": 4}
+PRECISION_BITS = {"fp32": 32, "fp16": 16, "bf16": 16, "int8": 8, "int4": 4, "fp8": 8, "nvfp4": 4, "nvfp4_a16": 4}
 # Bytes of scales per weight: INT4 one FP16 scale per group; NVFP4 one FP8 (E4M3) scale per 16 weights.
 NVFP4_BLOCK = 16
 # The tensor-core rate a precision's GEMMs run at: weight-only INT4 computes in FP16, NVFP4 (W4A4) in FP4.
 COMPUTE_PRECISION = {"int8": "int8", "fp8": "fp8", "nvfp4": "fp4"}
-KV_CACHE_BYTES = 2  # fp16 KV cache on the device
+KV_CACHE_BYTES = 2  # FP16 KV cache on the device, unless quantized
+KV_CACHE_ELEMENT_BYTES = {"fp16": 2, "fp8": 1}
 RUNTIME_OVERHEAD_GB = 0.35  # CUDA context + TensorRT runtime, typical on Jetson
-PREFILL_UTILISATION = 0.5  # share of peak tensor-core rate a prefill GEMM reaches
+PREFILL_UTILISATION = 0.5  # share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
+MIN_FIT_ANCHORS = 3  # anchors a group needs for its own (efficiency, per-layer) fit
 
 
 @dataclass(frozen=True)
@@ -52,6 +64,7 @@ class ModelShape:
     tie_word_embeddings: bool
     sliding_layers: int = 0  # layers attending through a window of sliding_window tokens (Gemma 3, Mistral)
     sliding_window: int = 0
+    kv_cache_bytes: float = KV_CACHE_BYTES  # per cached element: 2 for FP16, 1 for an FP8 KV cache
 
     @classmethod
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
@@ -93,7 +106,7 @@ class ModelShape:
         return self.decoder_linear_params() + embed + head + norms
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * KV_CACHE_BYTES
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_bytes
 
     def kv_bytes_read(self, context: int) -> float:
         """KV-cache bytes one decoded token reads at ``context``: a sliding layer reads at most its window."""
@@ -132,6 +145,10 @@ QWEN3_8B = ModelShape(36, 4096, 12288, 32, 8, 128, 151936, False)
 
 EDGELLM_BENCHMARK = ("TensorRT Edge-LLM v0.9.0 performance benchmarks, AGX Orin 64GB, JetPack 7.2, INT4 AWQ, batch 1, "
                      "~61-token prompts, engines built with max input 2048 and KV capacity 2200")
+EDGELLM_THOR_BENCHMARK = ("TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
+                          "vanilla decoding, 364-383-token prompts")
+EDGELLM_THOR_BENCHMARK_070 = ("TensorRT Edge-LLM 0.7.0 performance benchmarks (TensorRT 10.13), Jetson AGX Thor Developer Kit, "
+                              "batch 1, 370-token prompt")
 # The Edge-LLM prompts are ~61 tokens; the KV cache read is taken at 128 (prompt plus half the output).
 ANCHORS = (
     Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_0_6B, "int4", 128, 128, 186.4,
@@ -146,10 +163,51 @@ ANCHORS = (
            "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out"),
     Anchor("Llama-2-7B INT4 (MLC q4f16_ft)", "jetson-agx-orin-64gb", "MAXN", LLAMA2_7B, "int4", 128, 192, 46.9,
            "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM"),
-    # 383-token prompts; the KV cache read is taken at the prompt plus 64 generated tokens.
-    Anchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 128, 448, 50.8,
-           "TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
-           "383-token prompts: prefill 215.5 ms, generation 50.8 tok/s"),
+    # 364-383-token prompts; the KV cache read is taken at the prompt plus 64 generated tokens.
+    Anchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 128, 447, 50.8,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "nvfp4", 16, 447, 54.9,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "int4", 128, 430, 270.2,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "nvfp4", 16, 430, 318.6,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "int4", 128, 428, 76.4,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_1_7B, "nvfp4", 16, 434, 170.4,
+           EDGELLM_THOR_BENCHMARK_070),
+)
+
+
+@dataclass(frozen=True)
+class PrefillAnchor:
+    """A published prefill (time to process the prompt) measurement the prefill model is fitted on."""
+
+    name: str
+    target: str
+    power_mode: str
+    shape: ModelShape
+    precision: str
+    prompt_tokens: int
+    prefill_ms: float
+    source: str
+
+
+PREFILL_ANCHORS = (
+    PrefillAnchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 383, 215.5,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "nvfp4", 383, 31.0,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "int4", 366, 21.0,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "nvfp4", 366, 8.8,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "int4", 364, 116.2,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-4B-2507 NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "nvfp4", 364, 22.9,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_1_7B, "nvfp4", 370, 13.9,
+                  EDGELLM_THOR_BENCHMARK_070),
 )
 
 
@@ -159,6 +217,15 @@ class DecodeFit:
 
     efficiency: float
     per_layer_ms: float
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """The prefill constants: share of the peak tensor-core rate reached and fixed milliseconds per layer at full clock."""
+
+    utilisation: float
+    per_layer_ms: float
+    fitted: bool
 
 
 def device_bits(precision: str) -> int:
@@ -171,13 +238,15 @@ def device_bits(precision: str) -> int:
 def _linear_bytes(shape: ModelShape, precision: str, group_size: int, float_fraction: float = 0.0) -> float:
     """Decoder linear bytes: ``float_fraction`` of the parameters in FP16, the rest at ``precision``."""
     params = shape.decoder_linear_params() * (1.0 - float_fraction)
-    scales = {"int4": params / group_size * 2, "nvfp4": params / NVFP4_BLOCK}.get(precision, 0.0)
+    scales = {"int4": params / group_size * 2, "nvfp4": params / NVFP4_BLOCK, "nvfp4_a16": params / NVFP4_BLOCK}.get(precision, 0.0)
     return params * device_bits(precision) / 8 + scales + shape.decoder_linear_params() * float_fraction * 2
 
 
 def weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
-    """Bytes of weights read per decoded token: decoder linears at their precision, the LM head in FP16."""
-    return _linear_bytes(shape, precision, group_size, float_fraction) + shape.lm_head_params() * 2
+    """Bytes of weights moved per decoded token: decoder linears at their precision (NVFP4 weight-only also writes and
+    reads back its FP16 copy), the LM head in FP16."""
+    dequantized_copy = 2 * 2 * shape.decoder_linear_params() * (1.0 - float_fraction) if precision == "nvfp4_a16" else 0.0
+    return _linear_bytes(shape, precision, group_size, float_fraction) + dequantized_copy + shape.lm_head_params() * 2
 
 
 def stored_weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
@@ -218,52 +287,114 @@ def _layer_units(target: Target, mode: PowerMode, shape: ModelShape) -> float:
     return shape.num_layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz)
 
 
-def _anchor_terms(anchor: Anchor) -> tuple[float, float]:
+@cache
+def _anchor_target(name: str) -> Target:
     from compress.config import load_target
 
-    target = load_target(anchor.target)
+    return load_target(name)
+
+
+def _anchor_terms(anchor: Anchor) -> tuple[float, float]:
+    target = _anchor_target(anchor.target)
     mode = target.power_mode(anchor.power_mode)
     return (_bandwidth_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context),
             _layer_units(target, mode, anchor.shape))
 
 
-@lru_cache(maxsize=1)
-def fit_decode() -> DecodeFit:
-    """Least squares on relative error: ``1000 / tokens_per_s = bandwidth_ms / efficiency + layers * per_layer_ms``."""
-    terms = np.array([_anchor_terms(a) for a in ANCHORS])
-    measured_ms = np.array([1000.0 / a.tokens_per_s for a in ANCHORS])
-    rows = terms / measured_ms[:, None]
-    (inv_eff, per_layer), *_ = np.linalg.lstsq(rows, np.ones(len(ANCHORS)), rcond=None)
-    if per_layer < 0:  # no fixed cost visible in the anchors: bandwidth alone
-        inv_eff, per_layer = float(rows[:, 0] @ np.ones(len(ANCHORS)) / (rows[:, 0] @ rows[:, 0])), 0.0
-    return DecodeFit(efficiency=float(1.0 / inv_eff), per_layer_ms=float(per_layer))
+def _fit_two_terms(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
+    """Least squares on relative error of ``measured ~ terms[:, 0] * a + terms[:, 1] * b``; b is dropped when negative."""
+    rows = terms / measured[:, None]
+    (a, b), *_ = np.linalg.lstsq(rows, np.ones(len(measured)), rcond=None)
+    if b < 0:  # no fixed cost visible in the anchors: the first term alone
+        a, b = float(rows[:, 0] @ np.ones(len(measured)) / (rows[:, 0] @ rows[:, 0])), 0.0
+    return float(a), float(b)
+
+
+def _matching(anchors: tuple, arch: str | None, precision: str | None, compute: bool = False) -> list:
+    def key(anchor) -> str:
+        return COMPUTE_PRECISION.get(anchor.precision, "fp16") if compute else anchor.precision
+
+    return [a for a in anchors if arch in (None, _anchor_target(a.target).gpu.arch) and precision in (None, key(a))]
+
+
+@cache
+def fit_decode(arch: str | None = None, precision: str | None = None) -> DecodeFit:
+    """Least squares on relative error: ``1000 / tokens_per_s = bandwidth_ms / efficiency + layers * per_layer_ms``, on the
+    anchors of GPU architecture ``arch`` and ``precision`` (None: any)."""
+    anchors = _matching(ANCHORS, arch, precision)
+    terms = np.array([_anchor_terms(a) for a in anchors])
+    inverse_efficiency, per_layer = _fit_two_terms(terms, np.array([1000.0 / a.tokens_per_s for a in anchors]))
+    return DecodeFit(efficiency=1.0 / inverse_efficiency, per_layer_ms=per_layer)
+
+
+def decode_fit_for(target: Target, precision: str) -> DecodeFit:
+    """The decode fit of the anchors nearest to the target: its architecture and precision, else its architecture, else all."""
+    for arch, group in ((target.gpu.arch, precision), (target.gpu.arch, None), (None, None)):
+        if len(_matching(ANCHORS, arch, group)) >= MIN_FIT_ANCHORS:
+            return fit_decode(arch, group)
+    return fit_decode()
 
 
 def fit_efficiency() -> float:
-    """The fitted share of the mode's bandwidth a decode step reaches."""
+    """The share of the mode's bandwidth a decode step reaches, fitted on every anchor."""
     return fit_decode().efficiency
+
+
+def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool
+                   ) -> tuple[float, float]:
+    """(milliseconds at the full tensor-core rate, clock-weighted layers) of one prefill."""
+    flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
+    flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
+    peak = mode_tops(target, mode, COMPUTE_PRECISION.get(precision, "fp16"), sparse)
+    return flops / (peak * 1e12) * 1000, _layer_units(target, mode, shape)
+
+
+@cache
+def fit_prefill(arch: str, compute: str) -> PrefillFit:
+    """The prefill fit on the anchors of GPU architecture ``arch`` whose GEMMs run at ``compute`` precision, or the
+    assumed utilisation where fewer than :data:`MIN_FIT_ANCHORS` exist."""
+    anchors = _matching(PREFILL_ANCHORS, arch, compute, compute=True)
+    if len(anchors) < MIN_FIT_ANCHORS:
+        return PrefillFit(PREFILL_UTILISATION, 0.0, fitted=False)
+    terms = []
+    for anchor in anchors:
+        target = _anchor_target(anchor.target)
+        terms.append(_prefill_terms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision,
+                                    anchor.prompt_tokens, False))
+    inverse_utilisation, per_layer = _fit_two_terms(np.array(terms), np.array([a.prefill_ms for a in anchors]))
+    return PrefillFit(1.0 / inverse_utilisation, per_layer, fitted=True)
+
+
+def prefill_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool = False) -> float:
+    """Predicted milliseconds to process a ``prompt_len``-token prompt."""
+    at_peak, layers = _prefill_terms(target, mode, shape, precision, prompt_len, sparse)
+    fit = fit_prefill(target.gpu.arch, COMPUTE_PRECISION.get(precision, "fp16"))
+    return at_peak / fit.utilisation + layers * fit.per_layer_ms
 
 
 def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
               float_fraction: float = 0.0) -> float:
     """Predicted milliseconds per decoded token (one stream)."""
-    fit = fit_decode()
+    fit = decode_fit_for(target, precision)
     return (_bandwidth_ms(target, mode, shape, precision, group_size, context, float_fraction) / fit.efficiency
             + _layer_units(target, mode, shape) * fit.per_layer_ms)
 
 
 def anchor_errors() -> list[dict[str, Any]]:
-    """Prediction error of the fitted model on every published anchor."""
-    from compress.config import load_target
-
+    """Prediction error of the fitted model on every published anchor: decode tokens/s, then prefill milliseconds."""
     rows = []
     for anchor in ANCHORS:
-        target = load_target(anchor.target)
+        target = _anchor_target(anchor.target)
         mode = target.power_mode(anchor.power_mode)
         predicted = 1000.0 / decode_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context)
-        rows.append({"anchor": anchor.name, "measured_tokens_per_s": anchor.tokens_per_s,
-                     "predicted_tokens_per_s": round(predicted, 2),
-                     "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2), "source": anchor.source})
+        rows.append({"anchor": anchor.name, "measure": "decode tokens/s", "measured": anchor.tokens_per_s,
+                     "predicted": round(predicted, 2), "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2),
+                     "source": anchor.source})
+    for anchor in PREFILL_ANCHORS:
+        target = _anchor_target(anchor.target)
+        predicted = prefill_ms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision, anchor.prompt_tokens)
+        rows.append({"anchor": anchor.name, "measure": "prefill ms", "measured": anchor.prefill_ms, "predicted": round(predicted, 2),
+                     "error_pct": round(100 * (predicted / anchor.prefill_ms - 1), 2), "source": anchor.source})
     return rows
 
 
@@ -293,14 +424,11 @@ def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | 
     mode = target.power_mode(mode_name)
     prompt_len = prompt_len or target.budgets.prompt_length
     context = context or target.budgets.context_length
-    fit = fit_decode()
+    fit = decode_fit_for(target, precision)
     # Decode reads the cache at the end of the prompt plus half the generated span on average; the
     # budget's context length is the pessimistic bound used here.
     tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context, float_fraction)
-    compute_precision = COMPUTE_PRECISION.get(precision, "fp16")
-    flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
-    flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
-    ttft_s = flops / (mode_tops(target, mode, compute_precision, sparse) * 1e12 * PREFILL_UTILISATION)
+    ttft_s = prefill_ms(target, mode, shape, precision, prompt_len, sparse) / 1000
     memory = stored_weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_read(context)
     latency_s = 1.0 / tokens_per_s
     return Prediction(
@@ -345,7 +473,7 @@ def predict_encoder_batch(target: Target, mode: PowerMode, config: dict[str, Any
     flops = 2.0 * linear_params * batch * tokens + 4.0 * layers * batch * tokens * tokens * hidden
     compute_ms = flops / (mode_tops(target, mode, "int8" if precision == "int8" else "fp16") * 1e12 * ENCODER_COMPUTE_EFFICIENCY) * 1e3
     weights = linear_params * device_bits(precision) / 8 + config["vocab_size"] * hidden * 2
-    fit = fit_decode()
+    fit = decode_fit_for(target, precision)
     memory_ms = weights / (mode_bandwidth_gbps(target, mode) * 1e9 * fit.efficiency) * 1e3
     fixed_ms = layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz) * fit.per_layer_ms
     batch_ms = max(compute_ms, memory_ms) + fixed_ms

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from compress.config import PowerMode, Target, load_target, parse_override_value
 from compress.errors import UsageError
-from compress.perf_model import PRECISION_BITS, ModelShape, lowest_power_mode_meeting_budget, predict_all_modes
+from compress.perf_model import (
+    KV_CACHE_ELEMENT_BYTES,
+    PRECISION_BITS,
+    ModelShape,
+    lowest_power_mode_meeting_budget,
+    mode_tops,
+    predict_all_modes,
+)
 
-PREDICT_KEYS = ("target", "model_config", "precision", "power", "prompt_len", "context", "group_size")
+PREDICT_KEYS = ("target", "model_config", "precision", "power", "prompt_len", "context", "group_size", "kv_cache")
 
 
 def read_model_config(path: str | Path) -> dict[str, Any]:
@@ -66,12 +74,19 @@ def predict_command(pairs: dict[str, str]) -> dict[str, Any]:
     precision = pairs.get("precision", "fp16")
     if precision not in PRECISION_BITS:
         raise UsageError(f"precision={precision!r}: expected one of {', '.join(PRECISION_BITS)}")
+    kv_cache = pairs.get("kv_cache", "fp16")
+    if kv_cache not in KV_CACHE_ELEMENT_BYTES:
+        raise UsageError(f"kv_cache={kv_cache!r}: expected one of {', '.join(KV_CACHE_ELEMENT_BYTES)}")
+    if kv_cache == "fp8":
+        mode_tops(target, target.power_mode(), "fp8")  # refuses a target without FP8, naming its precisions
+    shape = replace(shape, kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[kv_cache])
     kwargs = {"prompt_len": _positive_int(pairs, "prompt_len"), "context": _positive_int(pairs, "context"),
               "group_size": _positive_int(pairs, "group_size") or 128}
     modes = predict_all_modes(target, shape, precision, **kwargs)
     result: dict[str, Any] = {
         "target": target.name,
         "precision": precision,
+        "kv_cache": kv_cache,
         "parameters": shape.total_params(),
         "budgets": target.budgets.model_dump(),
         "modes": [m.to_json() for m in modes],
