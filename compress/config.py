@@ -78,6 +78,13 @@ class EdgeLLMStack(StrictModel):
     precisions: list[Literal["fp16", "int8", "int4", "fp8", "nvfp4"]]
 
 
+class DefaultRecipe(StrictModel):
+    """The recipe ``recipe=default`` runs for a decoder on a target, and why."""
+
+    name: str
+    why: str
+
+
 class Target(StrictModel):
     """A deployment target: hardware facts, power modes, TensorRT version and budgets."""
 
@@ -101,6 +108,7 @@ class Target(StrictModel):
     power_modes: list[PowerMode] = Field(min_length=1)
     default_power_mode: str
     budgets: Budgets
+    default_recipe: DefaultRecipe | None = Field(None, description="what recipe=default runs for a decoder here (else `default`)")
 
     @model_validator(mode="after")
     def _check_modes(self) -> Target:

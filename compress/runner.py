@@ -246,13 +246,7 @@ def build_plan(options: RunOptions) -> Plan:
     """Resolve and check everything before any work; every problem is a :class:`UsageError`."""
     target = load_target(options.target)
     model = resolve_model(options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code)
-    recipe_name = options.recipe
-    if recipe_name == "default":
-        kind = model_kind(model_config(model) or {})
-        recipe_name = DEFAULT_RECIPES[kind]
-        if recipe_name != "default":
-            log.info("recipe=default for %s %s: %s", _article(kind), kind, recipe_name)
-    recipe = load_recipe(recipe_name)
+    recipe = load_recipe(_default_recipe(target, model) if options.recipe == "default" else options.recipe)
     stage_options, budget_overrides = _stage_options(recipe, options.overrides)
     if budget_overrides:
         target = apply_budget_overrides(target, budget_overrides)
@@ -269,6 +263,17 @@ def build_plan(options: RunOptions) -> Plan:
     _check_plan_rules(planned, target, model)
     _assign_fingerprints(plan)
     return plan
+
+
+def _default_recipe(target: Target, model: ModelSource) -> str:
+    """What ``recipe=default`` means: the target's own default for a decoder where it names one, else the model kind's."""
+    kind = model_kind(model_config(model) or {})
+    if kind == "decoder" and target.default_recipe is not None:
+        log.info("recipe=default on %s: %s, because %s", target.name, target.default_recipe.name, target.default_recipe.why)
+        return target.default_recipe.name
+    if DEFAULT_RECIPES[kind] != "default":
+        log.info("recipe=default for %s %s: %s", _article(kind), kind, DEFAULT_RECIPES[kind])
+    return DEFAULT_RECIPES[kind]
 
 
 def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]], target: Target) -> list[PlannedStage]:
