@@ -29,6 +29,7 @@ from pydantic import PositiveInt
 from safetensors.torch import load_file, save_file
 
 from compress.algorithms.calibration import run_encoder_batches
+from compress.algorithms.formats import Int8Activation
 from compress.algorithms.quant import quantize_dequantize_activation, quantize_dequantize_weight, smoothquant_scales, sqnr_db
 from compress.config import StrictModel
 from compress.families import encoder_family_of, encoder_layers
@@ -139,7 +140,7 @@ def quantize_encoder(model, batches: list[dict[str, torch.Tensor]], config: Enco
                 if smoothing == "value":
                     _divide_rows(layer.get_submodule(family.value), scales)
                 samples = point.samples() / scales if scales is not None else point.samples()
-                input_scale = activation_scale(samples, float(samples.abs().max()), config.act_scale)
+                input_scale = activation_scale(samples, float(samples.abs().max()), config.act_scale, Int8Activation())
                 online = scales if smoothing == "online" else None
                 for path, linear in zip(paths, linears, strict=True):
                     result[_name(family, index, path)] = _quantize_linear(linear, samples, scales, input_scale, online, config)

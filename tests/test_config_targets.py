@@ -59,7 +59,8 @@ def test_recipes_reference_registered_stages_in_a_valid_order():
         recipe = load_recipe(name)
         assert all(spec.name in stages for spec in recipe.stages)
         encoder = name.startswith("encoder-")
-        build = build_plan(RunOptions(target="jetson-orin", recipe=name, model="all-minilm-l6-v2" if encoder else "smollm2-135m-instruct"))
+        target = "jetson-agx-thor" if name.startswith("thor-") else "jetson-orin"  # FP8 and NVFP4 need Thor's tensor cores
+        build = build_plan(RunOptions(target=target, recipe=name, model="all-minilm-l6-v2" if encoder else "smollm2-135m-instruct"))
         assert build.stages[-1].stage.name == ("validate_encoder" if encoder else "validate")
 
 
@@ -82,3 +83,10 @@ def test_override_values_are_typed():
     validate = plan.stages[-1].config
     assert validate.eval_tokens == 2048
     assert plan.target.budgets.max_ttft_ms == 250.5
+
+
+def test_a_targets_default_recipe_exists():
+    for name in available_targets():
+        target = load_target(name)
+        if target.default_recipe is not None:
+            assert target.default_recipe.name in available_recipes() and target.default_recipe.why

@@ -250,3 +250,24 @@ def test_hadamard_block_needs_quantized_activations():
     with pytest.raises(ValueError, match="hadamard_block"):
         QuantizeConfig(method="int4", hadamard_block=128)
     assert QuantizeConfig(method="rtn", bits=8, hadamard_block=64).hadamard_block == 64
+
+
+def test_clipping_scored_on_every_token_spares_the_weights_an_attention_sink_reads():
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(32, 64, generator=gen) * 0.05
+    weight[:, 3] *= 6  # the channel the sink's massive activation sits on carries each row's largest weight
+    x = torch.randn(512, 64, generator=gen)
+    sink = torch.zeros(1, 64)
+    sink[0, 3] = 2000.0
+    everything = torch.cat([x, sink])
+    hessian = everything.T @ everything / everything.shape[0]
+    grid = IntGrid(4, 32)
+    sampled = awq_search_clip(x, weight, grid)  # the sampled rows leave the sink out
+    all_tokens = awq_search_clip(x, weight, grid, hessian=hessian)
+    assert (sampled[:, 0] < 1).float().mean() > 0.5  # blind to the sink, most rows clip the block holding channel 3
+    assert (all_tokens[:, 0] < 1).float().mean() < 0.25  # scored on every token, few do (those whose channel-3 weight is small)
+
+    def sink_error(clip):
+        return (sink @ weight.T - sink @ quantize_dequantize_weight(weight, 4, 32, clip)[0].T).pow(2).mean().item()
+
+    assert sink_error(all_tokens) < 0.1 * sink_error(sampled)

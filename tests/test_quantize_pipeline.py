@@ -179,7 +179,7 @@ def test_target_without_int4_refuses_int4_recipe(tmp_path, capsys):
     path = tmp_path / "no-int4.yaml"
     path.write_text(yaml.safe_dump(data))
     assert main(["run", f"target={path}", "recipe=int4", "--dry-run"]) == 2
-    assert "does not support int4" in capsys.readouterr().err
+    assert "has no int4 tensor cores; its precisions are fp32, fp16, int8" in capsys.readouterr().err
 
 
 def test_kv_cache_path_agrees_with_full_forward_on_quantized_graph(runs):

@@ -259,6 +259,29 @@ def runs(tiny_wide, tmp_path_factory) -> dict[str, Path]:
             "w4a16": _thor_run(tiny_wide, root / "w4a16", "thor-nvfp4", "quantize.activations=float")}
 
 
+def test_per_channel_fp8_weights_go_to_the_portable_onnx_and_not_to_edgellm(tiny_wide, tmp_path, capsys):
+    weight, _ = _layer()
+    dequantized, scales = quantize_dequantize(weight, Fp8Grid(per_channel=True))
+    assert scales.shape == (64,) and torch.equal(scales.half().float(), scales)
+    levels_on_grid(dequantized, Fp8Grid(per_channel=True), scales, tolerance=0.0)
+    assert main(["run", "target=jetson-agx-thor", "recipe=thor-fp8", "quantize.fp8_weight_scale=channel", f"out={tmp_path / 'a'}",
+                 "--dry-run"]) == 2
+    assert "Edge-LLM's FP8 linears take one weight scale per tensor" in capsys.readouterr().err
+    recipe = tmp_path / "fp8-onnx.yaml"
+    recipe.write_text("name: fp8-onnx\nstages:\n  - load\n  - quantize: {method: fp8, fp8_weight_scale: channel}\n  - export_onnx\n"
+                      "  - validate\n")
+    out = tmp_path / "run"
+    assert main(["run", "target=jetson-agx-thor", f"recipe={recipe}", f"model={tiny_wide}", f"out={out}", *QUANTIZE_SMALL,
+                 *TINY_SMOKE]) in (0, 1)
+    graph = onnx.load(str(out / "03_export_onnx" / "onnx" / "model.onnx"), load_external_data=False).graph
+    inits = {i.name: i for i in graph.initializer}
+    weight_dqs = [n for n in graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
+                  and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT8E4M3FN]
+    assert len(weight_dqs) == 14 and all(len(inits[n.input[1]].dims) == 1 for n in weight_dqs)  # one scale per output channel
+    report = json.loads((out / "report.json").read_text())
+    assert {c["name"]: c for c in report["gate"]["checks"]}["onnx_vs_torch_quantized_pct"]["value"] < 1.0
+
+
 def _stage_metrics(run: Path, stage: str) -> dict:
     folder = next(run.glob(f"0*_{stage}"))
     return json.loads((folder / "stage.json").read_text())["metrics"]

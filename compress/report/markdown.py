@@ -27,8 +27,8 @@ def _stage_summary(stage: dict[str, Any]) -> str:
         parts.append(f"heads {metrics['heads_before']} → {metrics['heads_after']} per layer")
     if metrics.get("pattern_24_fraction") is not None:
         parts.append(f"2:4 pattern {100 * metrics['pattern_24_fraction']:.2f}% ({metrics['method']})")
-    if metrics.get("method") in ("int8", "int4", "rtn") and "median_sqnr_db" in metrics:
-        parts.append(f"{metrics['method']} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
+    if metrics.get("method") in ("int8", "int4", "rtn", "fp8", "nvfp4") and "median_sqnr_db" in metrics:
+        parts.append(f"{metrics.get('scheme', metrics['method'])} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
                      f"{len(metrics.get('outlier_layers', []))} outlier linears")
         if metrics.get("rotated_linears"):
             parts.append(f"{len(metrics['rotated_linears'])} inputs Hadamard-rotated")

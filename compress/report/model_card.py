@@ -24,8 +24,9 @@ def render_model_card(report: dict[str, Any]) -> str:
         "",
     ]
     if quant:
-        lines.append(f"- Quantization: {quant['method']} ({quant['algorithm']}), {quant['weight_bits']}-bit weights"
-                     + (f", group {quant['group_size']}" if quant.get("group_size") else ", per output channel")
+        scheme = quant.get("scheme") or (f"{quant['weight_bits']}-bit weights"
+                                         + (f", group {quant['group_size']}" if quant.get("group_size") else ", per output channel"))
+        lines.append(f"- Quantization: {quant['method']} ({quant['algorithm']}), {scheme}"
                      + (f"; calibrated on {quant['calibration_tokens']:,} tokens" if "calibration_tokens" in quant else ""))
     else:
         lines.append("- None (reference export)")

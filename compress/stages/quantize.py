@@ -83,6 +83,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
                          "activations": activation.name if activation else "float", "kv_cache": config.kv_cache},
         "metrics": {
             "method": config.method,
+            "scheme": describe_scheme(config),
             "algorithm": _algorithm(config),
             "weight_bits": bits,
             "group_size": group,
@@ -99,6 +100,22 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx) -> Artifact:
         },
     }
     return Artifact(HF_MODEL, out, meta)
+
+
+def describe_scheme(config: QuantizeConfig) -> str:
+    """The number formats of weights, activations and KV cache, in words a report can show."""
+    bits, acts, group = config.scheme()
+    if config.method == "fp8":
+        weights = f"FP8 E4M3 weights (one scale per {'output channel' if config.fp8_weight_scale == 'channel' else 'tensor'})"
+    elif config.method == "nvfp4":
+        weights = "NVFP4 weights (E2M1 in blocks of 16, FP8 block scales, FP32 per-tensor scale)"
+    else:
+        weights = f"INT{bits} weights ({f'group {group}' if group else 'one scale per output channel'})"
+    activation = config.activation_format()
+    names = {"int8": "static INT8 activations", "fp8": "static FP8 activations",
+             "nvfp4": "NVFP4 activations (dynamic blocks of 16, calibrated global scale)"}
+    inputs = names[activation.name] if activation else "FP16 activations"
+    return f"{weights}, {inputs}" + (", FP8 KV cache" if config.kv_cache == "fp8" else "")
 
 
 def _algorithm(config: QuantizeConfig) -> str:
