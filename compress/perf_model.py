@@ -16,9 +16,9 @@
 TensorRT Edge-LLM's own AGX Orin and AGX Thor results, the runtime the bundles are built for, and
 two earlier 7-8B figures), minimising the relative error, per GPU architecture and precision where
 at least :data:`MIN_FIT_ANCHORS` anchors exist, else per architecture, else on all of them. Prefill
-is fitted the same way on :data:`PREFILL_ANCHORS` (Edge-LLM's Thor prefill times); where none
-exists for an architecture and compute precision, the utilisation is the assumed
-:data:`PREFILL_UTILISATION` with no fixed cost. :func:`anchor_errors` reports every point.
+is fitted the same way on :data:`PREFILL_ANCHORS` (Edge-LLM's Thor prefill times), per architecture
+and compute precision, else per architecture; where an architecture has none, the utilisation is
+the assumed :data:`PREFILL_UTILISATION` with no fixed cost. :func:`anchor_errors` reports every point.
 
 NVFP4 weight-only (``nvfp4_a16``) on a Llama-style model runs through Edge-LLM's
 ``--no-quantize-activations`` export, where "TensorRT dequantizes the weights on every step"
@@ -350,9 +350,9 @@ def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision
 
 
 @cache
-def fit_prefill(arch: str, compute: str) -> PrefillFit:
-    """The prefill fit on the anchors of GPU architecture ``arch`` whose GEMMs run at ``compute`` precision, or the
-    assumed utilisation where fewer than :data:`MIN_FIT_ANCHORS` exist."""
+def fit_prefill(arch: str, compute: str | None) -> PrefillFit:
+    """The prefill fit on the anchors of GPU architecture ``arch`` whose GEMMs run at ``compute`` precision (None: any), or
+    the assumed utilisation where fewer than :data:`MIN_FIT_ANCHORS` exist."""
     anchors = _matching(PREFILL_ANCHORS, arch, compute, compute=True)
     if len(anchors) < MIN_FIT_ANCHORS:
         return PrefillFit(PREFILL_UTILISATION, 0.0, fitted=False)
@@ -365,10 +365,17 @@ def fit_prefill(arch: str, compute: str) -> PrefillFit:
     return PrefillFit(1.0 / inverse_utilisation, per_layer, fitted=True)
 
 
+def prefill_fit_for(target: Target, precision: str) -> PrefillFit:
+    """The prefill fit nearest to the target: its architecture and compute precision, else its architecture, else assumed."""
+    compute = COMPUTE_PRECISION.get(precision, "fp16")
+    fit = fit_prefill(target.gpu.arch, compute)
+    return fit if fit.fitted else fit_prefill(target.gpu.arch, None)
+
+
 def prefill_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool = False) -> float:
     """Predicted milliseconds to process a ``prompt_len``-token prompt."""
     at_peak, layers = _prefill_terms(target, mode, shape, precision, prompt_len, sparse)
-    fit = fit_prefill(target.gpu.arch, COMPUTE_PRECISION.get(precision, "fp16"))
+    fit = prefill_fit_for(target, precision)
     return at_peak / fit.utilisation + layers * fit.per_layer_ms
 
 

@@ -19,7 +19,7 @@ from compress.predict_cli import select_power_mode
 from compress.report.markdown import render_markdown
 from compress.rundir import locked
 from compress.runner import apply_budget_overrides
-from compress.stages.validate import gate_checks, stored_kv_cache, target_predictions
+from compress.stages.validate import gate_checks, target_predictions
 
 REVALIDATE_KEYS = ("target", "power")
 
@@ -111,8 +111,7 @@ def _decoder_checks(run_dir: Path, report: dict[str, Any], target, mode: str,
     metrics = validation["metrics"]
     onnx = _stage_record(run_dir, "export_onnx")
     onnx_dir = run_dir / report["artifacts"]["onnx"]
-    predictions = target_predictions(onnx_dir, onnx["output"]["meta"].get("precision", "fp32"), target, mode,
-                                     onnx["output"]["meta"].get("float_linear_fraction", 0.0), stored_kv_cache(onnx["output"]["meta"]))
+    predictions = target_predictions(onnx_dir, onnx["output"]["meta"].get("precision", "fp32"), target, mode, onnx["output"]["meta"])
     checks = gate_checks(metrics, predictions, target, must_measure=False)
     device_result = None
     if on_device:

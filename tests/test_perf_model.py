@@ -188,3 +188,17 @@ def test_an_fp8_kv_cache_halves_the_cache_bytes_and_needs_fp8(tiny_llama, capsys
     assert json.loads(capsys.readouterr().out)["kv_cache"] == "fp8"
     assert main(["predict", "target=jetson-orin", f"model_config={tiny_llama}", "kv_cache=fp8"]) == 2
     assert "has no FP8 tensor cores" in capsys.readouterr().err
+
+
+def test_run_predictions_read_the_group_size_the_float_share_and_the_kv_cache_of_the_run(tiny_llama):
+    from compress.stages.validate import target_predictions
+
+    thor = load_target("jetson-agx-thor")
+
+    def decode(meta):
+        return target_predictions(tiny_llama, "int4", thor, "MAXN", meta)["chosen"]["decode_tokens_per_s"]
+
+    g32, g128 = decode({"quantization": {"group_size": 32}}), decode({"quantization": {"group_size": 128}})
+    assert g32 < g128 == decode({})  # smaller groups carry more scale bytes; 128 when the run names none
+    assert decode({"quantization": {"group_size": 128, "kv_cache": "fp8"}}) > g128
+    assert decode({"quantization": {"group_size": 128}, "float_linear_fraction": 0.5}) < g128

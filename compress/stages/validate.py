@@ -142,11 +142,6 @@ def domain_quality(per_domain: dict[str, dict[str, Any]], unseen: list[str]) -> 
     }
 
 
-def stored_kv_cache(meta: dict[str, Any]) -> str:
-    """The KV-cache precision an artifact's quantization chose (``fp16`` when it has none)."""
-    return (meta.get("quantization") or {}).get("kv_cache", "fp16")
-
-
 def model_shape(onnx_dir: Path) -> ModelShape:
     """The decoder's shape from the config saved beside the ONNX file."""
     return ModelShape.from_config(json.loads((onnx_dir / "config.json").read_text(encoding="utf-8")))
@@ -184,13 +179,16 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
     return require_measured(checks) if must_measure else checks
 
 
-def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str, float_fraction: float = 0.0,
-                       kv_cache: str = "fp16") -> dict[str, Any]:
-    """Latency-model predictions for every power mode and the chosen one (``float_fraction`` of the linears left FP16,
-    the KV cache in ``kv_cache`` precision)."""
-    shape = replace(model_shape(onnx_dir), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[kv_cache])
-    all_modes = predict_all_modes(target, shape, precision, float_fraction=float_fraction)
-    chosen = predict(target, shape, precision, power_mode, float_fraction=float_fraction).to_json()
+def target_predictions(onnx_dir: Path, precision: str, target: Target, power_mode: str, meta: dict[str, Any] | None = None
+                       ) -> dict[str, Any]:
+    """Latency-model predictions for every power mode and the chosen one, for the model an artifact's ``meta`` describes
+    (the share of linears left FP16, the weight group size, the KV-cache precision)."""
+    meta = meta or {}
+    quantization = meta.get("quantization") or {}
+    shape = replace(model_shape(onnx_dir), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.get("kv_cache", "fp16")])
+    options = {"float_fraction": meta.get("float_linear_fraction", 0.0), "group_size": quantization.get("group_size") or 128}
+    all_modes = predict_all_modes(target, shape, precision, **options)
+    chosen = predict(target, shape, precision, power_mode, **options).to_json()
     lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)
     return {"target": target.name, "modes": [p.to_json() for p in all_modes], "chosen": chosen,
             "lowest_power_mode_meeting_latency_budget": lowest.power_mode if lowest else None}
@@ -212,8 +210,7 @@ def run_validate(source: Artifact, config: ValidateConfig, ctx) -> Artifact:
         atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE_FILE,
                           device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.plan.evaluation, config))
     precision = source.meta.get("precision", "fp32")
-    predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode,
-                                     source.meta.get("float_linear_fraction", 0.0), stored_kv_cache(source.meta))
+    predictions = target_predictions(Path(source.path), precision, ctx.target, ctx.plan.power_mode, source.meta)
     checks = gate_checks(metrics, predictions, ctx.target, ctx.plan.options.require_measured)
     gate = gate_json(checks)
     out = ctx.stage_dir / "validation.json"
