@@ -335,11 +335,6 @@ def decode_fit_for(target: Target, precision: str) -> DecodeFit:
     return fit_decode()
 
 
-def fit_efficiency() -> float:
-    """The share of the mode's bandwidth a decode step reaches, fitted on every anchor."""
-    return fit_decode().efficiency
-
-
 def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool
                    ) -> tuple[float, float]:
     """(milliseconds at the full tensor-core rate, clock-weighted layers) of one prefill."""

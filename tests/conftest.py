@@ -96,3 +96,29 @@ def cached_decode_logits(decoder, ids, prefill: int):
         logits, past = decoder.forward(ids[:, i:i + 1], np.ones((1, i + 1), dtype=np.int64), past)
         steps.append(logits)
     return np.concatenate(steps, axis=1)
+
+
+def tamper_bundle(bundle: Path, tensor: str, change) -> None:
+    """Rewrite one initializer of an Edge-LLM bundle's ONNX (external data included) with ``change(array)``."""
+    import onnx
+    from onnx import numpy_helper
+
+    path = bundle / "llm" / "model.onnx"
+    model = onnx.load(path, load_external_data=True)
+    for index, init in enumerate(model.graph.initializer):
+        if init.name == tensor:
+            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init)), tensor))
+    (bundle / "llm" / "model.onnx.data").unlink()
+    onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
+
+
+QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024", "quantize.calib_windows=8"]
+
+
+def run_compress(*args: str, timeout: int = 900):
+    """``python -m compress ARGS...`` from the repository, as a user would run it; the completed process."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "compress", *args], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)

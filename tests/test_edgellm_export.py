@@ -7,25 +7,20 @@ These run NVIDIA's exporter on CPU (it needs no GPU); building and running the e
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import onnx
 import pytest
 import torch
-from onnx import numpy_helper
 
 from compress.cli import main
 from compress.deploy.bundle import check_bundle_config, check_custody
 from compress.errors import StageError, UsageError
 from compress.stages.export_edgellm import check_attention_shape
-from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
-
-QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024", "quantize.calib_windows=8"]
+from tests.conftest import QUANTIZE_SMALL, TINY_SMOKE, build_tiny_llama, run_compress, tamper_bundle
 
 
 @pytest.fixture(scope="module")
@@ -36,9 +31,8 @@ def tiny_wide(tmp_path_factory) -> Path:
 
 
 def _run(tiny: Path, out: Path, recipe: str, *extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}",
-                           f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE, *extra],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    return run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
+                        *extra)
 
 
 @pytest.fixture(scope="module")
@@ -71,30 +65,19 @@ def test_int4_recipe_leaves_a_checked_bundle_named_in_the_report(int4_run):
     assert manifest["status"] == "finished"
 
 
-def _tamper(bundle: Path, tensor: str, change) -> None:
-    """Rewrite one initializer of the bundle's ONNX (external data included) with ``change(array)``."""
-    path = bundle / "llm" / "model.onnx"
-    model = onnx.load(path, load_external_data=True)
-    for index, init in enumerate(model.graph.initializer):
-        if init.name == tensor:
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init)), tensor))
-    (bundle / "llm" / "model.onnx.data").unlink()
-    onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
-
-
 def test_a_corrupted_scale_or_weight_in_the_bundle_is_caught_naming_the_tensor(int4_run, tmp_path):
     quantized = int4_run / "02_quantize" / "model"
     bundle = tmp_path / "bundle"
     shutil.copytree(int4_run / "04_export_edgellm" / "bundle", bundle)
     assert check_custody(quantized, bundle, tmp_path)["mismatches"] == []
     scale = "_model.model.layers.1.self_attn.v_proj.weight_scale"
-    _tamper(bundle, scale, lambda a: (a * np.float16(1.01)).astype(a.dtype))
+    tamper_bundle(bundle, scale, lambda a: (a * np.float16(1.01)).astype(a.dtype))
     with pytest.raises(StageError, match=f"does not hold the measured numbers: {scale}: .* values differ"):
         check_custody(quantized, bundle, tmp_path)
     shutil.rmtree(bundle)
     shutil.copytree(int4_run / "04_export_edgellm" / "bundle", bundle)
     weight = "_model.model.layers.0.mlp.up_proj.weight"
-    _tamper(bundle, weight, lambda a: np.where(np.arange(a.size).reshape(a.shape) == 7, a ^ 1, a).astype(a.dtype))
+    tamper_bundle(bundle, weight, lambda a: np.where(np.arange(a.size).reshape(a.shape) == 7, a ^ 1, a).astype(a.dtype))
     with pytest.raises(StageError, match=f"{weight}: 1 of .* values differ"):
         check_custody(quantized, bundle, tmp_path)
 
@@ -175,7 +158,7 @@ def test_phi3_fused_projections_are_checked_part_by_part(tmp_path):
     quantized, bundle = out / "02_quantize" / "model", tmp_path / "bundle"
     shutil.copytree(out / "04_export_edgellm" / "bundle", bundle)
     scale = "_model.model.layers.0.self_attn.k_proj.weight_scale"
-    _tamper(bundle, scale, lambda a: (a * np.float16(1.01)).astype(a.dtype))
+    tamper_bundle(bundle, scale, lambda a: (a * np.float16(1.01)).astype(a.dtype))
     with pytest.raises(StageError, match=f"{scale}: .* values differ"):
         check_custody(quantized, bundle, tmp_path)
     config_path = bundle / "llm" / "config.json"
@@ -204,6 +187,6 @@ def test_qwen2_biases_are_part_of_the_chain_of_custody(tmp_path):
     bundle = tmp_path / "bundle"
     shutil.copytree(out / "04_export_edgellm" / "bundle", bundle)
     bias = "_model.model.layers.1.self_attn.v_proj.bias"
-    _tamper(bundle, bias, lambda a: (a + np.float16(0.01)).astype(a.dtype))
+    tamper_bundle(bundle, bias, lambda a: (a + np.float16(0.01)).astype(a.dtype))
     with pytest.raises(StageError, match=f"model.layers.1.self_attn.v_proj bias \\({bias}\\): .* values differ"):
         check_custody(out / "02_quantize" / "model", bundle, tmp_path)

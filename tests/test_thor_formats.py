@@ -5,10 +5,8 @@ linears run on our checkpoints, and the plan-time refusals on Orin."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import ml_dtypes
@@ -17,7 +15,7 @@ import onnx
 import onnxruntime as ort
 import pytest
 import torch
-from onnx import helper, numpy_helper
+from onnx import helper
 from safetensors import safe_open
 
 from compress.algorithms.formats import (
@@ -42,9 +40,7 @@ from compress.deploy.bundle import check_custody
 from compress.deploy.edgellm import edgellm_python
 from compress.errors import StageError
 from compress.quantization import QuantizeConfig, _search_global_scale, load_quantization
-from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
-
-QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024", "quantize.calib_windows=8"]
+from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress, tamper_bundle
 
 
 def _layer(seed=0, out_features=64, in_features=128, tokens=1024, outliers=4, gain=30.0):
@@ -244,9 +240,8 @@ def tiny_wide(tmp_path_factory) -> Path:
 
 
 def _thor_run(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-agx-thor", f"recipe={recipe}", f"model={tiny}",
-                           f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE, *extra],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = run_compress("run", "target=jetson-agx-thor", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
+                        *extra)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return out
 
@@ -379,16 +374,6 @@ def test_edgellm_runs_our_checkpoint_with_the_numbers_our_simulation_measured(ru
             torch.testing.assert_close(y.float(), ours.float() @ weight.float().T, rtol=2e-2, atol=2e-2)
 
 
-def _tamper(bundle: Path, tensor: str, change) -> None:
-    path = bundle / "llm" / "model.onnx"
-    model = onnx.load(path, load_external_data=True)
-    for index, init in enumerate(model.graph.initializer):
-        if init.name == tensor:
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init)), tensor))
-    (bundle / "llm" / "model.onnx.data").unlink()
-    onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
-
-
 def test_a_changed_fp4_value_or_block_scale_in_the_bundle_is_caught(runs, tmp_path):
     run = runs["w4a4"]
     quantized = run / "02_quantize" / "model"
@@ -401,13 +386,13 @@ def test_a_changed_fp4_value_or_block_scale_in_the_bundle_is_caught(runs, tmp_pa
         flat[5] = 6.0 if flat[5] != 6.0 else -6.0
         return flat.reshape(values.shape).astype(ml_dtypes.float4_e2m1fn)
 
-    _tamper(bundle, weight, flip_one)
+    tamper_bundle(bundle, weight, flip_one)
     with pytest.raises(StageError, match=f"{weight} \\(FP4\\): 1 of .* values differ"):
         check_custody(quantized, bundle, tmp_path)
     shutil.rmtree(bundle)
     shutil.copytree(run / "04_export_edgellm" / "bundle", bundle)
     scales = "_model.model.layers.0.self_attn.o_proj.weight_scale"
-    _tamper(bundle, scales, lambda a: (a.astype(np.float32) * 2).astype(ml_dtypes.float8_e4m3fn))
+    tamper_bundle(bundle, scales, lambda a: (a.astype(np.float32) * 2).astype(ml_dtypes.float8_e4m3fn))
     with pytest.raises(StageError, match="o_proj block scales \\(FP8\\): .* values differ"):
         check_custody(quantized, bundle, tmp_path)
     assert check_custody(quantized, run / "04_export_edgellm" / "bundle", tmp_path)["mismatches"] == []
