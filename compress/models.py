@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import UsageError
-from compress.fsutil import disk_write_error, is_disk_write_error, sha256_file, staging_dir, written_path
+from compress.fsutil import disk_write_error, is_disk_write_error, sha256_file, staging_dir, waiting_lock, written_path
 
 log = logging.getLogger(__name__)
 
@@ -288,18 +288,28 @@ def materialize(source: ModelSource) -> Path:
     if source.kind == "hf-folder":
         return source.path
     cached = gguf_cache_dir(source.path)
-    if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
+    if _is_converted(cached):
         log.info("using cached conversion %s", cached)
         return cached
-    log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
     try:
-        with staging_dir(cached) as tmp:
-            _convert_gguf(source.path, tmp)
+        # Another process converting the same file (parallel runs on a fresh cache) finishes first;
+        # this one then reuses its folder rather than converting again and replacing it under its readers.
+        with waiting_lock(cached.parent / f".{cached.name}.lock"):
+            if _is_converted(cached):
+                log.info("using the conversion another process just cached in %s", cached)
+                return cached
+            log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
+            with staging_dir(cached) as tmp:
+                _convert_gguf(source.path, tmp)
     except Exception as exc:
         if is_disk_write_error(exc):
             raise disk_write_error(exc, written_path(exc) or cached) from exc
         raise
     return cached
+
+
+def _is_converted(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
 
 
 def model_config(source: ModelSource) -> dict | None:

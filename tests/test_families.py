@@ -212,3 +212,37 @@ def test_a_gguf_with_longrope_factors_is_refused(tmp_path):
     path = write_gguf(folder, tmp_path / "phi3.gguf", extra_tensors={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
     with pytest.raises(UsageError, match="rope_factors_long.weight, LongRoPE"):
         resolve_model(str(path))
+
+
+def test_runs_converting_the_same_gguf_at_once_convert_it_once_and_share_the_folder(tmp_path, monkeypatch):
+    import threading
+
+    from compress import models
+    from tests.gguf_files import write_gguf
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_llama(tmp_path / "hf", layers=1)
+    source = resolve_model(str(write_gguf(folder, tmp_path / "tiny.gguf")))
+    conversions, first_started = [], threading.Event()
+    convert = models._convert_gguf
+
+    def slow_convert(path, out):
+        conversions.append(out)
+        first_started.set()
+        threading.Event().wait(1.0)  # long enough for the second run to arrive while this one converts
+        convert(path, out)
+
+    monkeypatch.setattr(models, "_convert_gguf", slow_convert)
+    results: list = []
+    first = threading.Thread(target=lambda: results.append(materialize(source)))
+    first.start()
+    assert first_started.wait(60)
+    second = threading.Thread(target=lambda: results.append(materialize(source)))
+    second.start()
+    first.join(120)
+    inode_before = results[0].stat().st_ino
+    second.join(120)
+    assert len(conversions) == 1
+    assert results[0] == results[1] and results[0].stat().st_ino == inode_before
+    assert not [p for p in results[0].parent.iterdir() if p.name.startswith(".tmp-")]
+    assert load_causal_lm(results[1]).config.num_hidden_layers == 1

@@ -115,7 +115,13 @@ def test_second_run_on_the_same_folder_is_refused_naming_the_pid(tmp_path, tiny_
     deadline = time.time() + 120
     while time.time() < deadline and not (out / "manifest.json").is_file():
         time.sleep(0.05)
-    second = subprocess.run(_command(tiny_llama_deep, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120)
+    # The manifest is written under the lock; freezing the first run keeps it holding the lock however fast it would
+    # otherwise finish, so the second run meets the lock on any machine.
+    first.send_signal(signal.SIGSTOP)
+    try:
+        second = subprocess.run(_command(tiny_llama_deep, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120)
+    finally:
+        first.send_signal(signal.SIGCONT)
     _, first_err = first.communicate(timeout=600)
     assert second.returncode == 2, second.stderr[-2000:]
     assert f"in use by another compress process (PID {first.pid})" in second.stderr.strip().splitlines()[-1]
