@@ -158,3 +158,18 @@ def test_builds_and_runs_a_tiny_engine(tiny_llama, tmp_path):
     assert list((out / "04_build_engine" / "engine").glob("*.engine"))
     measured = measure_on_device(out, 16)
     assert measured["iterations"] > 0 and measured["decode"]["p50_ms"] > 0
+
+
+def test_onnx_runtime_sessions_keep_to_the_thread_cap_torch_follows(tmp_path, monkeypatch):
+    from compress.runtime.onnx_decoder import make_session
+
+    graph = helper.make_graph([helper.make_node("Relu", ["x"], ["y"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    path = tmp_path / "relu.onnx"
+    path.write_bytes(helper.make_model(graph).SerializeToString())
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert make_session(path).get_session_options().intra_op_num_threads == 1
+    assert make_session(path, threads=3).get_session_options().intra_op_num_threads == 3
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert make_session(path).get_session_options().intra_op_num_threads == 0  # ONNX Runtime's own default: every core

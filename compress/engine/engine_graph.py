@@ -29,6 +29,7 @@ from onnx import TensorProto, helper, numpy_helper
 from onnx.external_data_helper import load_external_data_for_model
 
 from compress.errors import StageError
+from compress.runtime.onnx_decoder import thread_cap
 
 log = logging.getLogger(__name__)
 
@@ -201,6 +202,8 @@ def _run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    if thread_cap():
+        options.intra_op_num_threads = thread_cap()
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     typed = {}
     for entry in session.get_inputs():

@@ -9,6 +9,7 @@ beside the model file.
 from __future__ import annotations
 
 import json
+import os
 import platform
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -79,6 +80,16 @@ def fp4_as_fp8(model_path: Path) -> bytes:
     return model.SerializeToString()
 
 
+def thread_cap() -> int | None:
+    """The thread count ``OMP_NUM_THREADS`` caps this process at, or None.
+
+    torch follows that variable and ONNX Runtime does not (its pool spins on every core), so the
+    sessions compress creates follow it too: a process asked to stay on N cores does.
+    """
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False, fp4_weights: bool = False):
     """An ONNX Runtime CPU session.
 
@@ -94,6 +105,7 @@ def make_session(model_path: Path, threads: int | None = None, int8_activations:
     if int8_activations and not host_has_int8_dot_product():
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
     options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+    threads = threads or thread_cap()
     if threads:
         options.intra_op_num_threads = threads
     source = fp4_as_fp8(model_path) if fp4_weights else str(model_path)
