@@ -5,8 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
-import torch
+# Each pytest-xdist worker gets its share of the cores, for its own torch and ONNX Runtime and for the runs it
+# starts: thread pools spin while they wait, so more threads than cores slow every test down. Set before torch loads.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // _WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 CALIB = REPO / "calib_data" / "calibration" / "emma.txt"
@@ -63,6 +69,17 @@ def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+# The longest test files (whole runs on the real models, the Edge-LLM exporter) go first: pytest-xdist hands out
+# whole files in collection order, and a long file handed out last runs on one worker while the other waits.
+LONGEST_FIRST = ("test_e2e_smollm2.py", "test_families.py", "test_encoder_pipeline.py", "test_edgellm_export.py",
+                 "test_unified_checkpoint.py", "test_thor_formats.py", "test_run_dir_safety.py", "test_distill.py")
+
+
+def pytest_collection_modifyitems(items) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file keeps its own order
 
 
 @pytest.fixture(scope="session")

@@ -218,11 +218,14 @@ def _limit_file_size(limit: int):
     return lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
 
 
-def test_full_model_cache_is_a_usage_error_naming_the_cache(tmp_path):
+def test_full_model_cache_is_a_usage_error_naming_the_cache(tmp_path, tiny_llama):
+    from tests.gguf_files import write_gguf
+
+    gguf = write_gguf(tiny_llama, tmp_path / "tiny.gguf")  # its conversion writes ~0.4 MB of weights; the limit stops it
     cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline",
+    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={gguf}",
                            f"out={tmp_path / 'run'}"], env={**ENV, "COMPRESS_CACHE": str(cache)}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size(20_000_000))
+                          capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size(200_000))
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert last.startswith(f"compress: error: cannot write to {cache / 'models'}"), last
