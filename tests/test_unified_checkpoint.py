@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,7 @@ from compress.deploy.edgellm import edgellm_python
 from compress.deploy.unified_checkpoint import integer_weight, pack_int4, unpack_int4, write_unified_checkpoint
 from compress.errors import UsageError
 from compress.quantization import LinearQuant, load_quantization
-from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
-
-QUANTIZE_SMALL = ["quantize.calib_window=256", "quantize.min_calib_tokens=1024", "quantize.calib_windows=8"]
+from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +25,8 @@ def tiny_wide(tmp_path_factory) -> Path:
 
 
 def _quantized(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}",
-                           f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE, *extra],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
+                        *extra)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return out / "02_quantize" / "model"
 
@@ -113,9 +108,8 @@ def test_rotated_or_off_grid_weights_are_refused():
 def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(tmp_path):
     qwen3 = build_tiny_llama(tmp_path / "qwen3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
                              family="qwen3")
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=edgellm-int4", f"model={qwen3}",
-                           f"out={tmp_path / 'run'}", "quantize.group_size=32", *QUANTIZE_SMALL, *TINY_SMOKE],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int4", f"model={qwen3}", f"out={tmp_path / 'run'}",
+                        "quantize.group_size=32", *QUANTIZE_SMALL, *TINY_SMOKE)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     quantized = tmp_path / "run" / "02_quantize" / "model"
     assert json.loads((quantized / "config.json").read_text())["model_type"] == "qwen3"
@@ -132,9 +126,8 @@ def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(
 
 def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wide, tmp_path):
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny_wide}",
-                           f"out={out}", "quantize.float_linears=[down_proj]", *QUANTIZE_SMALL, *TINY_SMOKE],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny_wide}", f"out={out}",
+                        "quantize.float_linears=[down_proj]", *QUANTIZE_SMALL, *TINY_SMOKE)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     quantized = out / "02_quantize" / "model"
     _, linears = load_quantization(quantized)

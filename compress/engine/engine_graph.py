@@ -202,8 +202,9 @@ def _run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    if thread_cap():
-        options.intra_op_num_threads = thread_cap()
+    threads = thread_cap()
+    if threads:
+        options.intra_op_num_threads = threads
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     typed = {}
     for entry in session.get_inputs():
