@@ -20,12 +20,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compress.data import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, domain_sentences, load_calibration, load_evaluation
-from compress.encoder_pruning import encoder_head_importance, plan_encoder_heads, prune_encoder_heads
-from compress.encoder_quantization import EncoderQuantizeConfig, quantize_encoder, write_encoder_qdq
+from compress.backends.onnx.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, export_encoder, torch_outputs, write_encoder_qdq
+from compress.core.text import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, domain_sentences, load_calibration, load_evaluation
 from compress.eval.embeddings import cosines, neighbour_agreement
-from compress.models import load_encoder, load_tokenizer, resolve_model
-from compress.runtime.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, export_encoder, torch_outputs
+from compress.models.loading import load_encoder, load_tokenizer
+from compress.models.pruned_bert import prune_encoder_heads
+from compress.models.sources import resolve_model
+from compress.transforms.prune.encoder_heads import encoder_head_importance, plan_encoder_heads
+from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder
 
 ROUNDS = 3
 PER_DOMAIN = 48

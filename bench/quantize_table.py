@@ -62,10 +62,10 @@ def run_row(name: str) -> dict:
 
 def interleaved_latency(names: list[str], rounds: int = 3, prompt_tokens: int = 128, new_tokens: int = 16) -> dict[str, float]:
     """Median ORT decode ms/token per row, measured round-robin so machine noise hits every row alike."""
-    from compress.data import DEFAULT_EVALUATION, EVAL_SKIP_CHARS
+    from compress.backends.onnx.runtime import OnnxDecoder
+    from compress.core.text import DEFAULT_EVALUATION, EVAL_SKIP_CHARS
     from compress.eval.latency import measure_decoder_latency
-    from compress.models import load_tokenizer
-    from compress.runtime.onnx_decoder import OnnxDecoder
+    from compress.models.loading import load_tokenizer
 
     decoders = {}
     for name in names:

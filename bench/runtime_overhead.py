@@ -14,7 +14,7 @@ import time
 import numpy as np
 
 import compress.runtime
-from compress.runtime.onnx_decoder import past_names
+from compress.backends.onnx.runtime import past_names
 
 ROUNDS = 5
 NEW_TOKENS = 48

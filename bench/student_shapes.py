@@ -17,11 +17,20 @@ import sys
 import tempfile
 import time
 
-from compress.config import load_recipe
-from compress.data import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, EVAL_SKIP_CHARS, calibration_windows, load_calibration, token_windows
-from compress.distillation import DistillConfig, Distiller, build_student
+from compress.core.config import load_recipe
+from compress.core.text import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_EVALUATION,
+    EVAL_SKIP_CHARS,
+    calibration_windows,
+    load_calibration,
+    token_windows,
+)
 from compress.eval.perplexity import perplexity, torch_logits_fn
-from compress.models import DEFAULT_MODEL, count_parameters, load_causal_lm, load_tokenizer, materialize, resolve_model
+from compress.models.loading import count_parameters, load_causal_lm, load_tokenizer
+from compress.models.sources import DEFAULT_MODEL, materialize, resolve_model
+from compress.transforms.distill.student import build_student
+from compress.transforms.distill.train import DistillConfig, Distiller
 
 TRAINING_KEYS = ("batch_size", "seq_len", "lr", "warmup_steps", "temperature", "train_windows", "seed")
 

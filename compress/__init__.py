@@ -1,10 +1,12 @@
 """compress: from a Hugging Face checkpoint to a validated edge engine, in one command."""
 
-__version__ = "0.1.0"
+from compress.core.versions import __version__
+
+__all__ = ["__version__", "run"]
 
 
 def run(target: str, recipe: str = "default", **options):
-    """Run the pipeline from Python with the CLI's options (see :func:`compress.runner.run_python`)."""
-    from compress.runner import run_python
+    """Run the pipeline from Python with the CLI's options (see :func:`compress.pipeline.execute.run_python`)."""
+    from compress.pipeline.execute import run_python  # lazy: `import compress` must not load torch
 
     return run_python(target, recipe, **options)

@@ -1,3 +1,3 @@
-from compress.cli import _exit
+from compress.cli.main import _exit
 
 _exit()

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 import compress.runtime
-from compress.errors import CompressError
+from compress.core.errors import CompressError
 
 
 def main() -> int:

@@ -1,1 +1,2 @@
-"""The math that stages share: quantizers, SmoothQuant, AWQ, GPTQ, calibration loops."""
+"""Tensor math on plain tensors: number formats and precisions, SmoothQuant/AWQ/GPTQ, sparse masks, rotations, KV-cache
+scales, input statistics."""

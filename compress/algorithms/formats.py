@@ -15,6 +15,11 @@ Activation formats (:class:`Int8Activation`, :class:`Fp8Activation`, :class:`Nvf
 fake-quantize an activation under its calibrated per-tensor scale. NVFP4 activations are
 quantized dynamically per block of 16, their block scales in FP8 relative to the calibrated global
 scale, exactly as TensorRT Edge-LLM's ``TRT_FP4DynamicQuantize`` pattern does.
+
+A deployment :class:`Precision` (``int8``, ``int4``, ``fp8``, ``nvfp4``, ``nvfp4_a16``, the float
+ones) ties those together: how its weights are stored, how its inputs are quantized, which GPU
+number format and tensor-core rate it needs, and what its TensorRT Edge-LLM checkpoint calls it.
+:data:`PRECISIONS` is the one table every stage, backend and the latency model read.
 """
 
 from __future__ import annotations
@@ -305,3 +310,56 @@ def levels_on_grid(weight: torch.Tensor, grid: WeightGrid, scales: torch.Tensor,
     if off > tolerance * max(1.0, float(weight.abs().max())):
         raise ValueError(f"weight is not on its grid under the saved scales (off by up to {off:.3g})")
     return levels
+
+
+@dataclass(frozen=True, eq=False)
+class Precision:
+    """One deployment precision: how the quantized linears of a model ship, every fact of it in one place.
+
+    ``name`` is how runs, reports and ``compress predict precision=`` spell it. ``gpu_format`` is
+    the number format the target's GPU must run (a name of ``Target.gpu.precisions``), ``compute``
+    the tensor-core rate its matrix multiplies run at (weight-only precisions dequantize to FP16),
+    ``weight_format`` how the weights are stored (``int``, ``fp8``, ``nvfp4``, ``float``),
+    ``activations`` the activation format of quantized inputs (None: weight-only), ``edgellm`` the
+    TensorRT Edge-LLM precision its bundle is, and ``quant_algo`` the Model Optimizer unified
+    checkpoint's algorithm name for it.
+    """
+
+    name: str
+    weight_bits: int
+    gpu_format: str
+    compute: str
+    weight_format: str
+    activations: str | None
+    edgellm: str
+    quant_algo: str | None
+    summary: str
+
+    def __eq__(self, other: object) -> bool:
+        """A precision equals itself and its name (``config.precision() == "int4"``)."""
+        if isinstance(other, Precision):
+            return self.name == other.name
+        return isinstance(other, str) and self.name == other
+
+    def __hash__(self) -> int:
+        return hash(self.name)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def device_bits(self) -> int:
+        """Bits of one weight as the device stores it (float precisions run in FP16)."""
+        return min(self.weight_bits, 16)
+
+
+PRECISIONS: dict[str, Precision] = {p.name: p for p in (
+    Precision("fp32", 32, "fp32", "fp16", "float", None, "fp16", None, "float (FP16 on the device)"),
+    Precision("fp16", 16, "fp16", "fp16", "float", None, "fp16", None, "FP16"),
+    Precision("bf16", 16, "bf16", "fp16", "float", None, "fp16", None, "float (FP16 on the device)"),
+    Precision("int8", 8, "int8", "int8", "int", "int8", "int8", "W8A8_SQ_PER_CHANNEL", "INT8 weights and activations (W8A8)"),
+    Precision("int4", 4, "int4", "fp16", "int", None, "int4", "W4A16_AWQ", "INT4 weight-only (W4A16), grouped scales"),
+    Precision("fp8", 8, "fp8", "fp8", "fp8", "fp8", "fp8", "FP8", "FP8 E4M3 weights and activations"),
+    Precision("nvfp4", 4, "fp4", "fp4", "nvfp4", "nvfp4", "nvfp4", "NVFP4", "NVFP4 weights and activations (W4A4)"),
+    Precision("nvfp4_a16", 4, "fp4", "fp16", "nvfp4", None, "nvfp4", "W4A16_NVFP4", "NVFP4 weight-only (W4A16)"),
+)}

@@ -18,9 +18,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from compress.algorithms.calibration import decoder_blocks
 from compress.algorithms.formats import FP8_MAX, round_fp8
-from compress.errors import UsageError
+from compress.core.errors import UsageError
+from compress.models.families import decoder_blocks
 
 KV_ATTENTION = "compress_fp8_kv_cache"
 

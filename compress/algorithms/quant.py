@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from compress.algorithms.formats import IntGrid, WeightGrid, expand_scales, quantize_dequantize
+from compress.algorithms.formats import ActivationFormat, IntGrid, WeightGrid, expand_scales, quantize_dequantize
 
 
 def qmax(bits: int) -> int:
@@ -189,3 +189,16 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid,
             errors[:, i] = error
         w[:, end:] -= errors @ h_inv[start:end, end:]
     return grid.dequantize(levels, expand_scales(scales, in_features)), scales
+
+
+def activation_scale(samples: torch.Tensor, absmax: float, rule: str, activation: ActivationFormat, steps: int = 20) -> float:
+    """Static per-tensor activation scale: from the absolute maximum, or the clipped maximum with least MSE."""
+    if rule == "absmax":
+        return activation.scale_for(absmax)
+    best = (float("inf"), activation.scale_for(absmax))
+    for step in range(steps):
+        candidate = activation.scale_for(absmax * (1.0 - 0.8 * step / steps))
+        error = (activation.fake_quantize(samples, candidate) - samples).pow(2).mean().item()
+        if error < best[0]:
+            best = (error, candidate)
+    return best[1]

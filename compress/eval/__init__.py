@@ -1,1 +1,2 @@
-"""Measurements: perplexity, latency, memory."""
+"""Measurements and the gate: perplexity, fidelity, embeddings, latency, the latency model, on-device measurement, and
+the checks against a target's budgets."""

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from compress.errors import UsageError
+from compress.core.errors import UsageError
 
 NEIGHBOURS = 5
 

@@ -45,3 +45,14 @@ def torch_logits_fn(model) -> Callable[[np.ndarray], np.ndarray]:
             return model(torch.from_numpy(ids)).logits.numpy()
 
     return logits
+
+
+def seen_and_unseen_perplexity(model, seen: torch.Tensor, unseen: torch.Tensor | None):
+    """Perplexity on windows of the domains training saw, and of the domains it never saw."""
+    def evaluate() -> dict[str, float]:
+        figures = {"perplexity": perplexity(torch_logits_fn(model), seen, progress=False)}
+        if unseen is not None:
+            figures["perplexity_unseen"] = perplexity(torch_logits_fn(model), unseen, progress=False)
+        return figures
+
+    return evaluate

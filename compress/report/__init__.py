@@ -1,5 +1,1 @@
-"""``report.json`` (versioned schema) and the human report."""
-
-from compress.report.build import REPORT_SCHEMA_VERSION, build_report, write_reports
-
-__all__ = ["REPORT_SCHEMA_VERSION", "build_report", "write_reports"]
+"""``report.json`` (versioned schema) and the human reports, built from the run directory."""

@@ -1,61 +1,74 @@
-"""Assemble ``report.json`` from the stage records and write it with ``report.md``."""
+"""Assemble ``report.json`` from what the run directory holds, and write it with the human reports.
+
+Everything comes from the run directory: the manifest (target, budgets, recipe, model, data,
+versions, the stage list) and each stage's ``stage.json`` (status, duration, memory, metrics, its
+summary line and figures). No stage is found by its name: the gate is the stage whose output is
+a report, the artifacts are the last of each kind.
+"""
 
 from __future__ import annotations
 
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from compress.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, REPORT
-from compress.fsutil import atomic_write_json, atomic_write_text, read_json
-from compress.gate import NOT_MEASURED, exit_code_for
+from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, REPORT
+from compress.core.files import atomic_write_json, atomic_write_text
+from compress.core.rundir import MODEL_CARD, PLOTS_DIR, REPORT_HTML, REPORT_JSON, REPORT_MD, RunDir
+from compress.eval.gate import NOT_MEASURED, exit_code_for
 from compress.report.html import render_html
 from compress.report.markdown import render_markdown
 from compress.report.model_card import render_model_card
 from compress.report.plots import make_plots
 
-if TYPE_CHECKING:
-    from compress.runner import Plan, StageRecord
-
 REPORT_SCHEMA_VERSION = "1.0"
 
 
-def _last_path(records: list[StageRecord], kind: str, run_dir: Path, deferred: bool = False) -> str | None:
+def _artifact_path(stages: list[dict[str, Any]], kind: str, run_dir: Path, deferred: bool = False) -> str | None:
     """Path of the last artifact of ``kind``; a deferred engine is a build plan, not an engine."""
-    for record in reversed(records):
-        if record.artifact.kind == kind and bool(record.artifact.meta.get("deferred")) == deferred:
-            path = Path(record.artifact.path)
+    for stage in reversed(stages):
+        output = stage["output"]
+        if output["kind"] == kind and bool(output["meta"].get("deferred")) == deferred:
+            path = run_dir / stage["dir"] / output["path"]
             if kind == ENGINE and not deferred:
-                path = path / record.artifact.meta.get("engine_file", "")
+                path = path / output["meta"].get("engine_file", "")
             return str(path.relative_to(run_dir))
     return None
 
 
-def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
-    """The machine-readable report of a finished run."""
-    from compress.runner import data_record, library_versions
+def _stage_entries(run: RunDir) -> list[dict[str, Any]]:
+    entries = []
+    for entry, record in run.stages():
+        record = record or {}
+        entries.append({"name": entry["name"], "dir": entry["dir"], "status": entry["status"],
+                        "duration_s": record.get("duration_s"), "peak_rss_mb": record.get("peak_rss_mb"),
+                        "metrics": record.get("metrics", {}), "summary": record.get("summary", ""),
+                        "figures": record.get("figures", {}),
+                        "output": record.get("output", {"kind": None, "path": "", "meta": {}})})
+    return entries
 
-    run_dir = plan.out_dir
-    validation = next((r for r in records if r.artifact.kind == REPORT), None)
-    gate = validation.artifact.meta["gate"] if validation else {
-        "verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
+
+def build_report(run_dir: Path) -> dict[str, Any]:
+    """The machine-readable report of the run in ``run_dir``."""
+    run = RunDir(run_dir)
+    manifest = run.manifest()
+    stages = _stage_entries(run)
+    validation = next((s["output"]["meta"] for s in reversed(stages) if s["output"]["kind"] == REPORT), None)
+    gate = validation["gate"] if validation else {"verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
     report = {
         "schema_version": REPORT_SCHEMA_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(),
-        "target": {"name": plan.target.name, "power_mode": plan.power_mode, "budgets": plan.target.budgets.model_dump()},
-        "model": {"spec": plan.model.spec, "license": plan.model.license},
-        "recipe": plan.recipe.name,
-        "stages": [
-            {"name": r.name, "dir": r.dirname, "status": r.status, "duration_s": r.record.get("duration_s"),
-             "peak_rss_mb": r.record.get("peak_rss_mb"), "metrics": r.record.get("metrics", {})}
-            for r in records
-        ],
-        "artifacts": {"onnx": _last_path(records, ONNX, run_dir), "engine": _last_path(records, ENGINE, run_dir),
-                      "engine_build_plan": _last_path(records, ENGINE, run_dir, deferred=True),
-                      "edgellm_bundle": _last_path(records, EDGELLM_BUNDLE, run_dir)},
-        "predictions": validation.artifact.meta.get("predictions") if validation else None,
-        "data": data_record(plan),
-        "versions": library_versions(),
+        "target": {"name": manifest["target"], "power_mode": manifest["power_mode"], "budgets": manifest["budgets"]},
+        "model": {"spec": manifest["model"]["spec"], "license": manifest["model"].get("license", "unknown")},
+        "recipe": manifest["recipe"]["name"],
+        "stages": [{key: stage[key] for key in ("name", "dir", "status", "duration_s", "peak_rss_mb", "metrics", "summary", "figures")}
+                   | {"kind": stage["output"]["kind"]} for stage in stages],
+        "artifacts": {"onnx": _artifact_path(stages, ONNX, run.path), "engine": _artifact_path(stages, ENGINE, run.path),
+                      "engine_build_plan": _artifact_path(stages, ENGINE, run.path, deferred=True),
+                      "edgellm_bundle": _artifact_path(stages, EDGELLM_BUNDLE, run.path)},
+        "predictions": validation.get("predictions") if validation else None,
+        "data": manifest["data"],
+        "versions": manifest["versions"],
         "gate": gate,
     }
     report["exit_code"] = exit_code_for(gate["verdict"])
@@ -64,12 +77,9 @@ def build_report(plan: Plan, records: list[StageRecord]) -> dict[str, Any]:
 
 def write_reports(run_dir: Path, report: dict[str, Any]) -> None:
     """Write ``report.json``, ``report.md``, ``report.html`` (with plots) and ``MODEL_CARD.md`` atomically."""
-    onnx_config = None
-    if report["artifacts"].get("onnx") and (run_dir / report["artifacts"]["onnx"] / "config.json").is_file():
-        onnx_config = read_json(run_dir / report["artifacts"]["onnx"] / "config.json")
-    plots = make_plots(report, onnx_config, run_dir / "plots")
+    plots = make_plots(report, run_dir / PLOTS_DIR)
     report["plots"] = {name: str(path.relative_to(run_dir)) for name, path in plots.items()}
-    atomic_write_json(run_dir / "report.json", report)
-    atomic_write_text(run_dir / "report.md", render_markdown(report))
-    atomic_write_text(run_dir / "report.html", render_html(report, plots))
-    atomic_write_text(run_dir / "MODEL_CARD.md", render_model_card(report))
+    atomic_write_json(run_dir / REPORT_JSON, report)
+    atomic_write_text(run_dir / REPORT_MD, render_markdown(report))
+    atomic_write_text(run_dir / REPORT_HTML, render_html(report, plots))
+    atomic_write_text(run_dir / MODEL_CARD, render_model_card(report))

@@ -7,7 +7,8 @@ from html import escape
 from pathlib import Path
 from typing import Any
 
-from compress.report.markdown import DOMAIN_HEADERS, _fmt, _stage_summary, decoder_predictions, domain_rows, validation_metrics
+from compress.report.figures import DOMAIN_QUALITY, figure
+from compress.report.markdown import DOMAIN_HEADERS, _fmt, decoder_predictions, domain_rows
 
 _STYLE = """
 body{font-family:system-ui,sans-serif;margin:2rem auto;max-width:60rem;color:#222}
@@ -29,7 +30,7 @@ def _image(path: Path, alt: str) -> str:
 
 
 def _domain_section(report: dict[str, Any]) -> list[str]:
-    metrics = validation_metrics(report)
+    metrics = figure(report, DOMAIN_QUALITY) or {}
     rows = domain_rows(metrics)
     if not rows:
         return []
@@ -50,7 +51,7 @@ def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
                f'<span class="{c["verdict"]}">{c["verdict"]}</span>', escape(c["source"]), escape(c.get("detail", ""))]
               for c in gate["checks"]]
     stages = [[str(i), escape(s["name"]), escape(s["status"]), _fmt(s.get("duration_s")), _fmt(s.get("peak_rss_mb")),
-               escape(_stage_summary(s))] for i, s in enumerate(report["stages"], start=1)]
+               escape(s.get("summary", ""))] for i, s in enumerate(report["stages"], start=1)]
     parts = [
         "<!doctype html><html><head><meta charset='utf-8'>",
         f"<title>compress report: {escape(report['model']['spec'])} on {escape(target['name'])}</title>",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.report.figures import DOMAIN_QUALITY, figure
+
 
 def _fmt(value: Any, digits: int = 3) -> str:
     if value is None:
@@ -13,61 +15,6 @@ def _fmt(value: Any, digits: int = 3) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     return str(value)
-
-
-def _stage_summary(stage: dict[str, Any]) -> str:
-    metrics = stage.get("metrics") or {}
-    parts = []
-    if "parameters" in metrics:
-        parts.append(f"{metrics['parameters']:,} parameters")
-    if "perplexity_after" in metrics:
-        parts.append(f"student {metrics['student_shape']}, ppl {metrics['perplexity_before']:.1f} → {metrics['perplexity_after']:.1f} "
-                     f"after {metrics['steps']} {metrics['loss']} steps (teacher {metrics['perplexity_teacher']:.1f})")
-    if "heads_kept_per_layer" in metrics:
-        parts.append(f"heads {metrics['heads_before']} → {metrics['heads_after']} per layer")
-    if metrics.get("pattern_24_fraction") is not None:
-        parts.append(f"2:4 pattern {100 * metrics['pattern_24_fraction']:.2f}% ({metrics['method']})")
-    if metrics.get("method") in ("int8", "int4", "rtn", "fp8", "nvfp4") and "median_sqnr_db" in metrics:
-        parts.append(f"{metrics.get('scheme', metrics['method'])} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
-                     f"{len(metrics.get('outlier_layers', []))} outlier linears")
-        if metrics.get("rotated_linears"):
-            parts.append(f"{len(metrics['rotated_linears'])} inputs Hadamard-rotated")
-        if metrics.get("float_input_linears"):
-            parts.append(f"{len(metrics['float_input_linears'])} linears with float inputs")
-    if "onnx_size_bytes" in metrics:
-        parts.append(f"ONNX {metrics['onnx_size_bytes'] / 1e6:.1f} MB")
-    parity = metrics.get("parity")
-    if parity:
-        parts.append(f"max logit diff {parity['max_abs_logit_diff']:.2e}, greedy {'identical' if parity['greedy_match'] else 'DIFFERENT'}")
-    if "perplexity_onnx" in metrics:
-        parts.append(f"ppl {metrics['perplexity_onnx']:.3f} (teacher {_fmt(metrics.get('perplexity_teacher'), 5)})")
-    if "embedding_cosine_mean" in metrics:
-        parts.append(f"{metrics['sentences']} sentences: cosine mean {metrics['embedding_cosine_mean']:.4f}, "
-                     f"worst {metrics['embedding_cosine_min']:.4f}, neighbour agreement {metrics['neighbour_agreement']:.3f}")
-    if "label_agreement" in metrics:
-        parts.append(f"{metrics['sentences']} sentences: label agreement {metrics['label_agreement']:.4f}")
-    if "parity_min_cosine" in metrics:
-        parts.append(f"{metrics['precision']}, parity minimum cosine {metrics['parity_min_cosine']:.6f}")
-    lat = metrics.get("host_latency")
-    if isinstance(lat, dict):
-        parts.append(f"host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms")
-    elif lat:
-        parts.append("host " + ", ".join(f"batch {row['batch']} p50 {row['p50_ms']:.1f} ms" for row in lat))
-    if "custody" in metrics:
-        custody = metrics["custody"]
-        parts.append(f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "
-                     f"the quantized model, {custody['mismatches']} mismatches")
-    if metrics.get("runtime") == "edgellm":
-        parts.append(f"Edge-LLM engine profile: batch {metrics['max_batch_size']}, input {metrics['max_input_len']}, "
-                     f"KV capacity {metrics['max_kv_cache_capacity']}")
-    if metrics.get("reason"):
-        parts.append(f"engine build deferred to the device ({metrics['reason']}); run `compress build-engine RUN_DIR` there")
-    return "; ".join(parts)
-
-
-def validation_metrics(report: dict[str, Any]) -> dict[str, Any]:
-    """The validate stage's metrics of a report (empty without one)."""
-    return next((s.get("metrics") or {} for s in report.get("stages", []) if s["name"] == "validate"), {})
 
 
 def decoder_predictions(report: dict[str, Any]) -> dict[str, Any] | None:
@@ -95,7 +42,7 @@ def domain_rows(metrics: dict[str, Any]) -> list[list[str]]:
 
 
 def _domain_table(report: dict[str, Any]) -> list[str]:
-    metrics = validation_metrics(report)
+    metrics = figure(report, DOMAIN_QUALITY) or {}
     rows = domain_rows(metrics)
     if not rows:
         return []
@@ -162,7 +109,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
     for index, stage in enumerate(report["stages"], start=1):
         lines.append(f"| {index} | {stage['name']} | {stage['status']} | {_fmt(stage['duration_s'])} | "
-                     f"{_fmt(stage['peak_rss_mb'])} | {_stage_summary(stage)} |")
+                     f"{_fmt(stage['peak_rss_mb'])} | {stage.get('summary', '')} |")
     predictions = decoder_predictions(report)
     lines += _encoder_predictions(report)
     if predictions:

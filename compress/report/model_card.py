@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from compress.report.figures import QUANTIZATION, figure, validation_metrics
+
 
 def render_model_card(report: dict[str, Any]) -> str:
     """A model card for the run's final artifact."""
-    stages = {s["name"]: s for s in report["stages"]}
-    validate = stages.get("validate", {}).get("metrics", {})
-    quant = (stages.get("quantize") or stages.get("quantize_encoder") or {}).get("metrics")
+    stages = [s["name"] for s in report["stages"]]
+    validate = validation_metrics(report)
+    quantization = figure(report, QUANTIZATION)
     data = report.get("data", {})
     lines = [
         f"# Model card: {report['model']['spec']} compressed for {report['target']['name']}",
@@ -23,11 +25,8 @@ def render_model_card(report: dict[str, Any]) -> str:
         "## Compression",
         "",
     ]
-    if quant:
-        scheme = quant.get("scheme") or (f"{quant['weight_bits']}-bit weights"
-                                         + (f", group {quant['group_size']}" if quant.get("group_size") else ", per output channel"))
-        lines.append(f"- Quantization: {quant['method']} ({quant['algorithm']}), {scheme}"
-                     + (f"; calibrated on {quant['calibration_tokens']:,} tokens" if "calibration_tokens" in quant else ""))
+    if quantization:
+        lines.append(f"- Quantization: {quantization}")
     else:
         lines.append("- None (reference export)")
     lines += ["", "## Calibration and evaluation data", ""]

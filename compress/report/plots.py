@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from compress.perf_model import ModelShape, predict  # noqa: E402
+from compress.report.figures import DOMAIN_QUALITY, LAYER_SQNR, PERPLEXITY_BY_STAGE, SIZE_MB, TRAINING_CURVE, figure, validation_metrics  # noqa: E402
 from compress.report.markdown import decoder_predictions  # noqa: E402
 
 
@@ -26,20 +26,13 @@ def _save(fig, path: Path) -> Path:
 
 
 def _stage_size_and_ppl(report: dict[str, Any]) -> tuple[list[str], list[float | None], list[float | None]]:
+    """Per stage that recorded a size or was measured: its name, model size (MB) and perplexity."""
+    perplexities = figure(report, PERPLEXITY_BY_STAGE) or {}
     names, sizes, ppls = [], [], []
-    validate = next((s["metrics"] for s in report["stages"] if s["name"] == "validate"), {})
     for stage in report["stages"]:
-        metrics = stage.get("metrics") or {}
-        size = ppl = None
-        if stage["name"] == "load":
-            size = metrics.get("parameters", 0) * 4 / 1e6 or None
-            ppl = validate.get("perplexity_teacher")
-        elif stage["name"] == "quantize":
-            ppl = validate.get("perplexity_torch_quantized")
-        elif stage["name"] == "export_onnx":
-            size = metrics.get("onnx_size_bytes", 0) / 1e6 or None
-            ppl = validate.get("perplexity_onnx")
-        else:
+        size = (stage.get("figures") or {}).get(SIZE_MB)
+        ppl = perplexities.get(stage["name"])
+        if size is None and stage["name"] not in perplexities:
             continue
         names.append(stage["name"])
         sizes.append(size)
@@ -79,22 +72,17 @@ def plot_power_modes(report: dict[str, Any], path: Path) -> Path:
     return _save(fig, path)
 
 
-def plot_pareto(report: dict[str, Any], onnx_config: dict[str, Any] | None, path: Path) -> Path:
+def plot_pareto(report: dict[str, Any], path: Path) -> Path:
     """Accuracy against predicted latency: the teacher in FP16 and the final model at its precision."""
-    from compress.config import load_target
-
-    validate = next((s["metrics"] for s in report["stages"] if s["name"] == "validate"), {})
+    validate = validation_metrics(report)
+    predictions = report["predictions"]
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     points = []
-    if onnx_config is not None:
-        target = load_target(report["target"]["name"])
-        shape = ModelShape.from_config(onnx_config)
-        mode = report["target"]["power_mode"]
-        teacher = predict(target, shape, "fp16", mode).decode_latency_ms
-        final = report["predictions"]["chosen"]
-        if validate.get("perplexity_teacher"):
-            points.append(("teacher (fp16)", teacher, validate["perplexity_teacher"]))
-        points.append((f"final ({final['precision']})", final["decode_latency_ms"], validate.get("perplexity_onnx")))
+    reference = predictions.get("reference_fp16")
+    if reference is not None and validate.get("perplexity_teacher"):
+        points.append(("teacher (fp16)", reference["decode_latency_ms"], validate["perplexity_teacher"]))
+    final = predictions["chosen"]
+    points.append((f"final ({final['precision']})", final["decode_latency_ms"], validate.get("perplexity_onnx")))
     for label, latency, ppl in points:
         if ppl is None:
             continue
@@ -111,11 +99,11 @@ def plot_pareto(report: dict[str, Any], onnx_config: dict[str, Any] | None, path
 
 def plot_sensitivity(report: dict[str, Any], path: Path) -> Path | None:
     """Per-layer quantization SQNR, one line per linear kind; None when nothing was recorded."""
-    quant = next((s["metrics"] for s in report["stages"] if s["name"] == "quantize"), None)
-    if not quant or not quant.get("layer_sqnr_db"):
+    sensitivity = figure(report, LAYER_SQNR)
+    if not sensitivity or not sensitivity.get("linears"):
         return None
     series: dict[str, dict[int, float]] = {}
-    for row in quant["layer_sqnr_db"]:
+    for row in sensitivity["linears"]:
         match = re.search(r"layers\.(\d+)\.(?:\w+\.)?(\w+)$", row["name"])
         if match:
             series.setdefault(match.group(2), {})[int(match.group(1))] = row["sqnr_db"]
@@ -125,27 +113,27 @@ def plot_sensitivity(report: dict[str, Any], path: Path) -> Path | None:
         ax.plot(layers, [values[i] for i in layers], marker=".", label=kind)
     ax.set_xlabel("decoder layer")
     ax.set_ylabel("output SQNR (dB, higher is better)")
-    ax.set_title(f"Quantization sensitivity per layer ({quant.get('method')})")
+    ax.set_title(f"Quantization sensitivity per layer ({sensitivity.get('method')})")
     ax.legend(fontsize=7, ncol=4)
     return _save(fig, path)
 
 
 def plot_distill_curve(report: dict[str, Any], path: Path) -> Path | None:
     """Student perplexity against training steps, with the teacher's as a reference line."""
-    distill = next((s["metrics"] for s in report["stages"] if s["name"] == "distill"), None)
-    points = [p for p in (distill or {}).get("curve", []) if "perplexity" in p]
+    distill = figure(report, TRAINING_CURVE)
+    points = [p for p in (distill or {}).get("points", []) if "perplexity" in p]
     if not points:
         return None
     fig, ax = plt.subplots(figsize=(6.5, 3.6))
     steps = [0] + [p["step"] for p in points]
-    values = [distill["perplexity_before"]] + [p["perplexity"] for p in points]
+    values = [distill["before"]] + [p["perplexity"] for p in points]
     ax.plot(steps, values, "o-", label=f"student ({distill['loss']}), seen domains")
-    ax.axhline(distill["perplexity_teacher"], color="black", linestyle="--", label="teacher, seen domains")
+    ax.axhline(distill["teacher"], color="black", linestyle="--", label="teacher, seen domains")
     unseen = [p for p in points if "perplexity_unseen" in p]
-    if unseen and distill.get("perplexity_before_unseen") is not None:
-        ax.plot([0] + [p["step"] for p in unseen], [distill["perplexity_before_unseen"]] + [p["perplexity_unseen"] for p in unseen],
+    if unseen and distill.get("before_unseen") is not None:
+        ax.plot([0] + [p["step"] for p in unseen], [distill["before_unseen"]] + [p["perplexity_unseen"] for p in unseen],
                 "s-", color="#C44E52", label="student, unseen domains")
-        ax.axhline(distill["perplexity_teacher_unseen"], color="#C44E52", linestyle=":", label="teacher, unseen domains")
+        ax.axhline(distill["teacher_unseen"], color="#C44E52", linestyle=":", label="teacher, unseen domains")
     if distill.get("stopped_early_at"):
         ax.axvline(distill["stopped_early_at"], color="grey", linewidth=0.8, label="stopped: unseen domains got worse")
     ax.set_yscale("log")
@@ -158,8 +146,7 @@ def plot_distill_curve(report: dict[str, Any], path: Path) -> Path | None:
 
 def plot_domains(report: dict[str, Any], path: Path) -> Path | None:
     """Perplexity change against the teacher per evaluation domain, unseen domains marked, with the budget."""
-    validate = next((s["metrics"] for s in report["stages"] if s["name"] == "validate"), {})
-    domains = validate.get("domains")
+    domains = (figure(report, DOMAIN_QUALITY) or {}).get("domains")
     if not domains:
         return None
     names = list(domains)
@@ -178,13 +165,13 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-def make_plots(report: dict[str, Any], onnx_config: dict[str, Any] | None, folder: Path) -> dict[str, Path]:
+def make_plots(report: dict[str, Any], folder: Path) -> dict[str, Path]:
     """Every plot the report has data for, written into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
     plots = {"stages": plot_stages(report, folder / "stages.png")}
     if decoder_predictions(report):
         plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
-        plots["pareto"] = plot_pareto(report, onnx_config, folder / "pareto.png")
+        plots["pareto"] = plot_pareto(report, folder / "pareto.png")
     for name, plot in (("domains", plot_domains), ("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve)):
         made = plot(report, folder / f"{name}.png")
         if made:

@@ -11,39 +11,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
-from compress.errors import CompressError, UsageError
-from compress.fsutil import read_json, sha256_path
-from compress.runtime.encoder import ENCODER_FILE, OnnxEncoder
-from compress.runtime.onnx_decoder import LAYOUT_FILE, DecoderLayout, OnnxDecoder, greedy_stream
-
-if TYPE_CHECKING:
-    from compress.runtime.edgellm import EdgeLLMGenerator
+from compress.backends.onnx.encoder import ENCODER_FILE, OnnxEncoder
+from compress.backends.onnx.runtime import LAYOUT_FILE, DecoderLayout, OnnxDecoder, greedy_stream
+from compress.backends.tensorrt.decoder import TrtDecoder
+from compress.backends.tensorrt.encoder import TrtEncoder
+from compress.backends.tensorrt.provenance import check_engine_provenance
+from compress.core.artifact import ENGINE, ONNX
+from compress.core.errors import CompressError, ProvenanceError, UsageError
+from compress.core.files import read_json, sha256_path
+from compress.core.rundir import BUILD_PLAN, ENGINE_MANIFEST, MANIFEST_FILE, RunDir
+from compress.models.loading import chat_prompt_ids, load_tokenizer
+from compress.runtime.edgellm import EdgeLLMGenerator, check_engine_files
+from compress.runtime.options import GenerationOptions, parse_options
 
 log = logging.getLogger(__name__)
-
-
-class ProvenanceError(UsageError):
-    """What is on disk is not what the run produced, or was built for another machine."""
-
-
-@dataclass(frozen=True)
-class GenerationOptions:
-    """How to decode."""
-
-    max_new_tokens: int = 64
-    greedy: bool = True
-    temperature: float = 0.7
-    top_k: int = 50
-    top_p: float = 0.9
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    chat: bool = True
 
 
 @dataclass
@@ -83,8 +70,6 @@ class TextGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (decoder.layout.eos_token_ids or [0])[0]
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
-        from compress.stages.export_onnx import chat_prompt_ids
-
         if chat:
             return chat_prompt_ids(self.tokenizer, prompt)
         return self.tokenizer(prompt, add_special_tokens=True).input_ids
@@ -124,7 +109,7 @@ class TextGenerator:
 
     def stream(self, prompt: str, **options) -> Iterator[str]:
         """Yield the answer to one prompt piece by piece as it is decoded."""
-        opts = _options(options)
+        opts = parse_options(options)
         shown = 0
         for sequences in self._batch_steps([prompt], opts):
             text = sequences[0].text
@@ -134,7 +119,7 @@ class TextGenerator:
 
     def generate(self, prompts: str | Sequence[str], **options) -> str | list[str]:
         """Answer one prompt (returns a string) or a batch of prompts (returns a list)."""
-        opts = _options(options)
+        opts = parse_options(options)
         batch = [prompts] if isinstance(prompts, str) else list(prompts)
         if not batch:
             return []
@@ -157,65 +142,46 @@ class TextGenerator:
         return list(self.stream_ids(prompt_ids, max_new_tokens))
 
 
-def _options(options: dict) -> GenerationOptions:
-    unknown = set(options) - set(GenerationOptions.__dataclass_fields__)
-    if unknown:
-        raise UsageError(f"unknown generation option {sorted(unknown)[0]!r}")
-    if "stop" in options and isinstance(options["stop"], str):
-        options = {**options, "stop": (options["stop"],)}
-    return replace(GenerationOptions(), **{k: tuple(v) if k == "stop" else v for k, v in options.items()})
-
-
-def _run_stage_dir(run_dir: Path, name: str) -> Path | None:
-    manifest = read_json(run_dir / "manifest.json")
-    return next((run_dir / s["dir"] for s in manifest["stages"] if s["name"] == name), None)
-
-
-def _check_onnx_provenance(run_dir: Path, stage: str = "export_onnx") -> tuple[Path, dict]:
-    manifest = read_json(run_dir / "manifest.json")
+def _check_onnx_provenance(run: RunDir) -> tuple[Path, dict]:
+    """The run's exported folder, still holding what the run recorded; a provenance error otherwise."""
+    manifest = run.manifest()
     if manifest.get("status") != "finished":
-        raise ProvenanceError(f"{run_dir} is not a finished run (status {manifest.get('status')}); rerun it to finish")
-    stage_dir = _run_stage_dir(run_dir, stage)
-    if stage_dir is None:
-        raise ProvenanceError(f"{run_dir} has no {stage} stage")
-    record = read_json(stage_dir / "stage.json")
+        raise ProvenanceError(f"{run.path} is not a finished run (status {manifest.get('status')}); rerun it to finish")
+    found = run.stage_producing(ONNX)
+    if found is None:
+        raise ProvenanceError(f"{run.path} has no exported ONNX model")
+    stage_dir, record = found
     onnx_dir = stage_dir / record["output"]["path"]
     actual = sha256_path(onnx_dir)
     if actual != record["output"]["sha256"]:
         raise ProvenanceError(f"{onnx_dir} does not match the hash recorded by the run ({record['output']['sha256'][:12]}…, "
                               f"found {actual[:12]}…); rerun `compress run` to regenerate it")
-    return onnx_dir, {"run": str(run_dir), "onnx_sha256": actual, "target": manifest["target"]}
+    return onnx_dir, {"run": str(run.path), "onnx_sha256": actual, "target": manifest["target"]}
 
 
 def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "tensorrt"] = "auto",
          threads: int | None = None) -> TextGenerator | EdgeLLMGenerator | OnnxEncoder:
     """Load a run directory (or an exported ONNX folder): a generator for a decoder, an :class:`OnnxEncoder` for an encoder
     (``.embed(...)``, ``.classify(...)``)."""
-    from compress.models import load_tokenizer
-
     path = Path(path)
-    if (path / "manifest.json").is_file() and _run_stage_dir(path, "export_encoder") is not None:
-        onnx_dir, provenance = _check_onnx_provenance(path, "export_encoder")
-        return _encoder(onnx_dir, provenance, backend, threads, path)
-    if (path / ENCODER_FILE).is_file():
+    run = RunDir(path) if (path / MANIFEST_FILE).is_file() else None
+    if run is not None:
+        onnx_dir, provenance = _check_onnx_provenance(run)
+        if (onnx_dir / ENCODER_FILE).is_file():
+            return _encoder(onnx_dir, provenance, backend, threads, run)
+    elif (path / ENCODER_FILE).is_file():
         return _encoder(path, {"onnx_folder": str(path)}, backend, threads)
-    if (path / "manifest.json").is_file():
-        onnx_dir, provenance = _check_onnx_provenance(path)
     elif (path / LAYOUT_FILE).is_file():
         onnx_dir, provenance = path, {"onnx_folder": str(path)}
     else:
         raise UsageError(f"{path} is neither a run directory nor an exported ONNX folder")
     tokenizer = load_tokenizer(onnx_dir)
-    if backend in ("auto", "edgellm") and (path / "manifest.json").is_file():
-        generator = _try_edgellm(path, tokenizer, provenance, required=backend == "edgellm")
+    if backend in ("auto", "edgellm") and run is not None:
+        generator = _try_edgellm(run, tokenizer, provenance, required=backend == "edgellm")
         if generator is not None:
             return generator
-    engine = None
-    if backend in ("auto", "tensorrt") and (path / "manifest.json").is_file():
-        engine = _try_tensorrt(path, required=backend == "tensorrt")
+    engine = _try_tensorrt(run, required=backend == "tensorrt") if backend in ("auto", "tensorrt") and run is not None else None
     if engine is not None:
-        from compress.runtime.trt_decoder import TrtDecoder
-
         decoder = TrtDecoder(engine[0], DecoderLayout.load(onnx_dir), engine[1])
         return TextGenerator(decoder, tokenizer, "tensorrt", provenance)
     if backend == "tensorrt":
@@ -223,31 +189,23 @@ def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "t
     return TextGenerator(OnnxDecoder(onnx_dir, threads), tokenizer, "onnxruntime", provenance)
 
 
-def _encoder(onnx_dir: Path, provenance: dict, backend: str, threads: int | None, run_dir: Path | None = None) -> OnnxEncoder:
+def _encoder(onnx_dir: Path, provenance: dict, backend: str, threads: int | None, run: RunDir | None = None) -> OnnxEncoder:
     if backend not in ("auto", "onnxruntime", "tensorrt"):
         raise UsageError(f"backend={backend!r}: encoders run in ONNX Runtime or on their TensorRT engine")
-    engine = _try_tensorrt(run_dir, required=backend == "tensorrt") if run_dir is not None and backend != "onnxruntime" else None
+    engine = _try_tensorrt(run, required=backend == "tensorrt") if run is not None and backend != "onnxruntime" else None
     if engine is None and backend == "tensorrt":
         raise UsageError(f"backend='tensorrt' needs a run directory with a built engine, not {onnx_dir}")
-    if engine is not None:
-        from compress.runtime.encoder import TrtEncoder
-
-        encoder = TrtEncoder(onnx_dir, engine[0], engine[1])
-    else:
-        encoder = OnnxEncoder(onnx_dir, threads)
+    encoder = TrtEncoder(onnx_dir, engine[0], engine[1]) if engine is not None else OnnxEncoder(onnx_dir, threads)
     encoder.provenance = provenance
     return encoder
 
 
-def _try_edgellm(run_dir: Path, tokenizer, provenance: dict, required: bool):
+def _try_edgellm(run: RunDir, tokenizer, provenance: dict, required: bool) -> EdgeLLMGenerator | None:
     """An :class:`~compress.runtime.edgellm.EdgeLLMGenerator` on the run's built Edge-LLM engine, or None."""
-    from compress.device import ENGINE_MANIFEST, edgellm_engine_folder
-    from compress.runtime.edgellm import EdgeLLMGenerator, check_engine_files
-
-    folder = edgellm_engine_folder(run_dir)
+    folder = run.edgellm_engine_folder()
     if folder is None or not (folder / ENGINE_MANIFEST).is_file():
         if required:
-            raise ProvenanceError(f"{run_dir} has no built Edge-LLM engine; run `compress build-engine {run_dir}` on the device")
+            raise ProvenanceError(f"{run.path} has no built Edge-LLM engine; run `compress build-engine {run.path}` on the device")
         return None
     manifest = check_engine_files(folder)
     try:
@@ -259,19 +217,17 @@ def _try_edgellm(run_dir: Path, tokenizer, provenance: dict, required: bool):
         return None
 
 
-def _try_tensorrt(run_dir: Path, required: bool) -> tuple[Path, bool] | None:
+def _try_tensorrt(run: RunDir, required: bool) -> tuple[Path, bool] | None:
     """The run's built engine, checked against this TensorRT and GPU, and whether it is version-compatible; or None."""
-    from compress.device import ENGINE_MANIFEST, check_engine_provenance, edgellm_engine_folder
-
-    stage_dir = _run_stage_dir(run_dir, "build_engine")
-    engine_dir = stage_dir / "engine" if stage_dir else None
-    if edgellm_engine_folder(run_dir) is not None:
+    if run.edgellm_engine_folder() is not None:
         if required:
-            raise ProvenanceError(f"{run_dir}'s engine is built by TensorRT Edge-LLM; load it with backend='edgellm'")
+            raise ProvenanceError(f"{run.path}'s engine is built by TensorRT Edge-LLM; load it with backend='edgellm'")
         return None
+    found = run.stage_producing(ENGINE)
+    engine_dir = found[0] / found[1]["output"]["path"] if found else None
     if engine_dir is None or not (engine_dir / ENGINE_MANIFEST).is_file():
         if required:
-            raise ProvenanceError(f"{run_dir} has no built engine; run `compress build-engine {run_dir}` on the device")
+            raise ProvenanceError(f"{run.path} has no built engine; run `compress build-engine {run.path}` on the device")
         return None
     try:
         manifest = check_engine_provenance(engine_dir)
@@ -284,5 +240,5 @@ def _try_tensorrt(run_dir: Path, required: bool) -> tuple[Path, bool] | None:
             raise
         log.info("TensorRT engine not used (%s); running the ONNX model in ONNX Runtime", exc)
         return None
-    plan = read_json(engine_dir / "build_plan.json")
+    plan = read_json(engine_dir / BUILD_PLAN)
     return engine_dir / plan["engine_file"], bool(manifest.get("version_compatible"))

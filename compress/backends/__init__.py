@@ -1,0 +1,1 @@
+"""Deployment formats, one folder each: the portable ONNX (onnx/), TensorRT engines (tensorrt/), TensorRT Edge-LLM (edgellm/)."""

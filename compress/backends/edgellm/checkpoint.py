@@ -1,0 +1,208 @@
+"""A real quantized checkpoint: the quantize stage's result as a Model Optimizer "unified" Hugging Face checkpoint.
+
+Integers on disk, in the layout NVIDIA's tools read (TensorRT Edge-LLM's exporter among them;
+its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the specification):
+
+* ``hf_quant_config.json`` (and ``quantization_config`` in ``config.json``) names the algorithm:
+  ``W8A8_SQ_PER_CHANNEL``, ``W4A16_AWQ`` (with its ``group_size``), ``FP8``, ``NVFP4`` (W4A4) or
+  ``W4A16_NVFP4`` (weight-only; ``group_size`` 16); ``lm_head`` and any decoder linear the quantize
+  stage left float (``quantize.float_linears``) stay FP16 and are listed in ``exclude_modules``
+  (Edge-LLM also treats a linear with no ``weight_scale`` as FP16).
+* W8A8 linear: ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out]``, ``input_scale``
+  float32 ``[]`` (the QuantizeLinear scale, amax / 127), ``pre_quant_scale`` float16 ``[in]``.
+* W4A16 linear: ``weight`` uint8 ``[out / 2, in]``, two's-complement nibbles (even output rows in
+  the low nibble, odd rows in the high one), ``weight_scale`` float32 ``[out, in / group]``.
+* FP8 linear: ``weight`` float8_e4m3fn ``[out, in]``, ``weight_scale`` and ``input_scale`` float32
+  ``[]`` (FP16 numbers: Edge-LLM casts FP8 scales to FP16).
+* NVFP4 linear: ``weight`` uint8 ``[out, in / 2]``, E2M1 codes (even inputs in the low nibble),
+  ``weight_scale`` float8_e4m3fn ``[out, in / 16]`` (block scales), ``weight_scale_2`` float32 ``[]``
+  (the per-tensor scale), and for W4A4 ``input_scale`` float32 ``[]`` (the activations' global scale).
+* An FP8 KV cache: ``kv_cache_quant_algo: FP8`` and per layer ``self_attn.k_proj.k_scale`` and
+  ``self_attn.v_proj.v_scale``, float32 ``[]`` (the cache's dequantization scales, amax / 448).
+* Every other tensor (embedding, norms) in float16, ``torch_dtype: float16``.
+
+SmoothQuant and AWQ scales are already folded into the norms and producer linears of the
+quantized folder, so ``pre_quant_scale`` is all ones. The integers are recovered exactly from
+the folder's on-grid weights (``round(W / scale)``); a weight that is not on its grid, such as a
+``down_proj`` stored rotated back from a Hadamard basis, is refused: the format has no slot for
+an online rotation.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from compress.algorithms.formats import PRECISIONS, e2m1_codes, levels_on_grid, pack_fp4
+from compress.core.errors import UsageError
+from compress.core.versions import __version__
+from compress.models.families import family_of, is_decoder_linear
+from compress.transforms.quantize.saved import LinearQuant, kv_cache_scales, load_quantization, stored_grid
+
+NVFP4_WEIGHT_ONLY = PRECISIONS["nvfp4_a16"].quant_algo
+HF_QUANT_CONFIG = "hf_quant_config.json"
+WEIGHTS_FILE = "model.safetensors"
+_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+# |W / scale - round(W / scale)| above this means the weight is not on its grid.
+_GRID_TOLERANCE = 1e-3
+
+
+@dataclass(frozen=True)
+class CheckpointSummary:
+    """What was written: algorithm, quantized and FP16 decoder linears, their bytes as written and as all-FP16."""
+
+    quant_algo: str
+    group_size: int | None
+    linears: int
+    quantized_bytes: int
+    fp16_bytes: int
+    float_linears: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"quant_algo": self.quant_algo, "group_size": self.group_size, "linears": self.linears,
+                "float_linears": self.float_linears, "quantized_linear_bytes": self.quantized_bytes,
+                "fp16_linear_bytes": self.fp16_bytes, "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}
+
+
+def integer_weight(name: str, weight: torch.Tensor, quant: LinearQuant, bits: int) -> torch.Tensor:
+    """The integer grid values of an on-grid float weight; refuses a weight that is not on its grid."""
+    if quant.rotation:
+        raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
+                         "cannot express; quantize with quantize.hadamard_block=0")
+    scales = quant.weight_scales.float()
+    expanded = scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], dim=1)
+    ratio = weight.double() / expanded.double()
+    integers = ratio.round()
+    off_grid = float((ratio - integers).abs().max())
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if off_grid > _GRID_TOLERANCE or integers.min() < low or integers.max() > high:
+        raise UsageError(f"{name}: weight is not on its {bits}-bit grid (off by up to {off_grid:.3g} steps); "
+                         "the quantized folder and its scales disagree")
+    return integers.to(torch.int8)
+
+
+def grid_values(name: str, weight: torch.Tensor, quant: LinearQuant, meta: dict[str, Any]) -> torch.Tensor:
+    """The grid values of a saved linear's weight: integers (int8), E4M3 values (FP8) or E2M1 values (NVFP4), exactly."""
+    if meta.get("format", "int") == "int":
+        return integer_weight(name, weight, quant, meta["weight_bits"])
+    if quant.rotation:
+        raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
+                         "cannot express; quantize with quantize.hadamard_block=0")
+    try:
+        return levels_on_grid(weight, stored_grid(meta, quant), quant.weight_scales, tolerance=0.0)
+    except ValueError as exc:
+        raise UsageError(f"{name}: {exc}; the quantized folder and its scales disagree") from exc
+
+
+def pack_int4(integers: torch.Tensor) -> torch.Tensor:
+    """``[out, in]`` int4 values in int8 -> ``[out / 2, in]`` uint8, even rows low nibble, odd rows high (two's complement)."""
+    if integers.shape[0] % 2:
+        raise UsageError(f"INT4 packing needs an even number of output channels, got {integers.shape[0]}")
+    low = integers[0::2].to(torch.int16) & 0xF
+    high = integers[1::2].to(torch.int16) & 0xF
+    return ((high << 4) | low).to(torch.uint8)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_int4`: ``[out / 2, in]`` uint8 -> ``[out, in]`` int8 in [-8, 7]."""
+    values = torch.empty(packed.shape[0] * 2, packed.shape[1], dtype=torch.int16)
+    wide = packed.to(torch.int16)
+    values[0::2] = wide & 0xF
+    values[1::2] = (wide >> 4) & 0xF
+    return torch.where(values > 7, values - 16, values).to(torch.int8)
+
+
+def _linear_tensors(name: str, weight: torch.Tensor, quant: LinearQuant, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    values = grid_values(name, weight, quant, meta)
+    weight_format, bits = meta.get("format", "int"), meta["weight_bits"]
+    if weight_format == "fp8":
+        if quant.input_scale is None:
+            raise UsageError(f"{name}: FP8 needs a calibrated input scale")
+        return {f"{name}.weight": values.to(torch.float8_e4m3fn), f"{name}.weight_scale": quant.weight_scales.float().reshape(()),
+                f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32)}
+    if weight_format == "nvfp4":
+        tensors = {f"{name}.weight": pack_fp4(e2m1_codes(values)), f"{name}.weight_scale": quant.weight_scales.to(torch.float8_e4m3fn),
+                   f"{name}.weight_scale_2": torch.tensor(quant.global_scale, dtype=torch.float32)}
+        if quant.input_scale is not None:
+            tensors[f"{name}.input_scale"] = torch.tensor(quant.input_scale, dtype=torch.float32)
+        return tensors
+    integers = values
+    if bits == 8:
+        if quant.input_scale is None:
+            raise UsageError(f"{name}: W8A8 needs a calibrated input scale")
+        return {f"{name}.weight": integers, f"{name}.weight_scale": quant.weight_scales.float().contiguous(),
+                f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32),
+                f"{name}.pre_quant_scale": torch.ones(weight.shape[1], dtype=torch.float16)}
+    return {f"{name}.weight": pack_int4(integers), f"{name}.weight_scale": quant.weight_scales.float().contiguous()}
+
+
+def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummary:
+    """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``."""
+    quantized_dir, out = Path(quantized_dir), Path(out)
+    loaded = load_quantization(quantized_dir)
+    if loaded is None:
+        raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
+    meta, linears = loaded
+    bits, group, weight_format = meta["weight_bits"], meta.get("group_size"), meta.get("format", "int")
+    if bits == 8 and meta.get("activations") == "float":
+        raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
+    if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
+        raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
+                         "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
+    quant_algo = quant_algorithm(meta)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized_bytes = fp16_bytes = 0
+    family = family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8")))
+    float_linears: list[str] = []
+    with safe_open(str(quantized_dir / WEIGHTS_FILE), framework="pt") as source:
+        for key in list(source.keys()):
+            module = key.rsplit(".", 1)[0]
+            if module in linears and key.endswith(".weight"):
+                weight = source.get_tensor(key)
+                written = _linear_tensors(module, weight, linears[module], meta)
+                quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
+                fp16_bytes += weight.numel() * 2
+                tensors.update(written)
+                continue
+            tensor = source.get_tensor(key)
+            tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
+            if key.endswith(".weight") and is_decoder_linear(module, family):
+                float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
+                quantized_bytes += tensor.numel() * 2
+                fp16_bytes += tensor.numel() * 2
+    kv_scales = kv_cache_scales(meta)
+    for layer, (k_scale, v_scale) in (kv_scales or {}).items():
+        tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
+        tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
+    missing = sorted(set(linears) - {k.rsplit(".", 1)[0] for k in tensors})
+    if missing:
+        raise UsageError(f"{quantized_dir}: quantized linears without weights: {', '.join(missing[:3])}")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+    quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
+                   "exclude_modules": ["lm_head", *sorted(float_linears)]}
+    if bits == 4:
+        quant_block["group_size"] = group
+    (out / HF_QUANT_CONFIG).write_text(json.dumps(
+        {"producer": {"name": "compress", "version": __version__}, "quantization": quant_block}, indent=2) + "\n")
+    config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
+    config["torch_dtype"] = "float16"
+    config.pop("dtype", None)
+    config["quantization_config"] = {"quant_method": "modelopt", **quant_block}
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    for name in _COPIED:
+        if (quantized_dir / name).is_file():
+            shutil.copy2(quantized_dir / name, out / name)
+    return CheckpointSummary(quant_algo, group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes, len(float_linears))
+
+
+def quant_algorithm(meta: dict[str, Any]) -> str:
+    """The unified checkpoint's ``quant_algo`` for a saved quantization's metadata."""
+    return PRECISIONS[meta["precision"]].quant_algo

@@ -1,0 +1,93 @@
+"""Error types and the exit codes they map to.
+
+Exit codes (stable, documented in the README):
+
+* 0 - the run finished and the gate passed
+* 1 - the gate failed (a measured or predicted check is over its limit)
+* 2 - usage or input error (bad target, recipe, override, model, data, output path, disk write)
+* 3 - the gate could not be completed (a check is NOT_MEASURED)
+* 4 - a stage failed while running
+* 130 / 143 - stopped by SIGINT / SIGTERM (128 + the signal number); the run is marked failed
+"""
+
+from __future__ import annotations
+
+import signal
+
+EXIT_PASS = 0
+EXIT_FAIL = 1
+EXIT_USAGE = 2
+EXIT_NOT_MEASURED = 3
+EXIT_STAGE_ERROR = 4
+
+
+class CompressError(Exception):
+    """Base class for errors reported to the user as one line."""
+
+    exit_code = EXIT_STAGE_ERROR
+
+
+class UsageError(CompressError):
+    """Bad input from the user: configuration, model files, data, output paths."""
+
+    exit_code = EXIT_USAGE
+
+
+class ProvenanceError(UsageError):
+    """What is on disk is not what the run produced, or was built for another machine."""
+
+
+class StageError(CompressError):
+    """A stage could not complete its work."""
+
+    exit_code = EXIT_STAGE_ERROR
+
+
+class MissingBackendError(CompressError):
+    """An optional heavy backend (TensorRT, cuda-python, ...) is not installed."""
+
+    exit_code = EXIT_STAGE_ERROR
+
+
+class Interrupted(BaseException):
+    """The process was asked to stop by a signal (SIGINT, SIGTERM); exits with 128 + the signal number.
+
+    A ``BaseException`` like ``KeyboardInterrupt``, so that no ``except Exception`` swallows it and
+    every staging folder is still cleaned up on the way out.
+    """
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        self.exit_code = 128 + signum
+        word = "interrupted" if signum == signal.SIGINT else "terminated"
+        super().__init__(f"{word} ({signal.Signals(signum).name})")
+
+
+_PENDING_SIGNALS: list[int] = []
+
+
+def raise_interrupted(signum: int, _frame: object) -> None:
+    """A signal handler that turns SIGINT/SIGTERM into :class:`Interrupted`, and remembers the signal."""
+    _PENDING_SIGNALS.append(signum)
+    raise Interrupted(signum)
+
+
+def raise_pending_interrupt() -> None:
+    """Raise :class:`Interrupted` again for a signal whose exception Python dropped.
+
+    A signal can arrive while Python runs a weakref callback or a ``__del__`` (torch's exporters
+    free thread pools that way), where a raised exception is printed and ignored; the run would
+    then go on as if nothing happened. The runner calls this at stage boundaries.
+    """
+    if _PENDING_SIGNALS:
+        raise Interrupted(_PENDING_SIGNALS[-1])
+
+
+def first_line(exc: BaseException) -> str:
+    """The first non-empty line of an exception's message (library errors often run to many lines)."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+
+
+def forget_pending_interrupts() -> None:
+    """Clear remembered signals (a new command starts, or an :class:`Interrupted` was handled)."""
+    _PENDING_SIGNALS.clear()

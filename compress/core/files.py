@@ -1,0 +1,159 @@
+"""Atomic file-system writes and content hashing."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from compress.core.errors import UsageError
+
+_DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+_OS_ERROR_IN_TEXT = re.compile(r"os error (\d+)")
+
+
+def disk_errno(exc: BaseException) -> int | None:
+    """The errno of a file system refusing a write, found in ``exc`` or its causes; None otherwise.
+
+    Libraries written in Rust or C++ (safetensors, tokenizers, onnx) report I/O failures as their own
+    exception types with ``(os error N)`` in the message, so the text is read too.
+    """
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno in _DISK_ERRNOS:
+            return current.errno
+        match = _OS_ERROR_IN_TEXT.search(str(current))
+        if match and int(match.group(1)) in _DISK_ERRNOS:
+            return int(match.group(1))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def is_disk_write_error(exc: BaseException) -> bool:
+    """True when ``exc`` (or its cause) is the file system refusing a write."""
+    return disk_errno(exc) is not None
+
+
+def written_path(exc: BaseException) -> str | None:
+    """The path a failed write was writing to: the destination of a copy or rename, else the file named."""
+    if isinstance(exc, OSError):
+        return exc.filename2 or exc.filename
+    return None
+
+
+def disk_write_error(exc: BaseException, path: Path | str) -> UsageError:
+    """A user-facing error for a failed write, naming the path that could not be written."""
+    code = disk_errno(exc)
+    reason = os.strerror(code) if code is not None else (getattr(exc, "strerror", None) or str(exc))
+    return UsageError(f"cannot write to {path}: {reason}")
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        os.chmod(tmp, 0o644)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write UTF-8 text atomically."""
+    atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: Path, obj: Any) -> None:
+    """Write JSON atomically, pretty-printed, keys in insertion order."""
+    atomic_write_text(path, json.dumps(obj, indent=2, default=str) + "\n")
+
+
+def read_json(path: Path) -> Any:
+    """Read a JSON file."""
+    return json.loads(Path(path).read_text(encoding="utf-8"))
+
+
+@contextmanager
+def staging_dir(final: Path) -> Iterator[Path]:
+    """Yield a temporary sibling folder that is renamed to ``final`` only on success.
+
+    A crash or kill leaves at most a ``.tmp-`` folder, never a half-written ``final``.
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=final.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        yield tmp
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+@contextmanager
+def waiting_lock(path: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``path`` (created if needed), waiting for any other holder to let go.
+
+    For work several processes may start at once and only one should do, such as filling a cache
+    entry: the kernel releases the lock when its holder exits, however it exits.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    """Hex sha256 of one file."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def sha256_path(path: Path) -> str:
+    """Hex sha256 of a file, or of a folder (relative names and contents, in sorted order)."""
+    path = Path(path)
+    if path.is_file():
+        return sha256_file(path)
+    digest = hashlib.sha256()
+    for item in sorted(p for p in path.rglob("*") if p.is_file()):
+        digest.update(str(item.relative_to(path)).encode())
+        digest.update(sha256_file(item).encode())
+    return digest.hexdigest()
+
+
+def path_size(path: Path) -> int:
+    """Bytes on disk of a file or of every file under a folder."""
+    path = Path(path)
+    if path.is_file():
+        return path.stat().st_size
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,1 +1,0 @@
-"""Deployment formats: what leaves compress for other tools and runtimes."""

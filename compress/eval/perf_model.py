@@ -1,0 +1,486 @@
+"""A roofline model of decoder LLM latency, memory and energy on a target, per power mode.
+
+* Decode (one token for one stream) is bound by memory bandwidth plus a fixed cost per layer:
+  ``ms/token = bytes read per token / (efficiency * bandwidth(mode)) + layers * per_layer_ms(mode)``,
+  where the bytes are every decoder weight at its stored precision, the LM head, and the KV cache
+  read at the context length. The per-layer term (kernel launches, norms, RoPE, attention set-up)
+  is what keeps a 0.6B model further from the bandwidth roofline than an 8B one; it scales with
+  the inverse of the mode's GPU clock.
+* Prefill is bound by compute: ``FLOPs / (peak ops(mode) * utilisation) + layers * per_layer_ms``
+  at the precision that runs the matrix multiplies (INT8 tensor cores for W8A8, FP8 for FP8, FP4
+  for NVFP4 W4A4, FP16 otherwise: INT4 and NVFP4 weight-only dequantize to FP16).
+* A power mode caps the GPU clock (compute scales with it) and the memory clock (bandwidth scales
+  with it). Energy per token is the mode's power budget times the per-token latency, an upper bound.
+
+``efficiency`` and ``per_layer_ms`` are fitted together on published measurements (:data:`ANCHORS`:
+TensorRT Edge-LLM's own AGX Orin and AGX Thor results, the runtime the bundles are built for, and
+two earlier 7-8B figures), minimising the relative error, per GPU architecture and precision where
+at least :data:`MIN_FIT_ANCHORS` anchors exist, else per architecture, else on all of them. Prefill
+is fitted the same way on :data:`PREFILL_ANCHORS` (Edge-LLM's Thor prefill times), per architecture
+and compute precision, else per architecture; where an architecture has none, the utilisation is
+the assumed :data:`PREFILL_UTILISATION` with no fixed cost. :func:`anchor_errors` reports every point.
+
+NVFP4 weight-only (``nvfp4_a16``) on a Llama-style model runs through Edge-LLM's
+``--no-quantize-activations`` export, where "TensorRT dequantizes the weights on every step"
+(Edge-LLM's own help text): the FP4 weights are read and an FP16 copy is written and read back,
+which is what the decode bytes count.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from compress.algorithms.formats import PRECISIONS, Precision
+from compress.core.config import PowerMode, Target, load_target
+from compress.core.errors import UsageError
+from compress.models.families import BY_MODEL_TYPE, family_of, sliding_layers
+
+# Bytes of scales per weight: INT4 one FP16 scale per group; NVFP4 one FP8 (E4M3) scale per 16 weights.
+NVFP4_BLOCK = 16
+KV_CACHE_BYTES = 2  # FP16 KV cache on the device, unless quantized
+KV_CACHE_ELEMENT_BYTES = {"fp16": 2, "fp8": 1}
+RUNTIME_OVERHEAD_GB = 0.35  # CUDA context + TensorRT runtime, typical on Jetson
+PREFILL_UTILISATION = 0.5  # share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
+MIN_FIT_ANCHORS = 3  # anchors a group needs for its own (efficiency, per-layer) fit
+
+
+def precision_named(name: str) -> Precision:
+    """The deployment precision called ``name``; a usage error naming the known ones otherwise."""
+    if name not in PRECISIONS:
+        raise UsageError(f"unknown precision {name!r} (known: {', '.join(PRECISIONS)})")
+    return PRECISIONS[name]
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the latency model needs to know of a decoder: shapes only, no weights."""
+
+    num_layers: int
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    tie_word_embeddings: bool
+    sliding_layers: int = 0  # layers attending through a window of sliding_window tokens (Gemma 3, Mistral)
+    sliding_window: int = 0
+    kv_cache_bytes: float = KV_CACHE_BYTES  # per cached element: 2 for FP16, 1 for an FP8 KV cache
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+        """From a Hugging Face decoder ``config.json`` mapping."""
+        try:
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return cls(
+                num_layers=int(cfg["num_hidden_layers"]),
+                hidden_size=hidden,
+                intermediate_size=int(cfg["intermediate_size"]),
+                num_heads=heads,
+                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                vocab_size=int(cfg["vocab_size"]),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                **_windows(cfg),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise UsageError(f"model config is not a decoder LLM config: missing or bad {exc}") from exc
+
+    def layer_linear_params(self) -> int:
+        """Parameters of the linear layers of one decoder block (attention + gated MLP)."""
+        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
+        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
+        mlp = 3 * self.hidden_size * self.intermediate_size
+        return q_o + k_v + mlp
+
+    def decoder_linear_params(self) -> int:
+        return self.num_layers * self.layer_linear_params()
+
+    def lm_head_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def total_params(self) -> int:
+        embed = self.vocab_size * self.hidden_size
+        head = 0 if self.tie_word_embeddings else self.lm_head_params()
+        norms = (2 * self.num_layers + 1) * self.hidden_size
+        return self.decoder_linear_params() + embed + head + norms
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_bytes
+
+    def kv_bytes_read(self, context: int) -> float:
+        """KV-cache bytes one decoded token reads at ``context``: a sliding layer reads at most its window."""
+        sliding = self.sliding_layers * min(context, self.sliding_window)
+        return self.kv_bytes_per_token() / self.num_layers * ((self.num_layers - self.sliding_layers) * context + sliding)
+
+
+def _windows(cfg: dict[str, Any]) -> dict[str, int]:
+    """Sliding-window layers of a described family's config; none for any other."""
+    if cfg.get("model_type") not in BY_MODEL_TYPE or not sliding_layers(cfg):
+        return {}
+    return {"sliding_layers": sliding_layers(cfg), "sliding_window": int(cfg[family_of(cfg).sliding_window_key])}
+
+
+@dataclass(frozen=True)
+class Anchor:
+    """A published decode measurement the efficiency factor is fitted on."""
+
+    name: str
+    target: str
+    power_mode: str
+    shape: ModelShape
+    precision: str
+    group_size: int
+    context: int
+    tokens_per_s: float
+    source: str
+
+
+LLAMA3_8B = ModelShape(32, 4096, 14336, 32, 8, 128, 128256, False)
+LLAMA2_7B = ModelShape(32, 4096, 11008, 32, 32, 128, 32000, False)
+QWEN3_0_6B = ModelShape(28, 1024, 3072, 16, 8, 128, 151936, True)
+QWEN3_1_7B = ModelShape(28, 2048, 6144, 16, 8, 128, 151936, True)
+QWEN3_4B = ModelShape(36, 2560, 9728, 32, 8, 128, 151936, True)
+QWEN3_8B = ModelShape(36, 4096, 12288, 32, 8, 128, 151936, False)
+
+EDGELLM_BENCHMARK = ("TensorRT Edge-LLM v0.9.0 performance benchmarks, AGX Orin 64GB, JetPack 7.2, INT4 AWQ, batch 1, "
+                     "~61-token prompts, engines built with max input 2048 and KV capacity 2200")
+EDGELLM_THOR_BENCHMARK = ("TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
+                          "vanilla decoding, 364-383-token prompts")
+EDGELLM_THOR_BENCHMARK_070 = ("TensorRT Edge-LLM 0.7.0 performance benchmarks (TensorRT 10.13), Jetson AGX Thor Developer Kit, "
+                              "batch 1, 370-token prompt")
+# The Edge-LLM prompts are ~61 tokens; the KV cache read is taken at 128 (prompt plus half the output).
+ANCHORS = (
+    Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_0_6B, "int4", 128, 128, 186.4,
+           EDGELLM_BENCHMARK),
+    Anchor("Qwen3-1.7B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_1_7B, "int4", 128, 128, 98.6,
+           EDGELLM_BENCHMARK),
+    Anchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_4B, "int4", 128, 128, 53.1,
+           EDGELLM_BENCHMARK),
+    Anchor("Qwen3-8B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_8B, "int4", 128, 128, 32.5,
+           EDGELLM_BENCHMARK),
+    Anchor("Llama-3-8B INT4 (TensorRT-LLM 0.12, AWQ)", "jetson-agx-orin-64gb", "MAXN", LLAMA3_8B, "int4", 128, 192, 35.9,
+           "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out"),
+    Anchor("Llama-2-7B INT4 (MLC q4f16_ft)", "jetson-agx-orin-64gb", "MAXN", LLAMA2_7B, "int4", 128, 192, 46.9,
+           "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM"),
+    # 364-383-token prompts; the KV cache read is taken at the prompt plus 64 generated tokens.
+    Anchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 128, 447, 50.8,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "nvfp4", 16, 447, 54.9,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "int4", 128, 430, 270.2,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "nvfp4", 16, 430, 318.6,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "int4", 128, 428, 76.4,
+           EDGELLM_THOR_BENCHMARK),
+    Anchor("Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_1_7B, "nvfp4", 16, 434, 170.4,
+           EDGELLM_THOR_BENCHMARK_070),
+)
+
+
+@dataclass(frozen=True)
+class PrefillAnchor:
+    """A published prefill (time to process the prompt) measurement the prefill model is fitted on."""
+
+    name: str
+    target: str
+    power_mode: str
+    shape: ModelShape
+    precision: str
+    prompt_tokens: int
+    prefill_ms: float
+    source: str
+
+
+PREFILL_ANCHORS = (
+    PrefillAnchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 383, 215.5,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "nvfp4", 383, 31.0,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "int4", 366, 21.0,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "nvfp4", 366, 8.8,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "int4", 364, 116.2,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-4B-2507 NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "nvfp4", 364, 22.9,
+                  EDGELLM_THOR_BENCHMARK),
+    PrefillAnchor("Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_1_7B, "nvfp4", 370, 13.9,
+                  EDGELLM_THOR_BENCHMARK_070),
+)
+
+
+@dataclass(frozen=True)
+class DecodeFit:
+    """The fitted decode constants: bandwidth efficiency and fixed milliseconds per layer at full GPU clock."""
+
+    efficiency: float
+    per_layer_ms: float
+
+
+@dataclass(frozen=True)
+class PrefillFit:
+    """The prefill constants: share of the peak tensor-core rate reached and fixed milliseconds per layer at full clock."""
+
+    utilisation: float
+    per_layer_ms: float
+    fitted: bool
+
+
+def device_bits(precision: str) -> int:
+    """Bits per weight on the device: fp32 checkpoints are built as FP16 engines."""
+    return precision_named(precision).device_bits
+
+
+def _linear_bytes(shape: ModelShape, precision: str, group_size: int, float_fraction: float = 0.0) -> float:
+    """Decoder linear bytes: ``float_fraction`` of the parameters in FP16, the rest at ``precision``."""
+    params = shape.decoder_linear_params() * (1.0 - float_fraction)
+    scales = {"int4": params / group_size * 2, "nvfp4": params / NVFP4_BLOCK, "nvfp4_a16": params / NVFP4_BLOCK}.get(precision, 0.0)
+    return params * device_bits(precision) / 8 + scales + shape.decoder_linear_params() * float_fraction * 2
+
+
+def weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
+    """Bytes of weights moved per decoded token: decoder linears at their precision (NVFP4 weight-only also writes and
+    reads back its FP16 copy), the LM head in FP16."""
+    dequantized_copy = 2 * 2 * shape.decoder_linear_params() * (1.0 - float_fraction) if precision == "nvfp4_a16" else 0.0
+    return _linear_bytes(shape, precision, group_size, float_fraction) + dequantized_copy + shape.lm_head_params() * 2
+
+
+def stored_weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
+    """Bytes of all weights held in device memory (FP16 embedding and LM head)."""
+    head = 0 if shape.tie_word_embeddings else shape.lm_head_params() * 2
+    return shape.vocab_size * shape.hidden_size * 2 + head + _linear_bytes(shape, precision, group_size, float_fraction)
+
+
+def mode_bandwidth_gbps(target: Target, mode: PowerMode) -> float:
+    return target.memory_bandwidth_gbps * min(1.0, mode.emc_max_mhz / target.emc_max_mhz)
+
+
+def mode_tops(target: Target, mode: PowerMode, precision: str, sparse: bool = False) -> float:
+    """Peak tera-ops/s of the GPU tensor cores at ``precision`` (``int8``, ``fp8``, ``fp4``, else FP16) under the mode's clock cap."""
+    scale = min(1.0, mode.gpu_max_mhz / target.gpu.max_mhz)
+    if precision == "int8":
+        peak = target.int8_tops_sparse if sparse else target.int8_tops_dense
+    elif precision in ("fp8", "fp4"):
+        dense = target.fp8_tflops_dense if precision == "fp8" else target.fp4_tflops_dense
+        if dense is None:
+            raise UsageError(f"{target.name} (sm_{target.gpu.sm}) has no {precision.upper()} tensor cores; "
+                             f"its precisions: {', '.join(target.gpu.precisions)}")
+        peak = dense * (2 if sparse else 1)
+    else:
+        peak = target.fp16_tflops_dense * (2 if sparse else 1)
+    return peak * scale
+
+
+def _bandwidth_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
+                  float_fraction: float = 0.0) -> float:
+    """Milliseconds per token at the full bandwidth of the mode (the roofline, efficiency 1)."""
+    read = weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_read(context)
+    return read / (mode_bandwidth_gbps(target, mode) * 1e9) * 1000
+
+
+def _layer_units(target: Target, mode: PowerMode, shape: ModelShape) -> float:
+    """Layers weighted by the mode's GPU clock cap (fixed per-layer costs take longer at a lower clock)."""
+    return shape.num_layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz)
+
+
+@cache
+def _anchor_target(name: str) -> Target:
+    return load_target(name)
+
+
+def _anchor_terms(anchor: Anchor) -> tuple[float, float]:
+    target = _anchor_target(anchor.target)
+    mode = target.power_mode(anchor.power_mode)
+    return (_bandwidth_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context),
+            _layer_units(target, mode, anchor.shape))
+
+
+def _fit_two_terms(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
+    """Least squares on relative error of ``measured ~ terms[:, 0] * a + terms[:, 1] * b``; b is dropped when negative."""
+    rows = terms / measured[:, None]
+    (a, b), *_ = np.linalg.lstsq(rows, np.ones(len(measured)), rcond=None)
+    if b < 0:  # no fixed cost visible in the anchors: the first term alone
+        a, b = float(rows[:, 0] @ np.ones(len(measured)) / (rows[:, 0] @ rows[:, 0])), 0.0
+    return float(a), float(b)
+
+
+def _matching(anchors: tuple, arch: str | None, precision: str | None, compute: bool = False) -> list:
+    def key(anchor) -> str:
+        return precision_named(anchor.precision).compute if compute else anchor.precision
+
+    return [a for a in anchors if arch in (None, _anchor_target(a.target).gpu.arch) and precision in (None, key(a))]
+
+
+@cache
+def fit_decode(arch: str | None = None, precision: str | None = None) -> DecodeFit:
+    """Least squares on relative error: ``1000 / tokens_per_s = bandwidth_ms / efficiency + layers * per_layer_ms``, on the
+    anchors of GPU architecture ``arch`` and ``precision`` (None: any)."""
+    anchors = _matching(ANCHORS, arch, precision)
+    terms = np.array([_anchor_terms(a) for a in anchors])
+    inverse_efficiency, per_layer = _fit_two_terms(terms, np.array([1000.0 / a.tokens_per_s for a in anchors]))
+    return DecodeFit(efficiency=1.0 / inverse_efficiency, per_layer_ms=per_layer)
+
+
+def decode_fit_for(target: Target, precision: str) -> DecodeFit:
+    """The decode fit of the anchors nearest to the target: its architecture and precision, else its architecture, else all."""
+    for arch, group in ((target.gpu.arch, precision), (target.gpu.arch, None), (None, None)):
+        if len(_matching(ANCHORS, arch, group)) >= MIN_FIT_ANCHORS:
+            return fit_decode(arch, group)
+    return fit_decode()
+
+
+def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool
+                   ) -> tuple[float, float]:
+    """(milliseconds at the full tensor-core rate, clock-weighted layers) of one prefill."""
+    flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
+    flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
+    peak = mode_tops(target, mode, precision_named(precision).compute, sparse)
+    return flops / (peak * 1e12) * 1000, _layer_units(target, mode, shape)
+
+
+@cache
+def fit_prefill(arch: str, compute: str | None) -> PrefillFit:
+    """The prefill fit on the anchors of GPU architecture ``arch`` whose GEMMs run at ``compute`` precision (None: any), or
+    the assumed utilisation where fewer than :data:`MIN_FIT_ANCHORS` exist."""
+    anchors = _matching(PREFILL_ANCHORS, arch, compute, compute=True)
+    if len(anchors) < MIN_FIT_ANCHORS:
+        return PrefillFit(PREFILL_UTILISATION, 0.0, fitted=False)
+    terms = []
+    for anchor in anchors:
+        target = _anchor_target(anchor.target)
+        terms.append(_prefill_terms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision,
+                                    anchor.prompt_tokens, False))
+    inverse_utilisation, per_layer = _fit_two_terms(np.array(terms), np.array([a.prefill_ms for a in anchors]))
+    return PrefillFit(1.0 / inverse_utilisation, per_layer, fitted=True)
+
+
+def prefill_fit_for(target: Target, precision: str) -> PrefillFit:
+    """The prefill fit nearest to the target: its architecture and compute precision, else its architecture, else assumed."""
+    compute = precision_named(precision).compute
+    fit = fit_prefill(target.gpu.arch, compute)
+    return fit if fit.fitted else fit_prefill(target.gpu.arch, None)
+
+
+def prefill_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool = False) -> float:
+    """Predicted milliseconds to process a ``prompt_len``-token prompt."""
+    at_peak, layers = _prefill_terms(target, mode, shape, precision, prompt_len, sparse)
+    fit = prefill_fit_for(target, precision)
+    return at_peak / fit.utilisation + layers * fit.per_layer_ms
+
+
+def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
+              float_fraction: float = 0.0) -> float:
+    """Predicted milliseconds per decoded token (one stream)."""
+    fit = decode_fit_for(target, precision)
+    return (_bandwidth_ms(target, mode, shape, precision, group_size, context, float_fraction) / fit.efficiency
+            + _layer_units(target, mode, shape) * fit.per_layer_ms)
+
+
+def anchor_errors() -> list[dict[str, Any]]:
+    """Prediction error of the fitted model on every published anchor: decode tokens/s, then prefill milliseconds."""
+    rows = []
+    for anchor in ANCHORS:
+        target = _anchor_target(anchor.target)
+        mode = target.power_mode(anchor.power_mode)
+        predicted = 1000.0 / decode_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context)
+        rows.append({"anchor": anchor.name, "measure": "decode tokens/s", "measured": anchor.tokens_per_s,
+                     "predicted": round(predicted, 2), "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2),
+                     "source": anchor.source})
+    for anchor in PREFILL_ANCHORS:
+        target = _anchor_target(anchor.target)
+        predicted = prefill_ms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision, anchor.prompt_tokens)
+        rows.append({"anchor": anchor.name, "measure": "prefill ms", "measured": anchor.prefill_ms, "predicted": round(predicted, 2),
+                     "error_pct": round(100 * (predicted / anchor.prefill_ms - 1), 2), "source": anchor.source})
+    return rows
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """Predicted figures for one power mode."""
+
+    power_mode: str
+    watts: float
+    precision: str
+    decode_tokens_per_s: float
+    decode_latency_ms: float
+    ttft_ms: float
+    memory_gb: float
+    joules_per_token: float
+    bandwidth_gbps: float
+    efficiency: float
+    per_layer_ms: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
+
+
+def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | None = None, prompt_len: int | None = None,
+            context: int | None = None, group_size: int = 128, sparse: bool = False, float_fraction: float = 0.0) -> Prediction:
+    """Predict decode speed, TTFT, memory and energy for one power mode (``float_fraction`` of the linears in FP16)."""
+    mode = target.power_mode(mode_name)
+    prompt_len = prompt_len or target.budgets.prompt_length
+    context = context or target.budgets.context_length
+    fit = decode_fit_for(target, precision)
+    # Decode reads the cache at the end of the prompt plus half the generated span on average; the
+    # budget's context length is the pessimistic bound used here.
+    tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context, float_fraction)
+    ttft_s = prefill_ms(target, mode, shape, precision, prompt_len, sparse) / 1000
+    memory = stored_weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_read(context)
+    latency_s = 1.0 / tokens_per_s
+    return Prediction(
+        power_mode=mode.name, watts=mode.watts, precision=precision, decode_tokens_per_s=tokens_per_s,
+        decode_latency_ms=latency_s * 1000, ttft_ms=ttft_s * 1000 + latency_s * 1000,
+        memory_gb=memory / 1e9 + RUNTIME_OVERHEAD_GB, joules_per_token=mode.watts * latency_s,
+        bandwidth_gbps=mode_bandwidth_gbps(target, mode), efficiency=fit.efficiency,
+        per_layer_ms=fit.per_layer_ms,
+    )
+
+
+def predict_all_modes(target: Target, shape: ModelShape, precision: str, **kwargs: Any) -> list[Prediction]:
+    """One prediction per power mode, in the order the target lists them."""
+    return [predict(target, shape, precision, mode.name, **kwargs) for mode in target.power_modes]
+
+
+def lowest_power_mode_meeting_budget(predictions: list[Prediction], max_latency_ms: float) -> Prediction | None:
+    """The lowest-wattage mode whose decode latency is within budget, or None."""
+    meeting = [p for p in predictions if p.decode_latency_ms <= max_latency_ms]
+    return min(meeting, key=lambda p: p.watts) if meeting else None
+
+
+
+# Share of the tensor cores' peak an encoder's GEMMs reach. No published encoder measurement on these
+# targets anchors it, so it is an assumption, stated in every encoder prediction.
+ENCODER_COMPUTE_EFFICIENCY = 0.5
+
+
+def predict_encoder_batch(target: Target, mode: PowerMode, config: dict[str, Any], precision: str, batch: int,
+                          tokens: int) -> dict[str, Any]:
+    """Predicted milliseconds for one encoder batch of ``batch`` sentences of ``tokens`` tokens, and sentences/s.
+
+    ``config`` holds hidden_size, num_hidden_layers, intermediate_size, vocab_size and, for a pruned
+    model, linear_params (the parameters of its layers' linears).
+
+    A batch is the larger of its GEMM time (``2 x linear parameters x tokens`` plus attention, at the
+    mode's tensor-core rate times :data:`ENCODER_COMPUTE_EFFICIENCY`) and its weight reads (at the
+    fitted decode bandwidth efficiency), plus the fitted fixed cost per layer.
+    """
+    hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
+    linear_params = config.get("linear_params") or layers * (4 * hidden * hidden + 2 * hidden * inter)
+    flops = 2.0 * linear_params * batch * tokens + 4.0 * layers * batch * tokens * tokens * hidden
+    compute_ms = flops / (mode_tops(target, mode, "int8" if precision == "int8" else "fp16") * 1e12 * ENCODER_COMPUTE_EFFICIENCY) * 1e3
+    weights = linear_params * device_bits(precision) / 8 + config["vocab_size"] * hidden * 2
+    fit = decode_fit_for(target, precision)
+    memory_ms = weights / (mode_bandwidth_gbps(target, mode) * 1e9 * fit.efficiency) * 1e3
+    fixed_ms = layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz) * fit.per_layer_ms
+    batch_ms = max(compute_ms, memory_ms) + fixed_ms
+    memory_gb = (weights + 2 * batch * tokens * max(hidden, inter) * 2) / 1e9 + RUNTIME_OVERHEAD_GB
+    return {"power_mode": mode.name, "precision": precision, "batch": batch, "tokens": tokens, "batch_ms": round(batch_ms, 4),
+            "sentences_per_s": round(1000.0 * batch / batch_ms, 2), "bound": "compute" if compute_ms > memory_ms else "memory",
+            "memory_gb": round(memory_gb, 4), "compute_efficiency_assumed": ENCODER_COMPUTE_EFFICIENCY}

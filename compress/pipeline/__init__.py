@@ -1,0 +1,1 @@
+"""Runs: stages, plans, execution and resume, re-gating, and the device commands."""

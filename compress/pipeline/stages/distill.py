@@ -1,0 +1,112 @@
+"""``distill``: build a smaller student from the teacher and train it with knowledge distillation.
+
+Checkpoints live outside the stage's staging folder (``RUN_DIR/checkpoints/``), so a killed run
+resumes training from the last checkpoint and continues to the same step count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import shutil
+import time
+
+import torch
+
+from compress.core.artifact import HF_MODEL, Artifact
+from compress.core.rundir import CHECKPOINTS_DIR
+from compress.core.text import calibration_windows, domain_windows
+from compress.eval.perplexity import seen_and_unseen_perplexity
+from compress.models.loading import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
+from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
+from compress.report.figures import TRAINING_CURVE
+from compress.transforms.distill.config import DistillConfig
+from compress.transforms.distill.student import build_student, plan_from_config, student_shape
+from compress.transforms.distill.train import Distiller, teacher_generations
+from compress.transforms.distill.worker import train_distributed
+
+log = logging.getLogger(__name__)
+
+
+def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> StageResult:
+    tokenizer = load_tokenizer(source.path)
+    teacher = load_causal_lm(source.path)
+    shape = student_shape(teacher.config.to_dict(), config)
+    calib = calibration_windows(tokenizer, ctx.calibration, 512, 8)
+    train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows)
+    generated = teacher_generations(teacher, tokenizer, ctx.calibration, config)
+    if generated is not None:
+        train = torch.cat([train, generated])
+    unseen_names = set(ctx.unseen_domains)
+    evaluation = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain not in unseen_names], config.eval_windows)
+    unseen = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain in unseen_names], config.eval_windows)
+    if evaluation is None:
+        evaluation, unseen = unseen, None
+    student = copy.deepcopy(teacher)
+    log.info("building the student: %s", shape)
+    built = build_student(student, calib, shape)
+    student_params, teacher_params = count_parameters(student), count_parameters(teacher)
+    before = seen_and_unseen_perplexity(student, evaluation, unseen)()
+    teacher_figures = seen_and_unseen_perplexity(teacher, evaluation, unseen)()
+    log.info("student: %s parameters (teacher %s); perplexity before training %.2f seen / %s unseen domains (teacher %.2f / %s)",
+             f"{student_params:,}", f"{teacher_params:,}", before["perplexity"], _fmt(before.get("perplexity_unseen")),
+             teacher_figures["perplexity"], _fmt(teacher_figures.get("perplexity_unseen")))
+    checkpoints = ctx.run_dir / CHECKPOINTS_DIR / f"{ctx.stage_name}-{ctx.fingerprint[:16]}"
+    out = ctx.stage_dir / "model"
+    started = time.perf_counter()
+    torch.manual_seed(config.seed)
+    stopped_early_at = None
+    if config.processes > 1:
+        init = ctx.stage_dir / "student_init"
+        save_model_folder(student, tokenizer, source.path, init)
+        history = train_distributed(init, source.path, train, config, checkpoints, out, built["kept_layers"], ctx.stage_dir)
+        shutil.rmtree(init)
+        student = load_causal_lm(out)
+        tokenizer.save_pretrained(out)
+    else:
+        distiller = Distiller(student, teacher if config.loss == "kd" else None, train, config, checkpoints, built["kept_layers"])
+        history = distiller.run(seen_and_unseen_perplexity(student, evaluation, unseen), progress=ctx.progress, initial=before)
+        stopped_early_at = distiller.stopped_early_at
+        save_model_folder(student, tokenizer, source.path, out)
+    seconds = time.perf_counter() - started
+    after = seen_and_unseen_perplexity(student, evaluation, unseen)()
+    log.info("student after training: perplexity %.2f seen / %s unseen domains", after["perplexity"], _fmt(after.get("perplexity_unseen")))
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        checkpoints.parent.rmdir()  # only when no other stage keeps checkpoints there
+    tokens = config.steps * config.batch_size * config.seq_len
+    metrics = {"parameters": student_params, "teacher_parameters": teacher_params, "student_shape": shape,
+               "kept_layers": built["kept_layers"], "layer_influence": built["layer_influence"], "loss": config.loss,
+               "steps": config.steps, "tokens_trained": tokens, "train_seconds": round(seconds, 1),
+               "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "perplexity_teacher": teacher_figures["perplexity"],
+               "perplexity_before": before["perplexity"], "perplexity_after": after["perplexity"],
+               "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
+               "perplexity_before_unseen": before.get("perplexity_unseen"), "perplexity_after_unseen": after.get("perplexity_unseen"),
+               "eval_tokens": int(evaluation.numel()), "curve": history, "unseen_domains": ctx.unseen_domains,
+               "stopped_early_at": stopped_early_at, "teacher_generations": 0 if generated is None else int(generated.shape[0])}
+    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "metrics": metrics}
+    line = (f"{student_params:,} parameters; student {shape}, ppl {before['perplexity']:.1f} → {after['perplexity']:.1f} after "
+            f"{config.steps} {config.loss} steps (teacher {teacher_figures['perplexity']:.1f})")
+    curve = {"loss": config.loss, "before": before["perplexity"], "teacher": teacher_figures["perplexity"],
+             "before_unseen": before.get("perplexity_unseen"), "teacher_unseen": teacher_figures.get("perplexity_unseen"),
+             "stopped_early_at": stopped_early_at, "points": history}
+    return StageResult(Artifact(HF_MODEL, out, meta), line, {TRAINING_CURVE: curve})
+
+
+def _fmt(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
+def describe(config: DistillConfig, model_config: dict, target) -> dict:
+    """The student's shape, memory per GPU and launch command, from the teacher's config alone (``--dry-run``)."""
+    return plan_from_config(model_config, config, gpu_memory_gb=target.memory_gb)
+
+
+STAGE = register(StageDef(
+    name="distill",
+    summary="build a smaller student (depth/width pruning) and train it by distillation from the teacher",
+    input_kind=HF_MODEL,
+    output_kind=HF_MODEL,
+    variants={DECODER: StageVariant(DistillConfig, run_distill, describe=describe)},
+))

@@ -1,0 +1,68 @@
+"""``export_edgellm``: the quantized model as a TensorRT Edge-LLM deploy bundle, proven to hold the measured numbers.
+
+Runs after ``export_onnx`` and reads the quantized Hugging Face folder the ONNX was exported from,
+so the portable Q/DQ ONNX (measured by ``validate`` in ONNX Runtime) and the bundle carry the
+same integers and scales: writes the unified checkpoint, runs NVIDIA's ``tensorrt-edgellm-export``
+on it, and checks the chain of custody (see :mod:`compress.backends.edgellm.bundle`). What Edge-LLM cannot
+express is refused when the plan is checked, before any work.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from compress.backends.edgellm import contracts
+from compress.backends.edgellm.bundle import export_bundle
+from compress.backends.edgellm.env import EDGELLM_VERSION
+from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL, ONNX, Artifact
+from compress.core.config import StrictModel, Target
+from compress.core.errors import UsageError
+from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
+
+log = logging.getLogger(__name__)
+
+
+class ExportEdgeLLMConfig(StrictModel):
+    """Options of the Edge-LLM export (none yet: the pinned exporter's defaults)."""
+
+
+def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None) -> None:
+    """Refuse, before any work, what the pinned Edge-LLM cannot express; each message names the limit and the way out."""
+    if "sparsify" in earlier:
+        raise UsageError("export_edgellm: Edge-LLM builds engines without sparse weights, and 2:4 sparsity does not speed up "
+                         "bandwidth-bound decode; drop the sparsify stage (or end the recipe at export_onnx for a generic TensorRT build)")
+    if "prune_heads" in earlier:
+        raise UsageError("export_edgellm: head pruning leaves each layer its own number of heads, and Edge-LLM's config has one "
+                         "num_attention_heads for every layer; drop prune_heads (or end the recipe at export_onnx)")
+    quantize = earlier.get("quantize")
+    if quantize is not None:
+        contracts.check_no_online_rotation(quantize)
+    if model_config is None:
+        return
+    contracts.check_model_type(model_config)
+    contracts.check_attention_shape(model_config)
+    contracts.check_precision_on_target(quantize.precision().edgellm if quantize is not None else "fp16", target)
+    if quantize is not None:
+        contracts.check_quantization(quantize, model_config)
+
+
+def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx: RunContext) -> StageResult:
+    quantized = ctx.last_artifact(HF_MODEL)
+    metrics = export_bundle(Path(quantized.path), ctx.stage_dir)
+    bundle = ctx.stage_dir / "bundle"
+    meta = {"precision": source.meta.get("precision", "fp16"), "quant_algo": metrics["checkpoint"]["quant_algo"],
+            "metrics": metrics}
+    custody = metrics["custody"]
+    line = (f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "
+            f"the quantized model, {custody['mismatches']} mismatches")
+    return StageResult(Artifact(EDGELLM_BUNDLE, bundle, meta), line)
+
+
+STAGE = register(StageDef(
+    name="export_edgellm",
+    summary=f"unified quantized checkpoint -> TensorRT Edge-LLM {EDGELLM_VERSION} bundle, with a chain-of-custody check",
+    input_kind=ONNX,
+    output_kind=EDGELLM_BUNDLE,
+    variants={DECODER: StageVariant(ExportEdgeLLMConfig, run_export_edgellm, check_plan=check_plan)},
+))

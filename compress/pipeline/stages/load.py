@@ -1,0 +1,61 @@
+"""``load``: bring the source model into the run directory as a safetensors Hugging Face folder."""
+
+from __future__ import annotations
+
+import logging
+
+from compress.core.artifact import HF_MODEL, SOURCE, Artifact
+from compress.core.config import StrictModel
+from compress.core.files import read_json
+from compress.models.families import model_kind
+from compress.models.loading import count_parameters, link_or_copy_tree, load_causal_lm, load_encoder
+from compress.models.sources import materialize
+from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
+from compress.report.figures import SIZE_MB
+
+log = logging.getLogger(__name__)
+
+
+class LoadConfig(StrictModel):
+    """Options of the load stage."""
+
+    smoke_test_prompt: str = "What is the capital of France?"
+
+
+def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResult:
+    folder = materialize(ctx.model_source)
+    out = ctx.stage_dir / "model"
+    link_or_copy_tree(folder, out)
+    kind = model_kind(read_json(out / "config.json"))
+    loader = load_encoder if kind == ENCODER else load_causal_lm
+    model = loader(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}")
+    cfg = model.config
+    parameters = count_parameters(model)
+    meta = {
+        "architecture": (cfg.architectures or [type(model).__name__])[0],
+        "model_type": cfg.model_type,
+        "model_kind": kind,
+        "license": ctx.model_source.license,
+        "source": ctx.model_spec,
+        "precision": "fp32",
+        "metrics": {
+            "parameters": parameters,
+            "layers": cfg.num_hidden_layers,
+            "attention_heads": cfg.num_attention_heads,
+            "kv_heads": getattr(cfg, "num_key_value_heads", cfg.num_attention_heads),
+            "hidden_size": cfg.hidden_size,
+            "vocab_size": cfg.vocab_size,
+        },
+    }
+    log.info("loaded %s: %s parameters", meta["architecture"], f"{parameters:,}")
+    return StageResult(Artifact(HF_MODEL, out, meta), f"{parameters:,} parameters", {SIZE_MB: parameters * 4 / 1e6 or None})
+
+
+_VARIANT = StageVariant(LoadConfig, run_load)
+STAGE = register(StageDef(
+    name="load",
+    summary="load the teacher (built-in package, HF folder or GGUF) as safetensors; a decoder LLM or an encoder",
+    input_kind=SOURCE,
+    output_kind=HF_MODEL,
+    variants={DECODER: _VARIANT, ENCODER: _VARIANT},
+))

@@ -1,0 +1,139 @@
+"""``quantize``: calibrated W8A8 (INT8 or FP8, SmoothQuant), INT4 weight-only (AWQ / GPTQ), NVFP4 or RTN for a decoder;
+static W8A8 with smoothing placed where it is exact for an encoder (``quantize_encoder``).
+
+The output is a Hugging Face folder whose weights lie on their quantization grid (dequantized),
+with the saved quantization beside it (:mod:`compress.transforms.quantize.saved`); ``export_onnx``
+turns that into real Q/DQ nodes, ``export_edgellm`` into a quantized checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from compress.core.artifact import HF_MODEL, Artifact
+from compress.core.config import Target
+from compress.core.errors import UsageError
+from compress.core.text import calibration_batches, calibration_windows
+from compress.models.families import linear_parameter_fraction
+from compress.models.loading import load_causal_lm, load_encoder, load_tokenizer, save_model_folder
+from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
+from compress.report.figures import LAYER_SQNR, QUANTIZATION
+from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, QuantizeConfig, algorithm_name, describe_scheme
+from compress.transforms.quantize.decoder import quantize_model
+from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder, save_encoder_quantization, summary
+from compress.transforms.quantize.saved import save_quantization
+
+log = logging.getLogger(__name__)
+
+
+def check_target(config: QuantizeConfig, target: Target) -> None:
+    """Refuse a precision the target's GPU cannot run, naming the target and the precisions it has."""
+    precision = config.precision()
+    if config.kv_cache == "fp8" and "fp8" not in target.gpu.precisions:
+        raise UsageError(f"quantize.kv_cache=fp8: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no FP8; its precisions "
+                         f"are {', '.join(target.gpu.precisions)} (an FP8 KV cache needs FP8, such as target=jetson-agx-thor)")
+    if precision.gpu_format not in target.gpu.precisions:
+        hint = " (FP8 and NVFP4 need a Blackwell GPU, such as target=jetson-agx-thor)" if precision.gpu_format in ("fp8", "fp4") else ""
+        raise UsageError(f"quantize.method={config.method}: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no "
+                         f"{precision.name} tensor cores; its precisions are {', '.join(target.gpu.precisions)}{hint}")
+
+
+def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> StageResult:
+    tokenizer = load_tokenizer(source.path)
+    windows = calibration_windows(tokenizer, ctx.calibration, config.calib_window, config.calib_windows,
+                                  min_tokens=config.min_calib_tokens)
+    if windows.numel() < config.min_calib_tokens:
+        raise UsageError(f"too little calibration text: {windows.numel()} tokens, need at least {config.min_calib_tokens}")
+    if config.rotation_limit() and source.meta.get("sparse_24"):
+        log.warning("hadamard_block ignored: rotating down_proj inputs would break the model's 2:4 sparsity")
+        config = config.model_copy(update={"hadamard_block": 0})
+    model = load_causal_lm(source.path)
+    log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
+    result = quantize_model(model, windows, config, progress=ctx.progress)
+    out = ctx.stage_dir / "model"
+    save_model_folder(model, tokenizer, source.path, out)
+    save_quantization(result, out)
+    _log_findings(result, config, model.config.num_hidden_layers)
+    bits, _, group = config.scheme()
+    activation = config.activation_format()
+    precision = config.precision()
+    sqnr = [q.sqnr_db for q in result.linears.values()]
+    metrics = {
+        "method": config.method, "scheme": describe_scheme(config), "algorithm": algorithm_name(config), "weight_bits": bits,
+        "group_size": group, "calibration_tokens": result.calibration_tokens, "calibration_seconds": round(result.seconds, 2),
+        "quantized_linears": len(result.linears), "min_sqnr_db": round(min(sqnr), 2),
+        "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2), "layer_sqnr_db": result.layer_errors(),
+        "outlier_layers": result.outliers(), "float_input_linears": result.float_input_linears(),
+        "rotated_linears": result.rotated_linears(),
+        "kv_cache_scales": {str(i): list(scales) for i, scales in result.kv_scales.items()} or None,
+    }
+    meta = {
+        **{k: v for k, v in source.meta.items() if k != "metrics"},
+        "precision": precision.name,
+        "float_linear_fraction": linear_parameter_fraction(model.config.to_dict(), config.float_linears),
+        "quantization": {"method": config.method, "format": config.weight_format(), "weight_bits": bits, "group_size": group,
+                         "activations": activation.name if activation else "float", "kv_cache": config.kv_cache},
+        "metrics": metrics,
+    }
+    parts = [f"{metrics['scheme']} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
+             f"{len(metrics['outlier_layers'])} outlier linears"]
+    if metrics["rotated_linears"]:
+        parts.append(f"{len(metrics['rotated_linears'])} inputs Hadamard-rotated")
+    if metrics["float_input_linears"]:
+        parts.append(f"{len(metrics['float_input_linears'])} linears with float inputs")
+    figures = {LAYER_SQNR: {"method": config.method, "linears": metrics["layer_sqnr_db"]},
+               QUANTIZATION: f"{config.method} ({metrics['algorithm']}), {metrics['scheme']}; calibrated on "
+                             f"{result.calibration_tokens:,} tokens"}
+    return StageResult(Artifact(HF_MODEL, out, meta), "; ".join(parts), figures)
+
+
+def _log_findings(result, config: QuantizeConfig, layers: int) -> None:
+    outliers = result.outliers()
+    if outliers:
+        worst = sorted(outliers, key=lambda o: o["sqnr_db"])[:5]
+        log.warning("%d linears with outlying quantization error, worst: %s", len(outliers),
+                    ", ".join(f"{o['name']} ({o['sqnr_db']} dB)" for o in worst))
+    float_inputs = result.float_input_linears()
+    if float_inputs:
+        log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(float_inputs))
+    if config.rotation_limit():
+        blocks = sorted({q.rotation for q in result.linears.values() if q.rotation})
+        log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %s)", len(result.rotated_linears()), layers,
+                 "/".join(map(str, blocks)) or "-")
+
+
+def check_encoder_target(config: EncoderQuantizeConfig, target: Target) -> None:
+    if "int8" not in target.gpu.precisions:
+        raise UsageError(f"target {target.name} (sm_{target.gpu.sm}) does not support int8")
+
+
+def run_quantize_encoder(source: Artifact, config: EncoderQuantizeConfig, ctx: RunContext) -> StageResult:
+    tokenizer = load_tokenizer(source.path)
+    model = load_encoder(source.path)
+    batches = calibration_batches(tokenizer, ctx.calibration, config.calib_sentences, config.batch_size, config.max_length)
+    log.info("quantizing the encoder (W8A8, SmoothQuant) on %d calibration sentences", sum(len(b["input_ids"]) for b in batches))
+    linears = quantize_encoder(model, batches, config)
+    out = ctx.stage_dir / "model"
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    save_encoder_quantization(linears, config, out)
+    metrics = {"method": config.method, "algorithm": "smoothquant (online for LayerNorm outputs, value rows for attention)",
+               "weight_bits": 8, **summary(linears)}
+    if metrics["float_input_linears"]:
+        log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(metrics["float_input_linears"]))
+    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "precision": "int8", "metrics": metrics}
+    line = (f"INT8 weights and static INT8 activations ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
+            f"{len(metrics['float_input_linears'])} linears with float inputs")
+    return StageResult(Artifact(HF_MODEL, out, meta), line,
+                       {QUANTIZATION: f"{config.method} ({metrics['algorithm']}), 8-bit weights, per output channel"})
+
+
+STAGE = register(StageDef(
+    name="quantize",
+    summary="calibrated W8A8 (INT8 or FP8, SmoothQuant), INT4 AWQ/GPTQ weight-only, NVFP4 (W4A16 or W4A4), or RTN; "
+            "static W8A8 for an encoder",
+    input_kind=HF_MODEL,
+    output_kind=HF_MODEL,
+    variants={DECODER: StageVariant(QUANTIZE_CONFIG, run_quantize, check_target=check_target, choice_key="method", choices=METHODS),
+              ENCODER: StageVariant(EncoderQuantizeConfig, run_quantize_encoder, check_target=check_encoder_target)},
+), aliases={"quantize_encoder": ENCODER})

@@ -1,0 +1,1 @@
+"""Structured pruning: choosing which attention heads decoders and encoders keep."""

@@ -1,0 +1,309 @@
+"""The quantize stage's options: one typed config per method, behind one discriminated union.
+
+``method`` picks the class, so an option of another method is an error naming the key and the
+method rather than a silently ignored setting: ``alpha`` is SmoothQuant's (W8A8 methods),
+``group_size`` INT4's, ``activations`` NVFP4's. Every class answers the same questions
+(:meth:`precision`, :meth:`scheme`, :meth:`weight_grid`, ...), which is all the quantizer asks.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Discriminator, Field, PositiveInt, Tag, TypeAdapter, model_validator
+
+from compress.algorithms.formats import (
+    ACTIVATION_FORMATS,
+    NVFP4_BLOCK,
+    PRECISIONS,
+    ActivationFormat,
+    Fp8Grid,
+    IntGrid,
+    Nvfp4Grid,
+    Precision,
+    WeightGrid,
+)
+from compress.core.config import StrictModel
+
+# A block linear by its short name; Phi-3's are fused (qkv_proj, gate_up_proj).
+LinearName = Literal["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
+DEFAULT_METHOD = "int8"
+
+
+class QuantizeConfig(StrictModel):
+    """Options every method has (calibration budget, linears left float, the KV cache), and the questions every method's
+    config answers.
+
+    ``QuantizeConfig(method="int4", group_size=128)`` and ``QuantizeConfig.model_validate({...})`` build the class of
+    the given method (``int8`` when absent); each method's class takes only its own options.
+    """
+
+    def __new__(cls, *args: Any, **options: Any) -> QuantizeConfig:
+        if cls is QuantizeConfig:
+            cls = method_class(options.get("method", DEFAULT_METHOD))
+        return super().__new__(cls)
+
+    @classmethod
+    def model_validate(cls, obj: Any, **kwargs: Any) -> QuantizeConfig:
+        if cls is QuantizeConfig:
+            return QUANTIZE_CONFIG.validate_python(obj, **kwargs)
+        return super().model_validate(obj, **kwargs)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_options_of_other_methods(cls, data: Any) -> Any:
+        """An option another method takes is named with the methods it belongs to (a typo stays "unknown key")."""
+        if not isinstance(data, dict) or cls is QuantizeConfig:
+            return data
+        method = cls.model_fields["method"].default
+        for key, value in data.items():
+            owners = [name for name, config in METHODS.items() if key in config.model_fields] if key not in cls.model_fields else []
+            if key == "activations" and value == "float":
+                raise ValueError(f"method {method} quantizes activations; weight-only is method int4 or nvfp4")
+            if owners:
+                option = f"{key}={value}" if key == "activations" else key
+                raise ValueError(f"{option} applies to method {' or '.join(owners)} only, not {method}")
+        return data
+
+    calib_windows: PositiveInt = 32
+    calib_window: PositiveInt = 512
+    min_calib_tokens: PositiveInt = 2048
+    sample_tokens: PositiveInt = 1024
+    # Linears left unquantized (float weights and inputs; FP16 in a deployment checkpoint).
+    float_linears: list[LinearName] = []
+    # "fp8" stores the KV cache as FP8 E4M3 under a calibrated scale per layer for keys and for values.
+    kv_cache: Literal["fp16", "fp8"] = "fp16"
+
+    def is_float(self, linear: str) -> bool:
+        """Whether the linear at block path ``linear`` stays unquantized."""
+        return linear.rsplit(".", 1)[-1] in self.float_linears
+
+    def is_w8a8(self) -> bool:
+        """Whether weights and activations are both 8-bit (INT8 or FP8), the SmoothQuant methods."""
+        return False
+
+    def rotation_limit(self) -> int:
+        """The largest Hadamard block the down_proj input may be rotated by (0: never rotated)."""
+        return 0
+
+    def keeps_float_input(self, linear: str) -> bool:
+        """Whether the linear at block path ``linear`` keeps its input float while its weights are quantized."""
+        return False
+
+    def uses_awq(self) -> bool:
+        return False
+
+    def uses_gptq(self) -> bool:
+        return False
+
+    def scheme(self) -> tuple[int, bool, int | None]:
+        """(weight bits, activations quantized?, group size or None for per-channel / per-tensor)."""
+        precision = self.precision()
+        return precision.weight_bits, precision.activations is not None, None
+
+    def weight_grid(self) -> WeightGrid:
+        """The grid weights are rounded to (an NVFP4 grid is bound to each weight's global scale later)."""
+        bits, _, group = self.scheme()
+        return IntGrid(bits, group)
+
+    def activation_format(self) -> ActivationFormat | None:
+        """How inputs of quantized linears are quantized, or None for weight-only."""
+        activations = self.precision().activations
+        return ACTIVATION_FORMATS[activations] if activations else None
+
+    def weight_format(self) -> str:
+        """``int``, ``fp8`` or ``nvfp4``: how the weights are stored."""
+        return self.precision().weight_format
+
+    def precision(self) -> Precision:
+        """The deployment precision these options produce (see :data:`compress.algorithms.formats.PRECISIONS`)."""
+        return PRECISIONS[self.method]  # type: ignore[attr-defined]
+
+
+class _ActivationOptions(StrictModel):
+    """Options of the methods that quantize activations under a static per-tensor scale."""
+
+    act_scale: Literal["absmax", "mse"] = "absmax"
+    float_activations: list[LinearName] = []
+    float_activations_below_db: float | None = None
+
+    def keeps_float_input(self, linear: str) -> bool:
+        return linear.rsplit(".", 1)[-1] in self.float_activations
+
+
+class _GptqOptions(StrictModel):
+    """GPTQ's options, for the methods that can round weights with it."""
+
+    gptq_damp: float = Field(0.01, gt=0.0, lt=1.0)
+    gptq_act_order: bool = True
+
+
+class _W8A8(_ActivationOptions, _GptqOptions, QuantizeConfig):
+    """SmoothQuant W8A8: a migration strength per input (searched with ``alpha: auto``), weights by RTN or GPTQ."""
+
+    alpha: float | Literal["auto"] = "auto"
+    weight_algorithm: Literal["rtn", "gptq"] = "gptq"
+    # Largest Hadamard block for the down_proj input rotation (the largest power of two up to this
+    # that divides the layer's width is used); 0 turns the rotation off.
+    hadamard_block: Literal[0, 32, 64, 128, 256] = 0
+
+    @model_validator(mode="after")
+    def _rotation_or_float(self) -> _W8A8:
+        if self.hadamard_block and "down_proj" in self.float_linears:
+            raise ValueError("hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them")
+        return self
+
+    def is_w8a8(self) -> bool:
+        return True
+
+    def rotation_limit(self) -> int:
+        return self.hadamard_block
+
+    def uses_gptq(self) -> bool:
+        return self.weight_algorithm == "gptq"
+
+
+class Int8Config(_W8A8):
+    """``method: int8``: INT8 weights per output channel, static per-tensor INT8 activations."""
+
+    method: Literal["int8"] = "int8"
+
+
+class Fp8Config(_W8A8):
+    """``method: fp8``: FP8 E4M3 weights and static per-tensor FP8 activations (Thor's FP8 tensor cores)."""
+
+    method: Literal["fp8"] = "fp8"
+    # One weight scale per tensor (what TensorRT Edge-LLM's FP8 linears take) or per output channel.
+    fp8_weight_scale: Literal["tensor", "channel"] = "tensor"
+
+    def weight_grid(self) -> WeightGrid:
+        return Fp8Grid(per_channel=self.fp8_weight_scale == "channel")
+
+
+class _FourBit(_GptqOptions, QuantizeConfig):
+    """4-bit weights rounded by AWQ (scales and clipping), GPTQ, or AWQ then GPTQ."""
+
+    algorithm: Literal["awq", "gptq", "awq+gptq"] = "awq+gptq"
+    # AWQ clipping scored on the sampled rows (the attention sink left out) or on every calibration token.
+    clip_tokens: Literal["sampled", "all"] = "sampled"
+
+    def uses_awq(self) -> bool:
+        return "awq" in self.algorithm
+
+    def uses_gptq(self) -> bool:
+        return "gptq" in self.algorithm
+
+
+class Int4Config(_FourBit):
+    """``method: int4``: INT4 weight-only, one scale per group of inputs."""
+
+    method: Literal["int4"] = "int4"
+    group_size: Literal[32, 64, 128] = 64
+
+    def scheme(self) -> tuple[int, bool, int | None]:
+        return 4, False, self.group_size
+
+
+class Nvfp4Config(_ActivationOptions, _FourBit):
+    """``method: nvfp4``: FP4 E2M1 weights in blocks of 16 with FP8 block scales; weight-only or, with
+    ``activations: nvfp4``, W4A4."""
+
+    method: Literal["nvfp4"] = "nvfp4"
+    # "float" keeps activations FP16 (W4A16), "nvfp4" quantizes them per block of 16 (W4A4).
+    activations: Literal["auto", "float", "nvfp4"] = "auto"
+    # Search the per-tensor scale (weight_scale_2) for the least output error on calibration samples.
+    nvfp4_scale_search: bool = True
+
+    def scheme(self) -> tuple[int, bool, int | None]:
+        return 4, self.activations == "nvfp4", NVFP4_BLOCK
+
+    def weight_grid(self) -> WeightGrid:
+        return Nvfp4Grid()
+
+    def precision(self) -> Precision:
+        return PRECISIONS["nvfp4" if self.activations == "nvfp4" else "nvfp4_a16"]
+
+
+class RtnConfig(_ActivationOptions, QuantizeConfig):
+    """``method: rtn``: round to nearest, no migration: W8A8 (``bits: 8``) or INT4 weight-only (``bits: 4``)."""
+
+    method: Literal["rtn"] = "rtn"
+    bits: Literal[4, 8] = 8
+    group_size: Literal[32, 64, 128] = 64
+    hadamard_block: Literal[0, 32, 64, 128, 256] = 0
+
+    @model_validator(mode="after")
+    def _rotation_needs_w8a8(self) -> RtnConfig:
+        if self.hadamard_block and self.bits != 8:
+            raise ValueError("hadamard_block applies to W8A8 (method int8 or fp8, or rtn with bits 8) only")
+        if self.hadamard_block and "down_proj" in self.float_linears:
+            raise ValueError("hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them")
+        return self
+
+    def is_w8a8(self) -> bool:
+        return self.bits == 8
+
+    def rotation_limit(self) -> int:
+        return self.hadamard_block
+
+    def scheme(self) -> tuple[int, bool, int | None]:
+        return (8, True, None) if self.bits == 8 else (4, False, self.group_size)
+
+    def precision(self) -> Precision:
+        return PRECISIONS["int8" if self.bits == 8 else "int4"]
+
+
+METHODS: dict[str, type[QuantizeConfig]] = {cls.model_fields["method"].default: cls
+                                             for cls in (Int8Config, Fp8Config, Int4Config, Nvfp4Config, RtnConfig)}
+
+
+def method_class(method: str) -> type[QuantizeConfig]:
+    """The config class of ``method``; a ValueError naming the methods otherwise."""
+    if method not in METHODS:
+        raise ValueError(f"method {method!r} is not one of {', '.join(METHODS)}")
+    return METHODS[method]
+
+
+def _method_of(value: Any) -> str:
+    if isinstance(value, dict):
+        return value.get("method", DEFAULT_METHOD)
+    return getattr(value, "method", DEFAULT_METHOD)
+
+
+# One config class per method; ``method`` (int8 when absent) says which.
+AnyQuantizeConfig = Annotated[
+    Annotated[Int8Config, Tag("int8")] | Annotated[Fp8Config, Tag("fp8")] | Annotated[Int4Config, Tag("int4")]
+    | Annotated[Nvfp4Config, Tag("nvfp4")] | Annotated[RtnConfig, Tag("rtn")],
+    Discriminator(_method_of),
+]
+QUANTIZE_CONFIG = TypeAdapter(AnyQuantizeConfig)
+
+
+def options_of(method: str) -> set[str]:
+    """The option names ``method`` takes."""
+    return set(METHODS[method].model_fields)
+
+
+def describe_scheme(config: QuantizeConfig) -> str:
+    """The number formats of weights, activations and KV cache, in words a report can show."""
+    bits, acts, group = config.scheme()
+    if config.method == "fp8":
+        weights = f"FP8 E4M3 weights (one scale per {'output channel' if config.fp8_weight_scale == 'channel' else 'tensor'})"
+    elif config.method == "nvfp4":
+        weights = "NVFP4 weights (E2M1 in blocks of 16, FP8 block scales, FP32 per-tensor scale)"
+    else:
+        weights = f"INT{bits} weights ({f'group {group}' if group else 'one scale per output channel'})"
+    activation = config.activation_format()
+    names = {"int8": "static INT8 activations", "fp8": "static FP8 activations",
+             "nvfp4": "NVFP4 activations (dynamic blocks of 16, calibrated global scale)"}
+    inputs = names[activation.name] if activation else "FP16 activations"
+    return f"{weights}, {inputs}" + (", FP8 KV cache" if config.kv_cache == "fp8" else "")
+
+
+def algorithm_name(config: QuantizeConfig) -> str:
+    """How the weights were chosen, in words a report can show."""
+    if config.method in ("int4", "nvfp4"):
+        return config.algorithm + ("+global-scale-search" if config.method == "nvfp4" and config.nvfp4_scale_search else "")
+    if config.method in ("int8", "fp8"):
+        return "smoothquant+" + config.weight_algorithm
+    return "rtn"

@@ -1,0 +1,430 @@
+"""Quantizing a decoder block by block: SmoothQuant W8A8, AWQ / GPTQ INT4, RTN.
+
+Per block, statistics of the four linear inputs are gathered in one pass (attention input,
+attention output, MLP input, MLP hidden). Migration scales (SmoothQuant or AWQ) are folded into
+the producer of each input, as :mod:`compress.models.families` describes it, so the float function is
+unchanged. On Llama:
+
+* attention input -> ``input_layernorm`` weight; q/k/v columns
+* attention output -> ``v_proj`` rows (equal per grouped KV channel, so GQA stays exact); o_proj columns
+* MLP input -> ``post_attention_layernorm`` weight; gate/up columns
+* MLP hidden -> ``up_proj`` rows; down_proj columns
+
+(Gemma 3's MLP input comes from ``pre_feedforward_layernorm``, whose ``1 + w`` form the fold keeps;
+Phi-3's producers are the v and up parts of its fused ``qkv_proj`` and ``gate_up_proj``.)
+
+For W8A8 with ``hadamard_block``, the MLP hidden state may instead be rotated by a block-diagonal
+Hadamard matrix in front of ``down_proj`` (kept where it gives the lower output error on the
+calibration samples). The rotation cannot be folded through the gated product, so it stays in
+the deployed graph as a small ``MatMul``; the saved weight is the rotated-back quantized weight,
+so the saved folder stays an exact float model.
+
+Weights are then quantized (RTN, AWQ clipping, GPTQ), written back dequantized, and the block's
+outputs (with simulated activation quantization for W8A8) become the next block's inputs: the
+blocks are driven by the shared walker (:mod:`compress.transforms.walk`), this module being one
+of its visitors.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from compress.algorithms import kv_cache
+from compress.algorithms.formats import ActivationFormat, Nvfp4Grid, WeightGrid, quantize_dequantize
+from compress.algorithms.quant import activation_scale, awq_search_clip, awq_search_scales, gptq_quantize, smoothquant_scales, sqnr_db
+from compress.algorithms.rotation import rotate
+from compress.algorithms.stats import InputStats
+from compress.core.errors import UsageError
+from compress.models.families import ActivationPoint, Family, attention_geometry, decoder_blocks, family_of, part_rows
+from compress.transforms.quantize.config import QuantizeConfig
+from compress.transforms.quantize.saved import LinearQuant, QuantResult, attach_activation_quant
+from compress.transforms.walk import BlockInputs, BlockVisitor, collect_input_stats, walk_blocks
+
+log = logging.getLogger(__name__)
+
+CLIP_SEARCH_TOKENS = 256
+
+
+def _linears(block, family: Family) -> dict[str, torch.nn.Linear]:
+    return {name: block.get_submodule(name) for name in family.linears()}
+
+
+def _check_shapes(model, family: Family, group_size: int | None) -> None:
+    for index, block in enumerate(decoder_blocks(model)):
+        for name, linear in _linears(block, family).items():
+            if group_size and linear.in_features % group_size:
+                raise UsageError(f"group_size={group_size} does not divide layers.{index}.{name} (in_features {linear.in_features})")
+
+
+def rotation_block(width: int, limit: int) -> int:
+    """The largest power-of-two Hadamard block up to ``limit`` that divides ``width`` (0 when none above 1)."""
+    block = limit
+    while block > 1 and width % block:
+        block //= 2
+    return block if block > 1 else 0
+
+
+def _kv_groups(block, config) -> torch.Tensor:
+    """For each attention-output channel, the value channel (row of the value part) it is computed from."""
+    family = family_of(config)
+    heads, kv, head_dim = attention_geometry(config)
+    n_heads = block.get_submodule(family.attn_output).in_features // head_dim
+    head = torch.arange(n_heads).repeat_interleave(head_dim)
+    dim = torch.arange(head_dim).repeat(n_heads)
+    return (head // (n_heads // kv)) * head_dim + dim
+
+
+def fold_scales(block, point: ActivationPoint, scales: torch.Tensor, kv_groups: torch.Tensor, config) -> None:
+    """Divide the producer's output by ``scales`` and multiply the consumers' input columns by it (exact in float)."""
+    family = family_of(config)
+    with torch.no_grad():
+        producer = block.get_submodule(point.producer)
+        if point.producer_kind == "norm":
+            # The norm multiplies by (offset + w); (offset + w) / s is the new factor.
+            producer.weight.copy_((family.norm_offset + producer.weight) / scales - family.norm_offset)
+        else:
+            rows = part_rows(family, config, point.producer, point.producer_part) if point.producer_part \
+                else slice(0, producer.out_features)
+            if point.name == "attn_out":
+                # One scale per attention-output channel; every query head of a KV group reads the same value row.
+                width = rows.stop - rows.start
+                scales_out = torch.zeros(width).index_copy_(0, kv_groups, scales)
+            else:
+                scales_out = scales
+            _scale_rows(producer, rows, 1.0 / scales_out)
+        for name in point.consumers:
+            block.get_submodule(name).weight.mul_(scales[None, :])
+
+
+def _scale_rows(linear: torch.nn.Linear, rows: slice, factors: torch.Tensor) -> None:
+    linear.weight[rows].mul_(factors[:, None])
+    if linear.bias is not None:
+        linear.bias[rows].mul_(factors)
+
+
+ALPHA_GRID = (0.4, 0.5, 0.6, 0.7, 0.75, 0.8, 0.85, 0.9, 0.95)
+# GPTQ lowers the weight error, so with GPTQ weights the best alpha sits at or above the one the
+# RTN proxy picks; the proxy's choice and the next larger values (up to 1.0, all difficulty in the
+# weights, which only GPTQ can afford) are re-ranked with the weights actually shipped.
+GPTQ_ALPHA_GRID = (*ALPHA_GRID, 1.0)
+ALPHA_REFINE_STEPS = 2
+
+
+def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, reduce: torch.Tensor | None) -> torch.Tensor:
+    """SmoothQuant scales; with ``reduce``, equal inside each group (GQA value channels)."""
+    if reduce is None:
+        return smoothquant_scales(stats.absmax, weights, alpha)
+    size = int(reduce.max()) + 1
+    act = torch.zeros(size).index_reduce_(0, reduce, stats.absmax, "amax", include_self=False)[reduce]
+    wmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
+    wmax = torch.zeros(size).index_reduce_(0, reduce, wmax, "amax", include_self=False)[reduce]
+    return (act.clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
+
+
+@dataclass
+class _Candidate:
+    """One way to prepare a group's input, scored by the output error of its W8A8 linears."""
+
+    error: float
+    gptq_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # (dequantized, scales) per consumer
+
+
+def _w8a8_candidate(samples: torch.Tensor, weights: list[torch.Tensor], scales: torch.Tensor, absmax: torch.Tensor,
+                    config: QuantizeConfig, hessian: torch.Tensor | None = None) -> _Candidate:
+    """Output MSE of the W8A8 linears (INT8 or FP8, as ``config`` says) after smoothing by ``scales``; RTN weights, or
+    GPTQ given the input's Hessian.
+
+    GPTQ weights are kept so that the chosen candidate's weights ship without a second GPTQ pass.
+    """
+    x = samples / scales
+    activation = config.activation_format()
+    x_q = activation.fake_quantize(x, activation.scale_for(float((absmax / scales).max())))
+    scaled_hessian = hessian / (scales[:, None] * scales[None, :]) if hessian is not None else None
+    grid = config.weight_grid()
+    error, kept = 0.0, []
+    for w in weights:
+        if scaled_hessian is not None:
+            w_q, w_scales = gptq_quantize(w * scales, scaled_hessian, grid, damp=config.gptq_damp, act_order=config.gptq_act_order)
+            kept.append((w_q, w_scales))
+        else:
+            w_q, _ = quantize_dequantize(w * scales, grid)
+        error += (samples @ w.T - x_q @ w_q.T).pow(2).mean().item()
+    return _Candidate(error, kept if scaled_hessian is not None else None)
+
+
+def _gptq_hessian(config: QuantizeConfig, stats: InputStats) -> torch.Tensor | None:
+    """The Hessian the W8A8 searches re-rank with, when the weights are GPTQ's."""
+    return stats.mean_hessian() if config.is_w8a8() and config.uses_gptq() else None
+
+
+def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor], reduce: torch.Tensor | None
+                  ) -> tuple[float, _Candidate]:
+    """The SmoothQuant strength with the least output error (an RTN proxy over the grid, then GPTQ
+    re-ranking), and its candidate with the weights actually shipped."""
+    samples = stats.sample_matrix(config.sample_tokens)
+
+    def candidate(alpha: float, hessian: torch.Tensor | None = None) -> _Candidate:
+        return _w8a8_candidate(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, config, hessian)
+
+    scored = {alpha: candidate(alpha) for alpha in ALPHA_GRID}
+    best = min(scored, key=lambda alpha: scored[alpha].error)
+    hessian = _gptq_hessian(config, stats)
+    if hessian is None:
+        return best, scored[best]
+    start = GPTQ_ALPHA_GRID.index(best)
+    refined = {alpha: candidate(alpha, hessian) for alpha in GPTQ_ALPHA_GRID[start:start + ALPHA_REFINE_STEPS + 1]}
+    best = min(refined, key=lambda alpha: refined[alpha].error)
+    return best, refined[best]
+
+
+def _rotation_candidate(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor]) -> _Candidate:
+    """The W8A8 linears on Hadamard-rotated inputs, without smoothing."""
+    rotated = stats.rotated_view()
+    samples = rotated.sample_matrix(config.sample_tokens)
+    rotated_weights = [rotate(w, stats.rotation) for w in weights]
+    ones = torch.ones(samples.shape[1])
+    return _w8a8_candidate(samples, rotated_weights, ones, rotated.absmax, config, _gptq_hessian(config, rotated))
+
+
+@dataclass
+class Migration:
+    """How the input of one group of linears is prepared for quantization."""
+
+    scales: torch.Tensor | None = None  # folded into the producer (SmoothQuant or AWQ)
+    ratio: float | None = None  # the SmoothQuant strength or AWQ exponent chosen
+    rotation: int = 0  # Hadamard block size, instead of folded scales
+    gptq_weights: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # from the search, per consumer
+
+
+def _smoothquant(config: QuantizeConfig, stats: InputStats, weights: list[torch.Tensor],
+                 reduce: torch.Tensor | None) -> Migration:
+    """The SmoothQuant strength (searched or fixed), or the Hadamard rotation when its output error is lower."""
+    if config.alpha == "auto":
+        alpha, smoothed = _search_alpha(config, stats, weights, reduce)
+    elif stats.rotation:
+        alpha = config.alpha
+        smoothed = _w8a8_candidate(stats.sample_matrix(config.sample_tokens), weights, _smoothing(stats, weights, alpha, reduce),
+                                   stats.absmax, config, _gptq_hessian(config, stats))
+    else:
+        return Migration(_smoothing(stats, weights, config.alpha, reduce), config.alpha)
+    if stats.rotation:
+        rotated = _rotation_candidate(config, stats, weights)
+        if rotated.error < smoothed.error:
+            return Migration(rotation=stats.rotation, gptq_weights=rotated.gptq_weights)
+    return Migration(_smoothing(stats, weights, alpha, reduce), alpha, gptq_weights=smoothed.gptq_weights)
+
+
+def _dynamic_fake_quantize(activation: ActivationFormat | None) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """Fake quantization of a sample matrix under the scale its own maximum gives (for searches on scaled inputs)."""
+    if activation is None:
+        return None
+    return lambda x: activation.fake_quantize(x, activation.scale_for(float(x.abs().max())))
+
+
+def _migration(config: QuantizeConfig, point: str, stats: InputStats, weights: list[torch.Tensor],
+               kv_groups: torch.Tensor) -> Migration:
+    """Scales to fold into the producer of ``point`` (SmoothQuant or AWQ), or a Hadamard rotation."""
+    reduce = kv_groups if point == "attn_out" else None
+    if config.method in ("int8", "fp8"):
+        return _smoothquant(config, stats, weights, reduce)
+    if config.uses_awq():
+        return Migration(*awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, config.weight_grid(), reduce=reduce,
+                                            activation=_dynamic_fake_quantize(config.activation_format())))
+    if stats.rotation:
+        samples = stats.sample_matrix(config.sample_tokens)
+        plain = _w8a8_candidate(samples, weights, torch.ones_like(stats.absmax), stats.absmax, config).error
+        if _rotation_candidate(config, stats, weights).error < plain:
+            return Migration(rotation=stats.rotation)
+    return Migration()
+
+
+# Multipliers of the NVFP4 global scale tried by the per-tensor scale search: below 1, the blocks
+# with the largest values saturate their FP8 scale (they are clipped), and every block's scale
+# rounds to a different FP8 number.
+NVFP4_GLOBAL_SHRINKS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.6, 0.5)
+
+
+def _search_global_scale(weights: list[torch.Tensor], hessian: torch.Tensor) -> Nvfp4Grid:
+    """The NVFP4 global scale, shared by ``weights``, with the least round-to-nearest output error.
+
+    The error is ``tr(dW H dW^T)``, the output error over every calibration token: the attention
+    sink's massive activations included, which read the largest weights a smaller global scale
+    would clip (on SmolLM2's layer 11 ``down_proj``, a 0.9 shrink multiplies the sink row's output
+    error by four while barely changing the other tokens').
+    """
+    best: tuple[float, Nvfp4Grid | None] = (float("inf"), None)
+    for shrink in NVFP4_GLOBAL_SHRINKS:
+        grid = Nvfp4Grid(global_shrink=shrink).bind(weights)
+        error = 0.0
+        for w in weights:
+            delta = w - quantize_dequantize(w, grid)[0]
+            error += float(((delta @ hessian) * delta).sum())
+        if error < best[0]:
+            best = (error, grid)
+    return best[1]
+
+
+def _consumer_grids(config: QuantizeConfig, weights: list[torch.Tensor], stats: InputStats) -> list[WeightGrid]:
+    """The bound grid of each consumer of one input.
+
+    NVFP4 W4A4: one global scale for all of them (with equal global and input scales, Edge-LLM runs
+    q, k and v as one GEMM behind one activation quantizer). NVFP4 weight-only: one per linear (Edge-LLM
+    0.11's fused q/k/v GEMM quantizes its input whatever the export's ``--no-quantize-activations``
+    says, so q, k and v must not fuse).
+    """
+    grid = config.weight_grid()
+    if config.method != "nvfp4":
+        return [grid] * len(weights)
+    hessian = stats.mean_hessian() if config.nvfp4_scale_search else None
+
+    def bound(group: list[torch.Tensor]) -> Nvfp4Grid:
+        return _search_global_scale(group, hessian) if hessian is not None else Nvfp4Grid().bind(group)
+
+    if config.scheme()[1]:
+        return [bound(weights)] * len(weights)
+    return [bound([w]) for w in weights]
+
+
+def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputStats, grid: WeightGrid,
+                     search_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    clip: torch.Tensor | float = 1.0
+    if config.uses_awq() and search_clip:
+        hessian = stats.mean_hessian() if config.clip_tokens == "all" else None
+        clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, grid, hessian=hessian)
+    if config.uses_gptq():
+        act_order = config.gptq_act_order and grid.group_size is None
+        return gptq_quantize(weight, stats.mean_hessian(), grid, damp=config.gptq_damp, clip_ratio=clip, act_order=act_order)
+    return quantize_dequantize(weight, grid, clip)
+
+
+def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str) -> dict[str, LinearQuant]:
+    """Quantize one decoder block in place; returns per-linear scales and errors."""
+    activation = config.activation_format()
+    family = family_of(model_config)
+    active = [p for p in family.points if not all(config.is_float(name) for name in p.consumers)]
+    linears = _linears(block, family)
+    points = {point.name: linears[point.consumers[0]] for point in active}
+    per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
+    rotated = family.point(family.rotated_point)
+    block_size = rotation_block(linears[rotated.consumers[0]].in_features, config.rotation_limit())
+    rotations = {rotated.name: block_size} if block_size and rotated in active else None
+    want_hessian = (config.uses_gptq() or (config.method == "nvfp4" and config.nvfp4_scale_search)
+                    or (config.uses_awq() and config.clip_tokens == "all"))
+    stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
+    migrations = _prepare_inputs(block, active, linears, stats, config, model_config)
+    result: dict[str, LinearQuant] = {}
+    for point in active:
+        samples = stats[point.name].sample_matrix(config.sample_tokens)
+        absmax = float(stats[point.name].absmax.max())
+        point_scale = activation_scale(samples, absmax, config.act_scale, activation) if activation else None
+        consumers = [name for name in point.consumers if not config.is_float(name)]
+        weights = [_input_basis(linears[name].weight.detach(), migrations[point.name]) for name in consumers]
+        grids = dict(zip(consumers, _consumer_grids(config, weights, stats[point.name]), strict=True))
+        for index, name in enumerate(point.consumers):
+            if config.is_float(name):
+                continue
+            input_scale = None if config.keeps_float_input(name) else point_scale
+            # As in AWQ, weights computing queries and keys are not clipped: attention scores are too sensitive.
+            search_clip = not {"q", "k"} & set(family.parts(name))
+            result[f"{prefix}.{name}"] = _quantize_linear(config, linears[name], stats[point.name], samples, input_scale,
+                                                          migrations[point.name], index, grids[name], search_clip)
+    return result
+
+
+def _prepare_inputs(block, points: list[ActivationPoint], linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats],
+                    config: QuantizeConfig, model_config) -> dict[str, Migration]:
+    """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated view."""
+    kv_groups = _kv_groups(block, model_config)
+    migrations: dict[str, Migration] = {}
+    for point in points:
+        weights = [linears[name].weight.detach() for name in point.consumers]
+        migration = migrations[point.name] = _migration(config, point.name, stats[point.name], weights, kv_groups)
+        if migration.scales is not None:
+            fold_scales(block, point, migration.scales, kv_groups, model_config)
+            stats[point.name].rescale(migration.scales)
+        elif migration.rotation:
+            stats[point.name] = stats[point.name].rotated_view()
+    return migrations
+
+
+def _input_basis(weight: torch.Tensor, migration: Migration) -> torch.Tensor:
+    """The weight in the basis its input is quantized in (rotated when the input is)."""
+    return rotate(weight, migration.rotation) if migration.rotation else weight
+
+
+def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
+                     input_scale: float | None, migration: Migration, index: int, grid: WeightGrid, search_clip: bool
+                     ) -> LinearQuant:
+    """Quantize one linear in place (the ``index``-th consumer of its input) on its bound ``grid`` and measure its SQNR on
+    ``samples``."""
+    weight = _input_basis(linear.weight.detach().clone(), migration)
+    if migration.gptq_weights:
+        dequantized, weight_scales = migration.gptq_weights[index]
+    else:
+        dequantized, weight_scales = _quantize_weight(config, weight, stats, grid, search_clip)
+    activation = config.activation_format()
+    x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
+    error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
+    if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
+        # Mixed-precision fallback: this linear keeps quantized weights but float inputs.
+        input_scale = None
+        error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
+    with torch.no_grad():
+        # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
+        linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
+    return LinearQuant(weight_scales, input_scale, error, migration.ratio, migration.rotation,
+                       global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8")
+
+
+class _Quantizer(BlockVisitor):
+    """The walker's visitor that quantizes each block in place and records its scales."""
+
+    def __init__(self, model, config: QuantizeConfig, result: QuantResult) -> None:
+        self.model_config = model.config
+        self.config = config
+        self.result = result
+        self.fp8_cache = config.kv_cache == "fp8"
+        self.block_linears: dict[str, LinearQuant] = {}
+
+    def visit(self, index: int, block, inputs: BlockInputs) -> None:
+        amax = kv_cache.record_amax(block) if self.fp8_cache else None
+        quantized = quantize_block(block, inputs, self.config, self.model_config, f"model.layers.{index}")
+        if amax is not None:
+            kv_cache.stop_recording(block)
+            self.result.kv_scales[index] = (kv_cache.kv_scale(amax[0]), kv_cache.kv_scale(amax[1]))
+            kv_cache.set_block_scales(block, self.result.kv_scales[index])
+        self.result.linears.update(quantized)
+        self.block_linears = {name.split(f"model.layers.{index}.", 1)[1]: q for name, q in quantized.items()}
+        log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
+
+    def propagation_hooks(self, index: int, block) -> list:
+        # The next block sees this one's outputs as the deployed graph computes them: inputs quantized.
+        return attach_activation_quant(block, self.block_linears) if self.config.scheme()[1] else []
+
+
+def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
+                   device: torch.device | str | None = None) -> QuantResult:
+    """Quantize every decoder block of ``model`` in place, block by block through the shared walker.
+
+    With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
+    are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
+    """
+    _check_shapes(model, family_of(model.config), config.scheme()[2])
+    started = time.perf_counter()
+    result = QuantResult(config, calibration_tokens=int(windows.numel()))
+    fp8_cache = config.kv_cache == "fp8"
+    if fp8_cache:
+        kv_cache.route_attention(model)
+    try:
+        walk_blocks(model, windows, [_Quantizer(model, config, result)], device=device, progress=progress,
+                    desc=f"quantize {config.method}")
+    finally:
+        if fp8_cache:
+            kv_cache.restore_attention(model)
+    result.seconds = time.perf_counter() - started
+    return result

@@ -1,0 +1,151 @@
+"""A quantization on disk: the scales and choices the quantize stage saves beside the model, and reading them back.
+
+The quantize stage writes the model with every quantized weight on its grid (dequantized) plus
+``quantization.json`` (method, precision, per-linear input scales, rotations, NVFP4 global scales,
+FP8 KV-cache scales) and ``quant_scales.safetensors`` (weight scales). Every later reader (ONNX
+export, the Edge-LLM checkpoint, validation's torch reference) goes through this module.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from compress.algorithms import kv_cache
+from compress.algorithms.formats import ACTIVATION_FORMATS, Fp8Grid, IntGrid, Nvfp4Grid, WeightGrid
+from compress.algorithms.rotation import rotate
+from compress.core.files import atomic_write_json, read_json
+from compress.transforms.quantize.config import QuantizeConfig
+
+QUANT_CONFIG_FILE = "quantization.json"
+QUANT_SCALES_FILE = "quant_scales.safetensors"
+ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-per-tensor",
+                           "nvfp4": "nvfp4-dynamic-block16-static-global"}
+OUTLIER_MARGIN_DB = 10.0
+
+
+@dataclass
+class LinearQuant:
+    """What the exporter needs for one quantized linear."""
+
+    weight_scales: torch.Tensor
+    input_scale: float | None
+    sqnr_db: float
+    migration_ratio: float | None = None
+    rotation: int = 0  # Hadamard block size applied to the input before quantization; 0 = none
+    global_scale: float | None = None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
+    input_format: str = "int8"  # how input_scale quantizes the input (a key of ACTIVATION_FORMATS)
+
+
+@dataclass
+class QuantResult:
+    """The outcome of quantizing a model."""
+
+    config: QuantizeConfig
+    linears: dict[str, LinearQuant] = field(default_factory=dict)
+    calibration_tokens: int = 0
+    seconds: float = 0.0
+    kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)  # per layer (k_scale, v_scale) of an FP8 KV cache
+
+    def layer_errors(self) -> list[dict[str, Any]]:
+        return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
+                for name, q in self.linears.items()]
+
+    def rotated_linears(self) -> list[str]:
+        """Linears whose input is Hadamard-rotated."""
+        return [name for name, q in self.linears.items() if q.rotation]
+
+    def float_input_linears(self) -> list[str]:
+        """Linears of a W8A8 result that keep float inputs (by ``float_activations`` or the SQNR fallback)."""
+        if not self.config.scheme()[1]:
+            return []
+        return [name for name, q in self.linears.items() if q.input_scale is None]
+
+    def outliers(self) -> list[dict[str, Any]]:
+        """Linears whose SQNR is more than 10 dB below the median."""
+        values = [q.sqnr_db for q in self.linears.values()]
+        if not values:
+            return []
+        floor = statistics.median(values) - OUTLIER_MARGIN_DB
+        return [row for row in self.layer_errors() if row["sqnr_db"] < floor]
+
+
+def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
+    """Fake-quantize the inputs of W8A8 / W4A4 linears with their static scales (torch reference of the Q/DQ graph)."""
+    handles = []
+    for name, quant in linears.items():
+        if quant.input_scale is None:
+            continue
+        scale, block, fake_quantize = quant.input_scale, quant.rotation, ACTIVATION_FORMATS[quant.input_format].fake_quantize
+
+        def hook(_module, args, scale=scale, block=block, fake_quantize=fake_quantize):
+            if block:
+                # Quantized in the rotated basis, rotated back for the stored (rotated-back) weight.
+                return (rotate(fake_quantize(rotate(args[0], block), scale), block),) + tuple(args[1:])
+            return (fake_quantize(args[0], scale),) + tuple(args[1:])
+
+        handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
+    return handles
+
+
+def save_quantization(result: QuantResult, folder: Path) -> None:
+    """Write ``quantization.json`` and the scales beside a saved model."""
+    bits, _, group = result.config.scheme()
+    tensors = {f"{name}.weight_scale": q.weight_scales.contiguous().float() for name, q in result.linears.items()}
+    save_file(tensors, str(folder / QUANT_SCALES_FILE))
+    activation = result.config.activation_format()
+    atomic_write_json(folder / QUANT_CONFIG_FILE, {
+        "method": result.config.method,
+        "precision": result.config.precision().name,
+        "config": result.config.model_dump(mode="json"),
+        "format": result.config.weight_format(),
+        "weight_bits": bits,
+        "group_size": group,
+        "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float",
+        "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}} if result.kv_scales else None,
+        "linears": {name: {"input_scale": q.input_scale, "input_format": q.input_format, "sqnr_db": q.sqnr_db,
+                           "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale}
+                    for name, q in result.linears.items()},
+    })
+
+
+def load_quantization(folder: Path) -> tuple[dict[str, Any], dict[str, LinearQuant]] | None:
+    """Read what :func:`save_quantization` wrote, or None for a float model."""
+    folder = Path(folder)
+    if not (folder / QUANT_CONFIG_FILE).is_file():
+        return None
+    meta = read_json(folder / QUANT_CONFIG_FILE)
+    scales = load_file(str(folder / QUANT_SCALES_FILE))
+    linears = {name: LinearQuant(scales[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
+                                 info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"))
+               for name, info in meta["linears"].items()}
+    return meta, linears
+
+
+def kv_cache_scales(meta: dict[str, Any]) -> dict[int, tuple[float, float]] | None:
+    """The per-layer ``(k_scale, v_scale)`` of a saved quantization with an FP8 KV cache, or None."""
+    cache = meta.get("kv_cache")
+    return {int(i): (float(k), float(v)) for i, (k, v) in cache["scales"].items()} if cache else None
+
+
+def attach_quantization(model, meta: dict[str, Any], linears: dict[str, LinearQuant]) -> None:
+    """Everything a saved quantization simulates at run time: quantized inputs and the FP8 KV cache."""
+    attach_activation_quant(model, linears)
+    scales = kv_cache_scales(meta)
+    if scales:
+        kv_cache.attach_kv_cache_quant(model, scales)
+
+
+def stored_grid(meta: dict[str, Any], quant: LinearQuant) -> WeightGrid:
+    """The bound grid a saved linear's weight lies on (``meta`` as :func:`load_quantization` returns it)."""
+    weight_format = meta.get("format", "int")
+    if weight_format == "nvfp4":
+        return Nvfp4Grid(quant.global_scale)
+    if weight_format == "fp8":
+        return Fp8Grid(per_channel=quant.weight_scales.dim() == 1)
+    return IntGrid(meta["weight_bits"], meta.get("group_size"))

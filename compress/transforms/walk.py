@@ -1,0 +1,239 @@
+"""The one block walker: every transform that works on a decoder block by block runs through it.
+
+Calibration enters as token windows or as a ``forward_loop(model)`` callable (Model Optimizer's
+convention), so transforms never load data. The walker captures what the first decoder block
+receives, then for each block in order:
+
+1. moves the block and its inputs to the compute device (the walker's business, never a visitor's),
+2. hands the block and its inputs to every visitor (:meth:`BlockVisitor.visit`: calibrate,
+   quantize, sparsify, score in place),
+3. runs the block on its inputs to produce the next block's inputs, with whatever simulation the
+   visitors ask for (:meth:`BlockVisitor.propagation_hooks`, e.g. quantized activations),
+4. shows visitors the outputs (:meth:`BlockVisitor.after`), moves the block back and releases what
+   it freed.
+
+Only the hidden states entering the current block are held (``windows x tokens x hidden``), so peak
+memory grows with the calibration set and one block, not with depth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from compress.algorithms.stats import InputStats
+from compress.models.families import decoder_blocks
+
+# Token windows ``(n, tokens)``, or a callable that runs the model over the calibration data.
+Calibration = torch.Tensor | Callable[[torch.nn.Module], None]
+
+
+class _Captured(Exception):
+    """Raised by the stand-in first block to stop the forward pass once its inputs are captured."""
+
+
+@dataclass
+class BlockInputs:
+    """Hidden states entering a decoder block, one tensor per calibration batch, and the shared kwargs."""
+
+    hidden: list[torch.Tensor]
+    kwargs: dict[str, Any]
+
+    def to(self, device: torch.device | str | None) -> BlockInputs:
+        """These inputs on ``device`` (themselves when already there, or ``device`` is None)."""
+        if device is None:
+            return self
+        return BlockInputs([h.to(device) for h in self.hidden], _move(self.kwargs, device))
+
+
+def _move(value: Any, device: torch.device | str) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, tuple):
+        return tuple(_move(v, device) for v in value)
+    if isinstance(value, list):
+        return [_move(v, device) for v in value]
+    if isinstance(value, dict):
+        return {k: _move(v, device) for k, v in value.items()}
+    return value
+
+
+def forward_loop_of(windows: torch.Tensor) -> Callable[[torch.nn.Module], None]:
+    """A ``forward_loop`` running the model on each window, one at a time, without a KV cache."""
+    def loop(model: torch.nn.Module) -> None:
+        device = _model_device(model)
+        for row in windows:
+            model(row[None].to(device), use_cache=False)
+    return loop
+
+
+def _model_device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
+
+
+def capture_first_block_inputs(model, calibration: Calibration) -> BlockInputs:
+    """Run the model's embeddings over the calibration data and capture what the first block receives."""
+    loop = forward_loop_of(calibration) if isinstance(calibration, torch.Tensor) else calibration
+    blocks = decoder_blocks(model)
+    first = blocks[0]
+    hidden: list[torch.Tensor] = []
+    shared: dict[str, Any] = {}
+
+    class _Stand(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attention_type = getattr(first, "attention_type", "full_attention")
+
+        def forward(self, hidden_states, *args, **kwargs):
+            hidden.append(hidden_states.detach())
+            if not shared:
+                shared.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")})
+            raise _Captured
+
+    forward = model.forward
+
+    def stopping_forward(*args, **kwargs):
+        with contextlib.suppress(_Captured):
+            return forward(*args, **kwargs)
+        return None
+
+    blocks[0] = _Stand()
+    model.forward = stopping_forward
+    try:
+        with torch.no_grad():
+            loop(model)
+    finally:
+        blocks[0] = first
+        del model.forward
+    return BlockInputs(hidden, shared)
+
+
+def run_block(block, inputs: BlockInputs) -> list[torch.Tensor]:
+    """The block's outputs for every calibration batch."""
+    outputs = []
+    with torch.no_grad():
+        for hidden in inputs.hidden:
+            out = block(hidden, **inputs.kwargs)
+            outputs.append(out[0] if isinstance(out, tuple) else out)
+    return outputs
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    name = ctypes.util.find_library("c")
+    with contextlib.suppress(OSError, AttributeError):
+        return ctypes.CDLL(name).malloc_trim if name else None
+    return None
+
+
+def release_freed_memory() -> None:
+    """Hand freed heap pages back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Each block frees its inputs, statistics and Hessians before the next one allocates its own;
+    trimming keeps glibc from holding those pages between blocks.
+    """
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+def collect_input_stats(block, inputs: BlockInputs, linears: dict[str, torch.nn.Module], want_hessian: bool,
+                        sample_rows_per_window: int, seed: int = 0, rotations: dict[str, int] | None = None
+                        ) -> dict[str, InputStats]:
+    """Run the block once with hooks on the given linears' inputs (``rotations``: also the rotated view's ranges)."""
+    stats = {name: InputStats(rotation=(rotations or {}).get(name, 0)) for name in linears}
+    generator = torch.Generator().manual_seed(seed)
+    handles = []
+
+    def make_hook(name: str) -> Callable:
+        def hook(_module, args):
+            stats[name].add(args[0].detach(), want_hessian, sample_rows_per_window, generator)
+        return hook
+
+    for name, module in linears.items():
+        handles.append(module.register_forward_pre_hook(make_hook(name)))
+    try:
+        run_block(block, inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return stats
+
+
+class BlockVisitor:
+    """What a transform does with each decoder block the walker hands it; every method is optional."""
+
+    needs_inputs: bool = True  # False: the visitor reads weights only, so nothing is captured or propagated
+
+    def visit(self, index: int, block: torch.nn.Module, inputs: BlockInputs) -> None:
+        """Calibrate, transform or score ``block`` in place, on the device it is on."""
+
+    def propagation_hooks(self, index: int, block: torch.nn.Module) -> list:
+        """Hooks (removable handles) in force while the block computes the next block's inputs."""
+        return []
+
+    def after(self, index: int, block: torch.nn.Module, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
+        """The block's inputs and the outputs it propagated."""
+
+
+@contextlib.contextmanager
+def onloaded(block: torch.nn.Module, device: torch.device | str | None) -> Iterator[None]:
+    """``block`` on ``device`` for the duration, then back where it was."""
+    home = next(block.parameters()).device if device is not None else None
+    if device is not None:
+        block.to(device)
+    try:
+        yield
+    finally:
+        if home is not None:
+            block.to(home)
+
+
+def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[BlockVisitor], *, device: torch.device | str | None = None,
+                progress: bool = False, desc: str = "blocks") -> None:
+    """Drive ``model``'s decoder blocks once, in order, through ``visitors`` (see the module docstring).
+
+    ``device`` is where each block and its inputs are computed (None: where the model is); between
+    blocks the hidden states stay there too.
+    """
+    propagate = any(v.needs_inputs for v in visitors)
+    inputs = capture_first_block_inputs(model, calibration).to(device) if propagate else BlockInputs([], {})
+    blocks = decoder_blocks(model)
+    for index in tqdm(range(len(blocks)), desc=desc, unit="layer", disable=not progress, leave=False):
+        block = blocks[index]
+        with onloaded(block, device):
+            for visitor in visitors:
+                visitor.visit(index, block, inputs)
+            if not propagate:
+                continue
+            handles = [handle for visitor in visitors for handle in visitor.propagation_hooks(index, block)]
+            try:
+                outputs = run_block(block, inputs)
+            finally:
+                for handle in handles:
+                    handle.remove()
+            for visitor in visitors:
+                visitor.after(index, block, inputs, outputs)
+        inputs = BlockInputs(outputs, inputs.kwargs)
+        release_freed_memory()
+
+
+def run_encoder_batches(model, batches: list[dict[str, torch.Tensor]], mask: list[torch.Tensor], handles: list) -> None:
+    """Run ``batches`` through an encoder without gradients, exposing each batch's attention mask as ``mask[0]`` to the
+    hooks in ``handles``, which are removed afterwards."""
+    try:
+        with torch.no_grad():
+            for batch in batches:
+                mask[:] = [batch["attention_mask"]]
+                model(**batch)
+    finally:
+        for handle in handles:
+            handle.remove()

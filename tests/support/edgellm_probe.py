@@ -1,0 +1,44 @@
+"""Run by Edge-LLM's own interpreter: load a checkpoint with Edge-LLM's loader and dump what it holds.
+
+    .venv-edgellm/bin/python tests/support/edgellm_probe.py CHECKPOINT OUT.safetensors
+
+For every quantized linear it writes the buffers Edge-LLM's loader left in the module, and the
+integers Edge-LLM's own unpacking reads from the checkpoint's bytes (``<name>.integers``); for
+every decoder linear it loaded as a plain float linear, its weight (``<name>.float.weight``).
+"""
+
+import json
+import sys
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tensorrt_edgellm import AutoModel
+from tensorrt_edgellm.checkpoint.loader import _unpack_awq_prepacked
+from tensorrt_edgellm.config import _parse_quant
+from tensorrt_edgellm.models.linear import FP16Linear, INT8SQLinear, ModelOptAWQPrepackedLinear
+
+
+def main(checkpoint: str, out: str) -> None:
+    with open(f"{checkpoint}/config.json") as handle:
+        config = json.load(handle)
+    quant = _parse_quant(checkpoint, config)
+    model = AutoModel.from_pretrained(checkpoint)
+    dumped = {}
+    with safe_open(f"{checkpoint}/model.safetensors", framework="pt") as raw:
+        for name, module in model.named_modules():
+            if isinstance(module, (INT8SQLinear, ModelOptAWQPrepackedLinear)):
+                for key, value in module.named_buffers():
+                    dumped[f"{name}.loaded.{key}"] = value.contiguous()
+                if isinstance(module, ModelOptAWQPrepackedLinear):
+                    nibbles = _unpack_awq_prepacked(raw.get_tensor(f"{name}.weight"), module.out_features)
+                    dumped[f"{name}.integers"] = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
+                    dumped[f"{name}.group_size"] = torch.tensor(module.group_size)
+            elif isinstance(module, FP16Linear) and ".layers." in name:
+                dumped[f"{name}.float.weight"] = module.weight.detach().contiguous()
+    save_file(dumped, out, metadata={"quant_type": quant.quant_type, "group_size": str(quant.group_size),
+                                     "excluded": ",".join(quant.excluded)})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

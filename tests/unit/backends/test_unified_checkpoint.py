@@ -1,0 +1,151 @@
+"""The unified quantized checkpoint: integers on disk that TensorRT Edge-LLM's own loader reads back unchanged."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from compress.backends.edgellm.checkpoint import integer_weight, pack_int4, unpack_int4, write_unified_checkpoint
+from compress.backends.edgellm.env import edgellm_python
+from compress.core.errors import UsageError
+from compress.transforms.quantize.saved import LinearQuant, load_quantization
+from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress
+
+
+@pytest.fixture(scope="module")
+def tiny_wide(tmp_path_factory) -> Path:
+    # 64-aligned widths: Edge-LLM's INT4 GEMM layout needs N % 64 == 0 and K % 64 == 0.
+    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256,
+                            chat_template=True)
+
+
+def _quantized(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
+    proc = run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
+                        *extra)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    return out / "02_quantize" / "model"
+
+
+def _probe(checkpoint: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """What Edge-LLM's loader holds after reading ``checkpoint`` (run in Edge-LLM's own environment)."""
+    out = tmp_path / "probe.safetensors"
+    proc = subprocess.run([str(edgellm_python()), str(REPO / "tests" / "support" / "edgellm_probe.py"), str(checkpoint), str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with safe_open(str(out), framework="pt") as probe:
+        keys = list(probe.keys())
+        return {key: probe.get_tensor(key) for key in keys}, probe.metadata()
+
+
+def _our_integers(quantized: Path) -> tuple[dict[str, torch.Tensor], dict[str, LinearQuant], int]:
+    meta, linears = load_quantization(quantized)
+    with safe_open(str(quantized / "model.safetensors"), framework="pt") as source:
+        integers = {name: integer_weight(name, source.get_tensor(f"{name}.weight"), quant, meta["weight_bits"])
+                    for name, quant in linears.items()}
+    return integers, linears, meta["weight_bits"]
+
+
+def test_int8_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wide, tmp_path):
+    quantized = _quantized(tiny_wide, tmp_path / "run", "int8", "quantize.hadamard_block=0")
+    summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    assert summary.quant_algo == "W8A8_SQ_PER_CHANNEL" and summary.linears == 14
+    assert 0.5 <= summary.quantized_bytes / summary.fp16_bytes < 0.53  # int8 weights + per-channel scales
+    hf_quant = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())
+    assert hf_quant["quantization"]["quant_algo"] == "W8A8_SQ_PER_CHANNEL"
+    loaded, meta = _probe(tmp_path / "ckpt", tmp_path)
+    assert meta["quant_type"] == "int8_sq" and "lm_head" in meta["excluded"].split(",")
+    integers, linears, _ = _our_integers(quantized)
+    for name, ours in integers.items():
+        assert torch.equal(loaded[f"{name}.loaded.weight"], ours), name
+        assert torch.equal(loaded[f"{name}.loaded.weight_scale"], linears[name].weight_scales.float()), name
+        assert float(loaded[f"{name}.loaded.input_scale"]) == pytest.approx(linears[name].input_scale, rel=1e-7), name
+        assert torch.equal(loaded[f"{name}.loaded.pre_quant_scale"], torch.ones_like(loaded[f"{name}.loaded.pre_quant_scale"]))
+
+
+def test_int4_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wide, tmp_path):
+    quantized = _quantized(tiny_wide, tmp_path / "run", "int4", "quantize.group_size=32")
+    summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    assert summary.quant_algo == "W4A16_AWQ" and summary.group_size == 32
+    assert summary.quantized_bytes / summary.fp16_bytes == pytest.approx(0.25 + 4 / (32 * 2), rel=1e-9)  # nibbles + fp32 scales
+    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as written:
+        weight = written.get_tensor("model.layers.0.self_attn.q_proj.weight")
+        assert weight.dtype == torch.uint8 and tuple(weight.shape) == (64, 128)
+        assert written.get_tensor("model.norm.weight").dtype == torch.float16
+    loaded, meta = _probe(tmp_path / "ckpt", tmp_path)
+    assert meta["quant_type"] == "int4_awq_modelopt" and meta["group_size"] == "32"
+    integers, linears, _ = _our_integers(quantized)
+    for name, ours in integers.items():
+        assert torch.equal(loaded[f"{name}.integers"], ours), name
+        assert int(loaded[f"{name}.group_size"]) == 32
+        assert torch.equal(loaded[f"{name}.loaded.weight_scale"], linears[name].weight_scales.float().t().half()), name
+
+
+def test_int4_packing_round_trips_every_value():
+    values = torch.arange(-8, 8, dtype=torch.int8).repeat(4, 3)  # [4, 48]: every value in both nibbles
+    values = torch.cat([values, values.flip(1)])
+    packed = pack_int4(values)
+    assert packed.dtype == torch.uint8 and tuple(packed.shape) == (4, 48)
+    assert torch.equal(unpack_int4(packed), values)
+    assert int(pack_int4(torch.tensor([[-1], [0]], dtype=torch.int8))[0, 0]) == 0x0F  # even row low nibble, two's complement
+
+
+def test_rotated_or_off_grid_weights_are_refused():
+    scales = torch.full((4,), 0.5)
+    on_grid = torch.tensor([[1.0, -1.5], [0.5, 0.0], [2.0, 63.5], [-64.0, 0.5]])
+    assert torch.equal(integer_weight("x", on_grid, LinearQuant(scales, 0.1, 40.0), 8),
+                       torch.tensor([[2, -3], [1, 0], [4, 127], [-128, 1]], dtype=torch.int8))
+    with pytest.raises(UsageError, match="not on its 8-bit grid"):
+        integer_weight("x", on_grid + 0.1, LinearQuant(scales, 0.1, 40.0), 8)
+    with pytest.raises(UsageError, match="Hadamard-rotated online.*quantize.hadamard_block=0"):
+        integer_weight("model.layers.3.mlp.down_proj", on_grid, LinearQuant(scales, 0.1, 40.0, rotation=64), 8)
+
+
+def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(tmp_path):
+    qwen3 = build_tiny_llama(tmp_path / "qwen3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
+                             family="qwen3")
+    proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int4", f"model={qwen3}", f"out={tmp_path / 'run'}",
+                        "quantize.group_size=32", *QUANTIZE_SMALL, *TINY_SMOKE)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    quantized = tmp_path / "run" / "02_quantize" / "model"
+    assert json.loads((quantized / "config.json").read_text())["model_type"] == "qwen3"
+    custody = json.loads((tmp_path / "run" / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]
+    assert custody["tensors_compared"] == 28 and custody["mismatches"] == 0
+    write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    loaded, meta = _probe(tmp_path / "ckpt", tmp_path)
+    assert meta["quant_type"] == "int4_awq_modelopt"
+    integers, linears, _ = _our_integers(quantized)
+    for name, ours in integers.items():
+        assert torch.equal(loaded[f"{name}.integers"], ours), name
+        assert torch.equal(loaded[f"{name}.loaded.weight_scale"], linears[name].weight_scales.float().t().half()), name
+
+
+def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wide, tmp_path):
+    out = tmp_path / "run"
+    proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny_wide}", f"out={out}",
+                        "quantize.float_linears=[down_proj]", *QUANTIZE_SMALL, *TINY_SMOKE)
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    quantized = out / "02_quantize" / "model"
+    _, linears = load_quantization(quantized)
+    assert len(linears) == 12 and not any(name.endswith("down_proj") for name in linears)
+    metrics = json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]
+    assert metrics["checkpoint"]["float_linears"] == 2 and metrics["custody"]["tensors_compared"] == 12 * 3 + 2
+    checkpoint = out / "04_export_edgellm" / "checkpoint"
+    excluded = json.loads((checkpoint / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
+    assert excluded == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    loaded, _ = _probe(checkpoint, tmp_path)
+    with safe_open(str(quantized / "model.safetensors"), framework="pt") as ours:
+        for layer in (0, 1):
+            name = f"model.layers.{layer}.mlp.down_proj"
+            assert torch.equal(loaded[f"{name}.float.weight"].half(), ours.get_tensor(f"{name}.weight").half()), name
+
+
+def test_a_rotation_of_an_input_left_float_is_a_configuration_error(capsys):
+    from compress.cli.main import main
+
+    assert main(["run", "target=jetson-orin", "recipe=int8", "quantize.float_linears=[down_proj]", "--dry-run"]) == 2
+    assert "hadamard_block rotates the down_proj input, which float_linears leaves unquantized" in capsys.readouterr().err

@@ -1,0 +1,156 @@
+"""The package's layers: imports point down, no module imports itself through others, lazy imports say why.
+
+The allowed order is written once, in :data:`LAYERS`; ``ARCHITECTURE.md`` draws the same picture.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[2] / "compress"
+# Lowest first: a module may import from its own layer and the layers before it.
+LAYERS = ("catalog", "core", "models", "algorithms", "transforms", "backends", "eval", "report", "pipeline", "runtime", "cli")
+LAZY_MARK = "lazy:"  # in a comment on the import or the line above it: why the import waits
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def layer_of(module: str) -> int:
+    """The layer index of a ``compress`` module; the package itself and ``__main__`` sit on top."""
+    parts = module.split(".")
+    if len(parts) == 1 or parts[1] == "__main__":
+        return len(LAYERS)
+    return LAYERS.index(parts[1])
+
+
+def imports_of(path: Path) -> list[tuple[str, int, bool]]:
+    """``(imported compress module, line, at module level)`` for every import of a compress module in ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    top_level = {id(node) for node in tree.body}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "compress" and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names]
+            target = next((n for n in names if _is_module(n)), node.module)
+            found.append((target if _is_module(target) else node.module, node.lineno, id(node) in top_level))
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "compress":
+                    found.append((alias.name, node.lineno, id(node) in top_level))
+    return found
+
+
+def _is_module(name: str) -> bool:
+    relative = Path(*name.split("."))
+    return (PACKAGE.parent / relative).with_suffix(".py").is_file() or (PACKAGE.parent / relative / "__init__.py").is_file()
+
+
+def _type_checking_lines(path: Path) -> set[int]:
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            lines.update(child.lineno for child in ast.walk(node) if hasattr(child, "lineno"))
+    return lines
+
+
+MODULES = {module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def graph() -> dict[str, set[str]]:
+    return {name: {target for target, _, _ in imports_of(path) if target in MODULES and target != name}
+            for name, path in MODULES.items()}
+
+
+def test_every_module_is_in_a_layer():
+    unplaced = [name for name in MODULES if len(name.split(".")) > 1 and name.split(".")[1] not in (*LAYERS, "__main__")]
+    assert unplaced == []
+
+
+def test_imports_point_down_the_layers():
+    upward = []
+    for name, path in MODULES.items():
+        ignored = _type_checking_lines(path)
+        for target, line, _ in imports_of(path):
+            if line not in ignored and layer_of(target) > layer_of(name):
+                upward.append(f"{name}:{line} imports {target}")
+    assert upward == []
+
+
+def test_no_import_circles():
+    edges = graph()
+    circles = [component for component in _strongly_connected(edges) if len(component) > 1]
+    assert circles == []
+
+
+def test_local_imports_of_compress_say_why():
+    unexplained = []
+    for name, path in MODULES.items():
+        lines = path.read_text(encoding="utf-8").splitlines()
+        for _, line, top in imports_of(path):
+            if top or line in _type_checking_lines(path):
+                continue
+            if LAZY_MARK not in lines[line - 1] and LAZY_MARK not in lines[line - 2]:
+                unexplained.append(f"{name}:{line}: {lines[line - 1].strip()}")
+    assert unexplained == []
+
+
+def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative over the modules."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[list[str]] = []
+    counter = 0
+
+    def connect(start: str) -> None:
+        nonlocal counter
+        work = [(start, iter(sorted(edges[start])))]
+        index[start] = low[start] = counter
+        counter += 1
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(sorted(component))
+            elif child not in index:
+                index[child] = low[child] = counter
+                counter += 1
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(edges[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+
+    for node in sorted(edges):
+        if node not in index:
+            connect(node)
+    return components
+
+
+@pytest.mark.parametrize("edges, expected", [
+    ({"a": {"b"}, "b": {"a"}, "c": set()}, [["a", "b"]]),
+    ({"a": {"b"}, "b": {"c"}, "c": set()}, []),
+])
+def test_the_circle_finder_finds_circles(edges, expected):
+    assert [c for c in _strongly_connected(edges) if len(c) > 1] == expected
