@@ -166,7 +166,8 @@ def register(stage: StageDef, aliases: dict[str, str] | None = None) -> StageDef
     """Add a stage to the registry (once, by its module), with ``aliases``: other names pinned to one model kind's variant."""
     _REGISTRY[stage.name] = stage
     for alias, kind in (aliases or {}).items():
-        _REGISTRY[alias] = replace(stage, name=alias, variants={kind: stage.variants[kind]})
+        _REGISTRY[alias] = replace(stage, name=alias, summary=f"{stage.name} for {kind}s, under the name {kind} recipes use",
+                                   variants={kind: stage.variants[kind]})
     return stage
 
 

@@ -1,0 +1,94 @@
+"""The one block walker: what it hands each visitor is what the model itself computes, block by block."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.models.families import decoder_blocks
+from compress.models.loading import load_causal_lm
+from compress.transforms.walk import BlockVisitor, capture_first_block_inputs, forward_loop_of, walk_blocks
+
+
+@pytest.fixture(scope="module")
+def model(tiny_llama):
+    return load_causal_lm(tiny_llama)
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(0, 400, (3, 24), generator=torch.Generator().manual_seed(0))
+
+
+class _Recorder(BlockVisitor):
+    def __init__(self) -> None:
+        self.visited: list[int] = []
+        self.inputs: list[list[torch.Tensor]] = []
+        self.outputs: list[list[torch.Tensor]] = []
+        self.devices: list[str] = []
+
+    def visit(self, index, block, inputs):
+        self.visited.append(index)
+        self.inputs.append([h.clone() for h in inputs.hidden])
+        self.devices.append(str(next(block.parameters()).device))
+
+    def after(self, index, block, inputs, outputs):
+        self.outputs.append([o.clone() for o in outputs])
+
+
+def test_each_block_sees_the_hidden_states_the_model_computes(model, windows):
+    recorder = _Recorder()
+    walk_blocks(model, windows, [recorder])
+    layers = len(decoder_blocks(model))
+    assert recorder.visited == list(range(layers))
+    with torch.no_grad():
+        for w, row in enumerate(windows):
+            states = model(row[None], output_hidden_states=True, use_cache=False).hidden_states
+            for layer in range(layers):
+                torch.testing.assert_close(recorder.inputs[layer][w], states[layer], rtol=1e-5, atol=1e-5)
+            for layer in range(layers - 1):
+                torch.testing.assert_close(recorder.outputs[layer][w], recorder.inputs[layer + 1][w])
+
+
+def test_a_forward_loop_captures_what_windows_capture(model, windows):
+    from_windows = capture_first_block_inputs(model, windows)
+    from_loop = capture_first_block_inputs(model, forward_loop_of(windows))
+    assert len(from_windows.hidden) == len(from_loop.hidden) == len(windows)
+    for a, b in zip(from_windows.hidden, from_loop.hidden, strict=True):
+        assert torch.equal(a, b)
+    assert type(model).forward is model.forward.__func__  # the stopping forward is gone again
+
+
+def test_propagation_hooks_shape_only_the_next_blocks_inputs(model, windows):
+    class _Zeroing(BlockVisitor):
+        def propagation_hooks(self, index, block):
+            if index != 0:
+                return []
+            return [block.register_forward_hook(lambda _m, _a, out: (torch.zeros_like(out[0]), *out[1:])
+                                                if isinstance(out, tuple) else torch.zeros_like(out))]
+
+    recorder = _Recorder()
+    hooks_before = dict(decoder_blocks(model)[0]._forward_hooks)
+    walk_blocks(model, windows, [_Zeroing(), recorder])
+    assert all(float(h.abs().max()) == 0.0 for h in recorder.inputs[1])  # block 1 was fed block 0's zeroed outputs
+    assert float(recorder.inputs[0][0].abs().max()) > 0  # block 0 itself was not
+    assert dict(decoder_blocks(model)[0]._forward_hooks) == hooks_before  # and the hook is removed afterwards
+
+
+def test_a_weights_only_visitor_runs_no_forward_pass(model):
+    class _WeightsOnly(_Recorder):
+        needs_inputs = False
+
+    def no_data(_model):
+        raise AssertionError("a weights-only walk must not run the model")
+
+    visitor = _WeightsOnly()
+    walk_blocks(model, no_data, [visitor])
+    assert visitor.visited == list(range(len(decoder_blocks(model)))) and visitor.outputs == []
+
+
+def test_blocks_are_computed_on_the_device_given_and_moved_back(model, windows):
+    recorder = _Recorder()
+    walk_blocks(model, windows, [recorder], device="cpu")
+    assert set(recorder.devices) == {"cpu"}
+    assert {str(p.device) for p in model.parameters()} == {"cpu"}
