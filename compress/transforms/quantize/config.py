@@ -57,8 +57,10 @@ class QuantizeConfig(StrictModel):
             return data
         method = cls.model_fields["method"].default
         for key, value in data.items():
-            owners = [name for name, config in METHODS.items() if key in config.model_fields] if key not in cls.model_fields else []
-            if key == "activations" and value == "float":
+            if key in cls.model_fields:
+                continue
+            owners = [name for name, config in METHODS.items() if key in config.model_fields]
+            if key == "activations" and value == "float" and method in ("int8", "fp8"):
                 raise ValueError(f"method {method} quantizes activations; weight-only is method int4 or nvfp4")
             if owners:
                 option = f"{key}={value}" if key == "activations" else key
