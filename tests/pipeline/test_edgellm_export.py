@@ -38,7 +38,7 @@ def _run(tiny: Path, out: Path, recipe: str, *extra: str) -> subprocess.Complete
 @pytest.fixture(scope="module")
 def int4_run(tiny_wide, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("edgellm4") / "run"
-    proc = _run(tiny_wide, out, "edgellm-int4", "quantize.group_size=32")
+    proc = _run(tiny_wide, out, "edgellm-int4")
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return out
 
@@ -52,8 +52,9 @@ def test_int4_recipe_leaves_a_checked_bundle_named_in_the_report(int4_run):
         assert (bundle / name).is_file(), name
     assert json.loads((bundle / "config.json").read_text())["edgellm_version"] == "0.11.0"
     metrics = next(s for s in report["stages"] if s["name"] == "export_edgellm")["metrics"]
-    assert metrics["checkpoint"]["quant_algo"] == "W4A16_AWQ" and metrics["checkpoint"]["group_size"] == 32
-    assert metrics["custody"] == {"tensors_compared": 28, "mismatches": 0, "int4_plugin_version": 2,
+    assert metrics["checkpoint"]["quant_algo"] == "W4A16_AWQ" and metrics["checkpoint"]["group_size"] == 128
+    # 14 INT4 linears (weights and scales) compared; their 14 GEMM plugins and 2 attention plugins held against the contract.
+    assert metrics["custody"] == {"tensors_compared": 28, "mismatches": 0, "int4_plugin_version": 2, "kernel_nodes_checked": 16,
                                   "config_fields": metrics["custody"]["config_fields"]}
     assert "num_key_value_heads" in metrics["custody"]["config_fields"]
     custody = json.loads((int4_run / "04_export_edgellm" / "custody.json").read_text())
@@ -109,11 +110,17 @@ def test_int8_recipe_bundle_holds_our_integers_and_activation_scales(tiny_wide, 
 
 @pytest.mark.parametrize(("recipe", "extra", "needle"), [
     ("edgellm-int8", ["quantize.hadamard_block=128"], "quantize.hadamard_block rotates down_proj inputs online"),
-    ("edgellm-int4", ["quantize.group_size=128"], "q_proj is 576 x 576; Edge-LLM 0.11.0's INT4 GEMM needs"),
+    ("edgellm-int4", [], "q_proj 576 x 576, k_proj 192 x 576, v_proj 192 x 576, o_proj 576 x 576, gate_proj 1536 x 576, "
+                         "up_proj 1536 x 576 (out x in): Edge-LLM 0.11.0 takes INT4 linears with N and K multiples of 64"),
+    ("edgellm-int4", ["quantize.group_size=64"], "quantize.group_size=64, and Edge-LLM 0.11.0 takes INT4 weights in groups of 128"),
+    ("edgellm-int8", ["quantize.method=fp8", "target=jetson-agx-thor", "quantize.fp8_weight_scale=channel"],
+     "Edge-LLM takes FP8 linears with one weight scale per tensor"),
 ])
 def test_what_edgellm_cannot_express_is_refused_before_any_work(capsys, tmp_path, recipe, extra, needle):
     out = tmp_path / "run"
-    assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"out={out}", *extra]) == 2
+    target = next((e for e in extra if e.startswith("target=")), "target=jetson-orin")
+    extra = [e for e in extra if not e.startswith("target=")]
+    assert main(["run", target, f"recipe={recipe}", f"out={out}", *extra]) == 2
     assert needle in capsys.readouterr().err
     assert not out.exists()
 
@@ -135,13 +142,14 @@ def test_sparse_models_and_other_families_are_refused(capsys, tmp_path, tiny_wid
 def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys, tmp_path):
     narrow_heads = build_tiny_llama(tmp_path / "d32", layers=1, hidden=128, heads=4, kv_heads=2, intermediate=256)
     assert main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={narrow_heads}", f"out={tmp_path / 'a'}"]) == 2
-    assert "head_dim 32 has no prefill attention kernel in Edge-LLM 0.11.0 (it has 64, 128, 256, 512)" in capsys.readouterr().err
+    assert "head_dim 32 has no prefill attention kernel in Edge-LLM 0.11.0, which takes attention head sizes 64, 128, 256, 512" \
+        in capsys.readouterr().err
     with pytest.raises(UsageError, match="12 query heads cannot share 5 KV heads evenly"):
         check_attention_shape({"num_attention_heads": 12, "num_key_value_heads": 5, "hidden_size": 768})
     recipe = tmp_path / "pruned-edgellm.yaml"
     recipe.write_text("name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n  - export_onnx\n  - export_edgellm\n")
     assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"out={tmp_path / 'b'}"]) == 2
-    assert "Edge-LLM's config has one num_attention_heads for every layer" in capsys.readouterr().err
+    assert "prune_heads.mode=per_layer keeps a different set of heads in each layer" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -150,7 +158,7 @@ def test_phi3_fused_projections_are_checked_part_by_part(tmp_path):
     folder = build_tiny_llama(tmp_path / "phi3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
                               family="phi3")
     out = tmp_path / "run"
-    proc = _run(folder, out, "edgellm-int4", "quantize.group_size=32")
+    proc = _run(folder, out, "edgellm-int4")
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     custody = json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]
     assert custody["tensors_compared"] == 14 * 2 and custody["mismatches"] == 0
@@ -190,3 +198,88 @@ def test_qwen2_biases_are_part_of_the_chain_of_custody(tmp_path):
     tamper_bundle(bundle, bias, lambda a: (a + np.float16(0.01)).astype(a.dtype))
     with pytest.raises(StageError, match=f"model.layers.1.self_attn.v_proj bias \\({bias}\\): .* values differ"):
         check_custody(out / "02_quantize" / "model", bundle, tmp_path)
+
+
+def test_a_group_size_the_kernels_do_not_take_is_caught_by_custody_naming_the_node(tiny_wide, tmp_path):
+    """The portable int4 recipe quantizes in groups of 64; forced into a bundle past the plan check, the exporter writes it
+    (it passes group_size through), the numbers match, and the contract check on the plugin nodes catches it."""
+    from compress.backends.edgellm.bundle import export_bundle
+
+    out = tmp_path / "run"
+    proc = _run(tiny_wide, out, "int4", "quantize.group_size=64")
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    work = tmp_path / "work"
+    work.mkdir()
+    with pytest.raises(StageError, match=r"would misread: node \S+ \(Int4GroupwiseGemmPluginV2, _model\.model\.layers\.\d\.\S+\.weight\): "
+                                         r"group_size=64; the kernels take INT4 weights in groups of 128 input channels only"):
+        export_bundle(out / "02_quantize" / "model", work)
+    custody = json.loads((work / "custody.json").read_text())
+    assert custody["mismatches"] == []  # the numbers are ours; it is their reading that is wrong
+
+
+@pytest.mark.parametrize(("rule", "model", "extra"), [
+    ("int4-group-size", "default", ["recipe=edgellm-int4", "quantize.group_size=64"]),
+    ("int4-alignment", "default", ["recipe=edgellm-int4"]),
+    ("online-rotation", "default", ["recipe=edgellm-int8", "quantize.hadamard_block=128"]),
+    ("fp8-weight-scale", "default", ["target=jetson-agx-thor", "recipe=thor-fp8", "quantize.fp8_weight_scale=channel"]),
+    ("int4-kv-cache", "default", ["target=jetson-agx-thor", "recipe=edgellm-int4", "quantize.kv_cache=fp8"]),
+    ("head-size", "head_dim_32", ["recipe=edgellm-int8"]),
+    ("one-head-count", "default", ["recipe=pruned-edgellm.yaml"]),
+    ("model-type", "mistral", ["recipe=edgellm-int8"]),
+    ("uniform-layers", "qwen3", ["recipe=edgellm-int8"]),
+])
+def test_each_contract_rule_refuses_a_plan_that_breaks_it(capsys, tmp_path, tiny_wide, rule, model, extra):
+    from compress.backends.edgellm.contracts import RULES
+
+    models = {"default": [], "head_dim_32": [f"model={build_tiny_llama(tmp_path / 'd32', layers=1, hidden=128, heads=4, kv_heads=2)}"]}
+    if model in ("mistral", "qwen3"):
+        mixed = {"sliding_window": 8192, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"]}
+        folder = build_tiny_llama(tmp_path / model, layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, family=model,
+                                  **(mixed if model == "qwen3" else {}))
+        models[model] = [f"model={folder}"]
+    (tmp_path / "pruned-edgellm.yaml").write_text("name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n"
+                                                  "  - export_onnx\n  - export_edgellm\n")
+    extra = [f"recipe={tmp_path / 'pruned-edgellm.yaml'}" if e == "recipe=pruned-edgellm.yaml" else e for e in extra]
+    target = next((e for e in extra if e.startswith("target=")), "target=jetson-orin")
+    words = [e for e in extra if not e.startswith("target=")]
+    assert main(["run", target, *models[model], *words, f"out={tmp_path / 'run'}"]) == 2
+    assert RULES[rule].rule.split(" (")[0] in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_uniform_head_pruning_ships_and_computes_what_masked_heads_compute(tmp_path, family):
+    """Every layer keeps the same heads (by summed importance), so the bundle's one num_attention_heads describes it."""
+    from transformers import AutoModelForCausalLM
+
+    folder = build_tiny_llama(tmp_path / family, layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, chat_template=True,
+                              family=family, head_dim=64)
+    recipe = tmp_path / "pruned.yaml"
+    recipe.write_text("name: pruned\nstages:\n  - load\n  - prune_heads:\n      fraction: 0.5\n      mode: uniform\n"
+                      "      calib_window: 64\n      min_calib_tokens: 128\n  - quantize:\n      method: int8\n  - export_onnx\n"
+                      "  - export_edgellm\n")
+    out = tmp_path / "run"
+    proc = run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}", f"out={out}", *QUANTIZE_SMALL,
+                        "export_onnx.parity_new_tokens=4")
+    assert proc.returncode == 3, proc.stderr[-3000:]  # no validate stage: the gate is not measured
+    kept = json.loads((out / "02_prune_heads" / "stage.json").read_text())["metrics"]["heads_kept_per_layer"]
+    assert kept[0] == kept[1] and len(kept[0]) == 2  # one head kept in each of the 2 KV groups, the same in both layers
+    bundled = json.loads((out / "05_export_edgellm" / "bundle" / "llm" / "config.json").read_text())
+    assert bundled["num_attention_heads"] == 2 and bundled["num_key_value_heads"] == 2 and bundled["head_dim"] == 64
+    assert json.loads((out / "05_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]["mismatches"] == 0
+
+    full = AutoModelForCausalLM.from_pretrained(folder).eval()
+    pruned = AutoModelForCausalLM.from_pretrained(out / "02_prune_heads" / "model").eval()
+    dropped = [h for h in range(4) if h not in kept[0]]
+
+    def mask(_module, args):
+        x = args[0].clone()
+        for head in dropped:
+            x[..., head * 64:(head + 1) * 64] = 0
+        return (x,)
+
+    for layer in full.model.layers:
+        layer.self_attn.o_proj.register_forward_pre_hook(mask)
+    ids = torch.randint(0, 400, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(pruned(ids).logits, full(ids).logits, rtol=1e-5, atol=1e-5)

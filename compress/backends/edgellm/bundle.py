@@ -4,10 +4,13 @@ Three links, each checked:
 
 1. the quantize stage's folder (the numbers validate measured) -> the unified checkpoint: the
    grid values (integers, FP8 or FP4 values) are recovered from the on-grid weights and must be exact;
-2. the checkpoint -> the exported ONNX: ``edgellm_custody.py`` (run by Edge-LLM's interpreter)
+2. the checkpoint -> the exported ONNX: ``custody_check.py`` (run by Edge-LLM's interpreter)
    compares every quantized linear's grid values, weight scales and activation scale, in the plugin
    layouts, with the initializers of the bundle's ``llm/model.onnx``, and that a weight-only
-   linear's input is not quantized;
+   linear's input is not quantized; and its plugin nodes' attributes (INT4 group size, GEMM shape,
+   scale layout, attention head sizes) are held against the kernels' contract
+   (:mod:`compress.backends.edgellm.contracts`), so numbers the kernels would read at the wrong
+   stride fail here, naming the node;
 3. the bundle's ``config.json`` against the model's: layers, heads, KV heads, head size, widths,
    vocabulary, RoPE base, norm epsilon, end-of-sequence tokens.
 
@@ -28,6 +31,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress.backends.edgellm.checkpoint import NVFP4_WEIGHT_ONLY, WEIGHTS_FILE, grid_values, write_unified_checkpoint
+from compress.backends.edgellm.contracts import check_kernel_nodes
 from compress.backends.edgellm.env import EDGELLM_VERSION, edgellm_python
 from compress.core.errors import StageError
 from compress.core.files import path_size, read_json
@@ -139,6 +143,10 @@ def check_custody(quantized_dir: Path, bundle: Path, work: Path) -> dict[str, An
         first = report["mismatches"][0]
         raise StageError(f"the Edge-LLM bundle does not hold the measured numbers: {first['tensor']}: {first['problem']} "
                          f"({len(report['mismatches'])} mismatches; see {report_path})")
+    misread = check_kernel_nodes(report["kernel_nodes"])
+    if misread:
+        raise StageError(f"the Edge-LLM bundle holds the measured numbers in a form its kernels would misread: {misread[0]} "
+                         f"({len(misread)} problems; see {report_path})")
     return report
 
 
@@ -184,4 +192,5 @@ def export_bundle(quantized_dir: Path, work: Path) -> dict[str, Any]:
     return {"checkpoint": summary.to_json(), "checkpoint_bytes": path_size(checkpoint), "bundle_bytes": path_size(bundle),
             "export_seconds": round(seconds, 1), "edgellm_version": EDGELLM_VERSION, "exporter_arguments": arguments,
             "custody": {"tensors_compared": len(custody["compared"]), "mismatches": 0,
-                        "int4_plugin_version": custody["int4_plugin_version"], "config_fields": config["fields"]}}
+                        "int4_plugin_version": custody["int4_plugin_version"], "config_fields": config["fields"],
+                        "kernel_nodes_checked": len(custody["kernel_nodes"])}}

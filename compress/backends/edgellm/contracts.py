@@ -1,12 +1,20 @@
-"""What the pinned TensorRT Edge-LLM release deploys: its model types, attention kernels and quantized linears.
+"""What the pinned TensorRT Edge-LLM release's kernels take: the contract table, and the checks that hold plans and bundles
+to it.
 
 A bundle can hold exactly our numbers and still fail to build, or build and be misread, when the
-runtime's kernels do not take its shapes or formats; these rules are checked when the plan is
-checked, before any work. Each names the rule and the way out.
+runtime's kernels do not take its shapes or formats: Edge-LLM 0.11's exporter passes an INT4
+``group_size`` through as a plugin attribute without checking it, and its INT4 kernels read
+scales at a stride of 128. So every rule below is checked twice: when the plan is built, before any
+work (:func:`check_model_type` ... :func:`check_quantization`), and on the exported bundle, by
+reading its plugin nodes (:func:`check_kernel_nodes`). Each rule cites the file it was read from;
+the 0.11.0 wheel ships the C++ compiled, so those sources are NVIDIA/TensorRT-Edge-LLM's, checked
+against the strings and symbols of the wheel's ``libNvInfer_edgellm_plugin.so``.
 """
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from typing import Any
 
 from compress.backends.edgellm.env import EDGELLM_VERSION
@@ -14,14 +22,61 @@ from compress.core.config import Target
 from compress.core.errors import UsageError
 from compress.models.families import linear_shapes
 
-# Decoder families the pinned Edge-LLM exports and compress's quantize -> export path is tested on (Gemma 3 and
-# Mistral are not in Edge-LLM 0.11's model list).
-SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
-# Edge-LLM 0.11's INT4 GEMM plugin (V2, the default) tiles weights in blocks of 64 in both dimensions.
+
+@dataclass(frozen=True)
+class KernelRule:
+    """One thing the pinned Edge-LLM's kernels require, and where that was read."""
+
+    name: str
+    rule: str
+    source: str
+
+    def __str__(self) -> str:
+        return f"{self.rule} ({self.source})"
+
+
+EXPORTER = "tensorrt_edgellm 0.11.0"
+PLUGIN_SOURCES = "NVIDIA/TensorRT-Edge-LLM cpp/"
+
+INT4_GROUP_SIZE = 128
 INT4_ALIGNMENT = 64
-# Head sizes the pinned Edge-LLM's attention plugin has prefill kernels for (fmha_v2_d64/d128/d256/d512
-# in the 0.11.0 wheel's libNvInfer_edgellm_plugin.so); any other size fails the engine build or runs decode only.
+INT4_PLUGINS = ("Int4GroupwiseGemmPluginV2", "Int4GroupwiseGemmPlugin")  # the exporter's default (V2), and V1
 HEAD_DIMS = (64, 128, 256, 512)
+SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
+LM_HEAD_QUANTIZATIONS = ("fp8", "int4_awq", "nvfp4", "mxfp8")
+
+RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
+    KernelRule("int4-group-size", f"INT4 weights in groups of {INT4_GROUP_SIZE} input channels only",
+               "V2: plugins/int4GroupwiseGemmPluginV2/cuteDslInt4Gemv.cpp bakes kGemvGroupSize = 128 and sizes the scale rows "
+               "ceil(K/128), and int4GroupwiseGemmPluginV2.cpp launches its GEMV and GEMM with N and K only; V1: "
+               "kernels/int4GroupwiseGemmKernels/int4WoQGemvCuda.cu throws \"Unsupported group size\" (in the 0.11.0 wheel's "
+               "libNvInfer_edgellm_plugin.so)"),
+    KernelRule("int4-alignment", f"INT4 linears with N and K multiples of {INT4_ALIGNMENT}, and K a multiple of the group size",
+               f"{EXPORTER} checkpoint/repacking.py repack_to_cutedsl_fragment refuses other shapes; "
+               "plugins/int4GroupwiseGemmPluginV2/int4GroupwiseGemmPluginV2.cpp enqueue returns -1 unless K % 64 == 0"),
+    KernelRule("int4-scale-layout", "INT4 scales as FP16 [K / group size, N] and weights in the plugin's packed layout",
+               "plugins/int4GroupwiseGemmPluginV2/int4GroupwiseGemmPluginV2.cpp supportsFormatCombination (inputs 1 and 2)"),
+    KernelRule("int4-plugin", f"INT4 linears run on {' or '.join(INT4_PLUGINS)} (the exporter's --int4-gemm-plugin-version, "
+                              "2 by default)", f"{EXPORTER} scripts/export.py, models/ops.py int4_gemm_plugin_version"),
+    KernelRule("fp8-weight-scale", "FP8 linears with one weight scale per tensor",
+               f"{EXPORTER} models/linear.py (an FP8 linear's weight_scale is one scalar), checkpoint/repacking.py "
+               "_cast_fp8_linear_scales (cast to FP16)"),
+    KernelRule("int4-kv-cache", "no FP8 KV cache read from a W4A16_AWQ checkpoint", f"{EXPORTER} config.py (kv_cache_quant_algo)"),
+    KernelRule("online-rotation", "no online input rotation: the unified checkpoint has no slot for one",
+               f"{EXPORTER} checkpoint/loader.py (the tensors a linear may have)"),
+    KernelRule("head-size", f"attention head sizes {', '.join(map(str, HEAD_DIMS))}",
+               "fmha_v2_d64/d128/d256/d512 prefill kernels in the 0.11.0 wheel's libNvInfer_edgellm_plugin.so"),
+    KernelRule("gqa", "a whole number of query heads per KV head", f"{EXPORTER} models/ops.py (AttentionPlugin's num_q_heads and "
+                                                                   "num_kv_heads)"),
+    KernelRule("one-head-count", "one num_attention_heads for every layer (the bundle's config.json holds one)",
+               f"{EXPORTER} config.py (num_attention_heads, head_dim)"),
+    KernelRule("uniform-layers", "one attention kind for every layer", f"{EXPORTER} config.py (_VALID_ATTENTION_LAYER_TYPES); "
+                                                                       "compress deploys uniform stacks only"),
+    KernelRule("model-type", f"decoder families {', '.join(SUPPORTED_MODEL_TYPES)}",
+               f"{EXPORTER} models/default/modeling_default.py, and compress's tests of each through the exporter"),
+    KernelRule("lm-head", f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); compress keeps it FP16",
+               f"{EXPORTER} scripts/quantize.py --lm_head_quantization"),
+)}
 
 
 def check_model_type(model_config: dict[str, Any]) -> None:
@@ -29,8 +84,8 @@ def check_model_type(model_config: dict[str, Any]) -> None:
     model_type = model_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise UsageError(f"export_edgellm: model_type {model_type!r} is not supported for Edge-LLM deployment "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}); a recipe that ends at export_onnx "
-                         "(recipe=int8 or recipe=int4) gives the portable Q/DQ ONNX")
+                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}): the pinned exporter takes {RULES['model-type']}; a recipe "
+                         "that ends at export_onnx (recipe=int8 or recipe=int4) gives the portable Q/DQ ONNX")
 
 
 def check_attention_shape(model_config: dict[str, Any]) -> None:
@@ -40,18 +95,19 @@ def check_attention_shape(model_config: dict[str, Any]) -> None:
     head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
     if heads % kv_heads:
         raise UsageError(f"export_edgellm: {heads} query heads cannot share {kv_heads} KV heads evenly; Edge-LLM's attention "
-                         "plugin takes MHA or GQA with a whole number of query heads per KV head")
+                         f"plugin takes {RULES['gqa']}")
     if head_dim not in HEAD_DIMS:
-        raise UsageError(f"export_edgellm: head_dim {head_dim} has no prefill attention kernel in Edge-LLM {EDGELLM_VERSION} "
-                         f"(it has {', '.join(map(str, HEAD_DIMS))}); deploy through export_onnx instead")
+        raise UsageError(f"export_edgellm: head_dim {head_dim} has no prefill attention kernel in Edge-LLM {EDGELLM_VERSION}, "
+                         f"which takes {RULES['head-size']}; deploy through export_onnx instead")
     layer_types = model_config.get("layer_types")
     if layer_types and len(set(layer_types)) > 1:
         raise UsageError("export_edgellm: the model mixes layer types (" + ", ".join(sorted(set(layer_types))) + "); "
-                         "compress deploys uniform decoder stacks only")
+                         f"a bundle takes {RULES['uniform-layers']}")
 
 
 def check_precision_on_target(edgellm_precision: str, target: Target) -> None:
-    """Refuse a precision the pinned Edge-LLM does not run on the target."""
+    """Refuse a precision the pinned Edge-LLM does not run on the target (the target's ``edgellm.precisions``, from Edge-LLM's
+    support matrix)."""
     if edgellm_precision not in target.edgellm.precisions:
         raise UsageError(f"export_edgellm: Edge-LLM {target.edgellm.version} on {target.name} runs "
                          f"{', '.join(target.edgellm.precisions)}, not {edgellm_precision}; choose another quantize.method")
@@ -60,23 +116,80 @@ def check_precision_on_target(edgellm_precision: str, target: Target) -> None:
 def check_no_online_rotation(quantize) -> None:
     """Refuse the Hadamard rotation of down_proj inputs, which the unified checkpoint has no slot for."""
     if quantize.rotation_limit():
-        raise UsageError("export_edgellm: quantize.hadamard_block rotates down_proj inputs online, which Edge-LLM's checkpoint "
-                         "format cannot express; set quantize.hadamard_block=0 (SmoothQuant only)")
+        raise UsageError("export_edgellm: quantize.hadamard_block rotates down_proj inputs online, and Edge-LLM takes "
+                         f"{RULES['online-rotation']}; set quantize.hadamard_block=0 (SmoothQuant only)")
 
 
 def check_quantization(quantize, model_config: dict[str, Any]) -> None:
     """Refuse a quantize configuration whose checkpoint the pinned Edge-LLM cannot read or its kernels cannot run."""
     precision = quantize.precision()
     if getattr(quantize, "fp8_weight_scale", "tensor") == "channel":
-        raise UsageError("export_edgellm: Edge-LLM's FP8 linears take one weight scale per tensor; set quantize.fp8_weight_scale=tensor "
-                         "(per-channel FP8 stays in the portable ONNX: end the recipe at export_onnx)")
-    if quantize.kv_cache == "fp8" and precision.name == "int4":
-        raise UsageError("export_edgellm: Edge-LLM 0.11 reads no FP8 KV cache from a W4A16_AWQ checkpoint; drop quantize.kv_cache=fp8 "
-                         "or quantize with method fp8 or nvfp4")
-    if precision.name == "int4":
-        group = quantize.scheme()[2]
-        for name, (out_features, in_features) in linear_shapes(model_config).items():
-            if out_features % INT4_ALIGNMENT or in_features % INT4_ALIGNMENT or in_features % group:
-                raise UsageError(f"export_edgellm: {name} is {out_features} x {in_features}; Edge-LLM {EDGELLM_VERSION}'s INT4 "
-                                 f"GEMM needs both multiples of {INT4_ALIGNMENT} and the input width a multiple of the group "
-                                 f"size {group}")
+        raise UsageError(f"export_edgellm: quantize.fp8_weight_scale=channel, and Edge-LLM takes {RULES['fp8-weight-scale']}; set "
+                         "quantize.fp8_weight_scale=tensor (per-channel FP8 stays in the portable ONNX: end the recipe at export_onnx)")
+    if quantize.kv_cache == "fp8" and precision == "int4":
+        raise UsageError(f"export_edgellm: quantize.kv_cache=fp8 with INT4 weights, and Edge-LLM {EDGELLM_VERSION} takes "
+                         f"{RULES['int4-kv-cache']}; drop quantize.kv_cache=fp8 or quantize with method fp8 or nvfp4")
+    if precision == "int4":
+        check_int4_shapes(quantize, model_config)
+
+
+def check_int4_shapes(quantize, model_config: dict[str, Any]) -> None:
+    """The INT4 kernels take the group size and every INT4 linear's shape; the message names the linears they do not."""
+    group = quantize.scheme()[2]
+    if group != INT4_GROUP_SIZE:
+        raise UsageError(f"export_edgellm: quantize.group_size={group}, and Edge-LLM {EDGELLM_VERSION} takes {RULES['int4-group-size']}; "
+                         f"set quantize.group_size={INT4_GROUP_SIZE} (other group sizes stay in the portable ONNX: end the recipe at "
+                         "export_onnx)")
+    illegal = {name: shape for name, shape in linear_shapes(model_config).items()
+               if not quantize.is_float(name) and not int4_shape_ok(*shape)}
+    if illegal:
+        shapes = ", ".join(f"{name} {n} x {k}" for name, (n, k) in illegal.items())
+        raise UsageError(f"export_edgellm: {shapes} (out x in): Edge-LLM {EDGELLM_VERSION} takes {RULES['int4-alignment']}, "
+                         f"in groups of {INT4_GROUP_SIZE}; keep those linears FP16 with "
+                         f"quantize.float_linears=[{','.join(sorted({*quantize.float_linears, *illegal}))}] or end the recipe at "
+                         "export_onnx")
+
+
+def int4_shape_ok(out_features: int, in_features: int) -> bool:
+    """Whether the INT4 kernels take a linear of this shape in groups of 128."""
+    return out_features % INT4_ALIGNMENT == 0 and in_features % INT4_ALIGNMENT == 0 and in_features % INT4_GROUP_SIZE == 0
+
+
+def check_kernel_nodes(nodes: list[dict[str, Any]]) -> list[str]:
+    """What the exported graph's plugin nodes (as the custody check reads them) do that the kernels would misread.
+
+    Each problem names the node and the rule: an INT4 GEMM with another group size, a shape the
+    kernels do not tile, scales of another layout; an attention plugin with a head size that has no
+    kernel or with head counts that differ between layers.
+    """
+    problems = []
+    head_counts = set()
+    for node in nodes:
+        attributes, shapes = node["attributes"], node.get("initializer_shapes", {})
+        label = f"node {node['name']} ({node['op_type']}"
+        if node["op_type"] in INT4_PLUGINS:
+            n, k, group = attributes.get("gemm_n"), attributes.get("gemm_k"), attributes.get("group_size")
+            label += f", {node.get('weight', '?')})"
+            if group != INT4_GROUP_SIZE:
+                problems.append(f"{label}: group_size={group}; the kernels take {RULES['int4-group-size']}")
+            elif not (isinstance(n, int) and isinstance(k, int) and int4_shape_ok(n, k)):
+                problems.append(f"{label}: gemm_n={n}, gemm_k={k}; the kernels take {RULES['int4-alignment']}")
+            elif shapes.get("2") not in (None, [k // INT4_GROUP_SIZE, n]):
+                problems.append(f"{label}: scales {shapes.get('2')}, not [{k // INT4_GROUP_SIZE}, {n}]; {RULES['int4-scale-layout']}")
+            elif node["op_type"] == INT4_PLUGINS[0] and shapes.get("1") not in (None, [math.ceil(n / 128) * math.ceil(k / 64) * 8, 512]):
+                problems.append(f"{label}: weights {shapes.get('1')}, not the fragment layout; {RULES['int4-scale-layout']}")
+        elif node["op_type"] == "AttentionPlugin":
+            head_size, q_heads, kv_heads = (attributes.get(key) for key in ("head_size", "num_q_heads", "num_kv_heads"))
+            head_counts.add(q_heads)
+            if head_size not in HEAD_DIMS:
+                problems.append(f"{label}): head_size={head_size}; the kernels take {RULES['head-size']}")
+            elif not kv_heads or q_heads % kv_heads:
+                problems.append(f"{label}): {q_heads} query heads over {kv_heads} KV heads; the kernels take {RULES['gqa']}")
+    if len(head_counts) > 1:
+        problems.append(f"attention plugins with {sorted(head_counts)} query heads; Edge-LLM takes {RULES['one-head-count']}")
+    return problems
+
+
+def contract_table() -> list[dict[str, str]]:
+    """The contract of the pinned release, one row per rule, as the README and ``docs/`` show it."""
+    return [{"rule": rule.rule, "source": rule.source} for rule in RULES.values()]

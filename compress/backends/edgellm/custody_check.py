@@ -20,7 +20,8 @@ scales are stored transposed in float16. FP8 and NVFP4 tensors are compared by v
 in FP16, as Edge-LLM stores them); where Edge-LLM fused q, k and v into one ``qkv_proj_fused``
 linear (NVFP4 with equal per-tensor scales), each projection is compared with its rows of the fused
 tensors. Scales are found by following the graph from the weight, because Edge-LLM deduplicates
-equal initializers. The report lists every comparison and every mismatch.
+equal initializers. The report lists every comparison and every mismatch, and the plugin nodes (INT4
+GEMMs, attention) with their attributes, which compress holds against the kernels' contract.
 """
 
 import json
@@ -35,6 +36,23 @@ _PREFIX = "_model."
 _PASS_THROUGH = {"Cast", "Transpose", "Reshape"}
 _FUSED_QKV = ("q_proj", "k_proj", "v_proj")
 _QUANTIZERS = {"QuantizeLinear", "TRT_FP4DynamicQuantize"}
+# The plugin nodes whose attributes say how the runtime's kernels will read the tensors (held against compress's contract table).
+_KERNEL_OPS = {"Int4GroupwiseGemmPlugin", "Int4GroupwiseGemmPluginV2", "AttentionPlugin"}
+
+
+def _kernel_node(node, initializers: dict) -> dict:
+    """A plugin node as compress's contract check reads it: its scalar attributes and the shapes of its initializer inputs."""
+    attributes = {}
+    for attribute in node.attribute:
+        value = onnx.helper.get_attribute_value(attribute)
+        if isinstance(value, bytes):
+            value = value.decode("utf-8", "replace")
+        if isinstance(value, (int, float, str)):
+            attributes[attribute.name] = value
+    shapes = {str(i): list(initializers[name].shape) for i, name in enumerate(node.input) if name in initializers}
+    weight = node.input[1] if len(node.input) > 1 else None
+    return {"name": node.name, "op_type": node.op_type, "domain": node.domain, "attributes": attributes,
+            "initializer_shapes": shapes, "weight": weight}
 
 
 class Graph:
@@ -49,6 +67,7 @@ class Graph:
             for name in node.input:
                 self.consumers.setdefault(name, []).append(node)
         self.plugin_version = 2 if any(n.op_type == "Int4GroupwiseGemmPluginV2" for n in model.graph.node) else 1
+        self.kernel_nodes = [_kernel_node(node, self.initializers) for node in model.graph.node if node.op_type in _KERNEL_OPS]
 
     def activation_scale(self, weight: str):
         """The name of the QuantizeLinear scale on the activation that meets ``weight`` in its MatMul, or None.
@@ -220,7 +239,8 @@ def check(bundle: str, expected_path: str) -> dict:
     graph = Graph(model_path)
     inits = graph.initializers
     expected = load_file(expected_path)
-    report = {"onnx": model_path, "int4_plugin_version": graph.plugin_version, "compared": [], "mismatches": []}
+    report = {"onnx": model_path, "int4_plugin_version": graph.plugin_version, "kernel_nodes": graph.kernel_nodes,
+              "compared": [], "mismatches": []}
     for key in sorted(k for k in expected if k.endswith(".float_weight")):
         name = key.rsplit(".", 1)[0]
         target = expected.pop(key)

@@ -32,9 +32,10 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
     if "sparsify" in earlier:
         raise UsageError("export_edgellm: Edge-LLM builds engines without sparse weights, and 2:4 sparsity does not speed up "
                          "bandwidth-bound decode; drop the sparsify stage (or end the recipe at export_onnx for a generic TensorRT build)")
-    if "prune_heads" in earlier:
-        raise UsageError("export_edgellm: head pruning leaves each layer its own number of heads, and Edge-LLM's config has one "
-                         "num_attention_heads for every layer; drop prune_heads (or end the recipe at export_onnx)")
+    if "prune_heads" in earlier and earlier["prune_heads"].mode != "uniform":
+        raise UsageError("export_edgellm: prune_heads.mode=per_layer keeps a different set of heads in each layer, which the "
+                         "portable ONNX takes; an Edge-LLM bundle is made from the uniform mode (the same heads kept in every layer, "
+                         f"{contracts.RULES['one-head-count']}): set prune_heads.mode=uniform, or end the recipe at export_onnx")
     quantize = earlier.get("quantize")
     if quantize is not None:
         contracts.check_no_online_rotation(quantize)

@@ -23,6 +23,7 @@ from compress.transforms.prune.heads import (
     head_importance,
     heads_per_group_to_keep,
     plan_heads,
+    plan_heads_uniform,
 )
 
 log = logging.getLogger(__name__)
@@ -40,7 +41,7 @@ def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx: RunContext)
     log.info("scoring %d heads x %d layers (%s); keeping %d of %d query heads per KV group", heads,
              model.config.num_hidden_layers, config.importance, keep, heads // kv)
     scores = head_importance(model, windows, config.importance)
-    plan = plan_heads(scores, kv, keep)
+    plan = (plan_heads_uniform if config.mode == "uniform" else plan_heads)(scores, kv, keep)
     prune_heads(model, plan)
     out = ctx.stage_dir / "model"
     save_model_folder(model, tokenizer, source.path, out)
@@ -48,7 +49,7 @@ def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx: RunContext)
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "metrics": {"parameters": after, "parameters_before": before, "heads_before": heads, "heads_after": kv * keep,
-                    "pruned_fraction": 1 - kv * keep / heads, "importance": config.importance,
+                    "pruned_fraction": 1 - kv * keep / heads, "importance": config.importance, "mode": config.mode,
                     "heads_kept_per_layer": plan,
                     "importance_scores": [[round(float(v), 6) for v in row] for row in scores]},
     }

@@ -8,7 +8,8 @@ the loss (not only how large its output is), for one backward pass per window.
 Rule for grouped-query attention: every layer keeps the same number of query heads in each KV
 group, so KV heads and the grouping stay intact and the pruned model is described by the plain
 config (``num_attention_heads`` = KV heads x kept per group; ``head_dim`` pinned). Which heads are
-kept is chosen per layer, per group, by importance. A layer never loses its last head.
+kept is chosen per layer, per group, by importance (``mode: per_layer``), or once for every layer
+by the importance summed over the layers (``mode: uniform``). A layer never loses its last head.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ class PruneHeadsConfig(StrictModel):
     fraction: float | None = Field(0.25, gt=0.0, lt=1.0)
     target_parameters: PositiveInt | None = None
     importance: Literal["taylor", "output_norm"] = "taylor"
+    # "per_layer": each layer keeps its own most important heads; "uniform": every layer keeps the same heads, those of the
+    # largest importance summed over the layers (what a runtime with one set of attention weights per layer index reads alike).
+    mode: Literal["per_layer", "uniform"] = "per_layer"
     calib_windows: PositiveInt = 8
     calib_window: PositiveInt = 512
     min_calib_tokens: PositiveInt = 1024
@@ -109,6 +113,12 @@ def plan_heads(scores: torch.Tensor, kv_heads: int, keep_per_group: int) -> list
             kept.extend(sorted(ranked[:keep_per_group]))
         plan.append(kept)
     return plan
+
+
+def plan_heads_uniform(scores: torch.Tensor, kv_heads: int, keep_per_group: int) -> list[list[int]]:
+    """The same query heads kept in every layer: in each KV group, the ``keep_per_group`` of largest summed importance."""
+    kept = plan_heads(scores.sum(dim=0, keepdim=True), kv_heads, keep_per_group)[0]
+    return [list(kept) for _ in range(scores.shape[0])]
 
 
 def attention_parameters_after(config, keep_per_group: int, total_parameters: int) -> int:

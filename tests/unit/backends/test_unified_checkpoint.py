@@ -109,7 +109,7 @@ def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(
     qwen3 = build_tiny_llama(tmp_path / "qwen3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
                              family="qwen3")
     proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int4", f"model={qwen3}", f"out={tmp_path / 'run'}",
-                        "quantize.group_size=32", *QUANTIZE_SMALL, *TINY_SMOKE)
+                        *QUANTIZE_SMALL, *TINY_SMOKE)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     quantized = tmp_path / "run" / "02_quantize" / "model"
     assert json.loads((quantized / "config.json").read_text())["model_type"] == "qwen3"
