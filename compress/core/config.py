@@ -8,25 +8,30 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StringConstraints, ValidationError, model_validator
 
 from compress.catalog import RECIPES, TARGETS, catalog_dir
 from compress.core.errors import UsageError
 
 
 class StrictModel(BaseModel):
-    """A pydantic model that rejects unknown keys and re-validates on assignment."""
+    """A pydantic model that rejects unknown keys, takes values only of their own type (no ``true`` for a number, no
+    ``"5"`` for an integer), refuses infinite and NaN numbers, and re-validates on assignment."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True, allow_inf_nan=False)
+
+
+# A name that becomes part of a file name or a shell word (targets, recipes, power modes): letters, digits, '.', '_', '-'.
+Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100)]
 
 
 class PowerMode(StrictModel):
     """One nvpmodel power mode (or a desktop power limit) and the clock caps it sets."""
 
-    name: str
+    name: Name
     watts: PositiveFloat
     gpu_max_mhz: PositiveFloat
     emc_max_mhz: PositiveFloat = Field(description="memory (EMC) clock cap; bandwidth scales with it")
@@ -81,16 +86,16 @@ class EdgeLLMStack(StrictModel):
 class DefaultRecipe(StrictModel):
     """The recipe ``recipe=default`` runs for a decoder on a target, and why."""
 
-    name: str
+    name: Name
     why: str
 
 
 class Target(StrictModel):
     """A deployment target: hardware facts, power modes, TensorRT version and budgets."""
 
-    name: str
+    name: Name
     description: str
-    aliases: list[str] = []
+    aliases: list[Name] = []
     kind: Literal["jetson", "desktop"]
     gpu: Gpu
     memory_gb: PositiveFloat
@@ -143,7 +148,7 @@ class StageSpec(StrictModel):
 class Recipe(StrictModel):
     """A named, ordered list of stages."""
 
-    name: str
+    name: Name
     description: str = ""
     stages: list[StageSpec] = Field(min_length=1)
 
