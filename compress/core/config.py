@@ -179,10 +179,18 @@ def format_validation_error(exc: ValidationError, where: str) -> str:
     return f"{where}: {loc}: {problem}{more}"
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML's safe loader, also reading ``1e-4`` and ``3.0e9`` as numbers (YAML 1.1 wants ``1.0e-4``, ``3.0e+9``)."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?(?:\d+\.?\d*|\.\d+)[eE][-+]?\d+$"),
+                              list("-+0123456789."))
+
+
 def load_yaml(path: Path) -> Any:
     """Parse a YAML file, turning syntax errors into a usage error."""
     try:
-        return yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+        return yaml.load(Path(path).read_text(encoding="utf-8"), Loader=_Loader)  # a SafeLoader: no Python objects
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
         raise UsageError(f"cannot read {path}: {exc}") from exc
 
@@ -256,7 +264,7 @@ def load_recipe(name_or_path: str) -> Recipe:
 def parse_override_value(raw: str) -> Any:
     """Turn the text after ``=`` into a YAML scalar (``5`` -> 5, ``true`` -> True, ``a`` -> "a")."""
     try:
-        return yaml.safe_load(raw) if raw != "" else ""
+        return yaml.load(raw, Loader=_Loader) if raw != "" else ""  # a SafeLoader: no Python objects
     except yaml.YAMLError:
         return raw
 
