@@ -292,11 +292,12 @@ def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelS
             check_attention_window(config, target.budgets.context_length)
         except UsageError as exc:
             raise UsageError(f"model={model.spec}: {exc}") from exc
-    earlier: dict[str, Any] = {}
-    for stage in planned:
+    # The last stages' rules first: what the deployment takes is the most specific reason to refuse a plan.
+    for index in reversed(range(len(planned))):
+        stage = planned[index]
         if stage.variant.check_plan is not None:
+            earlier = {p.stage.name: p.config for p in planned[:index]}
             stage.variant.check_plan(stage.config, earlier, target, config)
-        earlier[stage.stage.name] = stage.config
 
 
 def _article(word: str) -> str:

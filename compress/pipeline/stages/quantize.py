@@ -14,12 +14,12 @@ from compress.core.artifact import HF_MODEL, Artifact
 from compress.core.config import Target
 from compress.core.errors import UsageError
 from compress.core.text import calibration_batches, calibration_windows
-from compress.models.families import linear_parameter_fraction
+from compress.models.families import linear_parameter_fraction, linear_shapes
 from compress.models.loading import load_causal_lm, load_encoder, load_tokenizer, save_model_folder
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import LAYER_SQNR, QUANTIZATION
 from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, QuantizeConfig, algorithm_name, describe_scheme
-from compress.transforms.quantize.decoder import quantize_model
+from compress.transforms.quantize.decoder import check_group_size, quantize_model
 from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder, save_encoder_quantization, summary
 from compress.transforms.quantize.saved import save_quantization
 
@@ -36,6 +36,12 @@ def check_target(config: QuantizeConfig, target: Target) -> None:
         hint = " (FP8 and NVFP4 need a Blackwell GPU, such as target=jetson-agx-thor)" if precision.gpu_format in ("fp8", "fp4") else ""
         raise UsageError(f"quantize.method={config.method}: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no "
                          f"{precision.name} tensor cores; its precisions are {', '.join(target.gpu.precisions)}{hint}")
+
+
+def check_plan(config: QuantizeConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
+    """Refuse, before any work, a group size that does not divide a quantized linear's input."""
+    if model_config is not None:
+        check_group_size(config, linear_shapes(model_config))
 
 
 def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> StageResult:
@@ -134,6 +140,7 @@ STAGE = register(StageDef(
             "static W8A8 for an encoder",
     input_kind=HF_MODEL,
     output_kind=HF_MODEL,
-    variants={DECODER: StageVariant(QUANTIZE_CONFIG, run_quantize, check_target=check_target, choice_key="method", choices=METHODS),
+    variants={DECODER: StageVariant(QUANTIZE_CONFIG, run_quantize, check_target=check_target, check_plan=check_plan,
+                                    choice_key="method", choices=METHODS),
               ENCODER: StageVariant(EncoderQuantizeConfig, run_quantize_encoder, check_target=check_encoder_target)},
 ), aliases={"quantize_encoder": ENCODER})

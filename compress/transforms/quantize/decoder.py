@@ -40,7 +40,7 @@ from compress.algorithms.quant import activation_scale, awq_search_clip, awq_sea
 from compress.algorithms.rotation import rotate
 from compress.algorithms.stats import InputStats
 from compress.core.errors import UsageError
-from compress.models.families import ActivationPoint, Family, attention_geometry, decoder_blocks, family_of, part_rows
+from compress.models.families import ActivationPoint, Family, attention_geometry, family_of, linear_shapes, part_rows
 from compress.transforms.quantize.config import QuantizeConfig
 from compress.transforms.quantize.saved import LinearQuant, QuantResult, attach_activation_quant
 from compress.transforms.walk import BlockInputs, BlockVisitor, collect_input_stats, walk_blocks
@@ -54,11 +54,13 @@ def _linears(block, family: Family) -> dict[str, torch.nn.Linear]:
     return {name: block.get_submodule(name) for name in family.linears()}
 
 
-def _check_shapes(model, family: Family, group_size: int | None) -> None:
-    for index, block in enumerate(decoder_blocks(model)):
-        for name, linear in _linears(block, family).items():
-            if group_size and linear.in_features % group_size:
-                raise UsageError(f"group_size={group_size} does not divide layers.{index}.{name} (in_features {linear.in_features})")
+def check_group_size(config: QuantizeConfig, shapes: dict[str, tuple[int, int]]) -> None:
+    """Refuse a group size that does not divide a quantized linear's input width (``shapes``: out, in by short name)."""
+    group = config.scheme()[2]
+    for name, (_, in_features) in shapes.items():
+        if group and not config.is_float(name) and in_features % group:
+            raise UsageError(f"quantize.group_size={group} does not divide {name}'s input width {in_features}; choose a group "
+                             f"that does, or keep {name} float with quantize.float_linears")
 
 
 def rotation_block(width: int, limit: int) -> int:
@@ -414,7 +416,7 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
     With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
     are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
     """
-    _check_shapes(model, family_of(model.config), config.scheme()[2])
+    check_group_size(config, linear_shapes(model.config.to_dict()))
     started = time.perf_counter()
     result = QuantResult(config, calibration_tokens=int(windows.numel()))
     fp8_cache = config.kv_cache == "fp8"
