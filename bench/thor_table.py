@@ -2,8 +2,9 @@
 
 Each row is a full ``compress run target=jetson-agx-thor`` (quantize -> export_onnx -> export_edgellm ->
 build_engine -> validate) into ``bench_runs/thor/<variant>``: FP8 W8A8, NVFP4 weight-only (W4A16)
-and W4A4, FP8 with an FP8 KV cache, INT4 AWQ + GPTQ at group 128 (the only group Edge-LLM's INT4 kernels take, which on
-SmolLM2 divides only down_proj's 1536-wide input, so the other linears stay FP16), and INT8 SmoothQuant. Quality is that of the numbers the Edge-LLM bundle holds, measured through
+and W4A4, FP8 with an FP8 KV cache, INT4 AWQ + GPTQ at group 128 (the only group Edge-LLM's INT4
+kernels take, which on SmolLM2 divides only down_proj's 1536-wide input, so the other linears stay
+FP16), and INT8 SmoothQuant. Quality is that of the numbers the Edge-LLM bundle holds, measured through
 our Q/DQ ONNX in ONNX Runtime against the fp32 teacher on the six evaluation domains (the gate's
 worst domain, the mixed text's perplexity change, top-1 agreement and KL); sizes are the unified
 checkpoint's; decode tokens/s are the latency model's for Thor in each power mode at the budget's

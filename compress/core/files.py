@@ -1,4 +1,4 @@
-"""Atomic file-system writes and content hashing."""
+"""Atomic file-system writes, content hashing (cached by size, time stamp and inode), and compress's cache folder."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +130,15 @@ def waiting_lock(path: Path) -> Iterator[None]:
         os.close(fd)
 
 
+def cache_root() -> Path:
+    """Where compress caches what it can recompute (converted models, file hashes, timing caches): ``$COMPRESS_CACHE`` or
+    ``~/.cache/compress``; a usage error when that names a file."""
+    root = Path(os.environ.get("COMPRESS_CACHE") or Path.home() / ".cache" / "compress")
+    if root.exists() and not root.is_dir():
+        raise UsageError(f"COMPRESS_CACHE={root} is a file; point it at a folder (compress caches converted models there)")
+    return root
+
+
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     """Hex sha256 of one file."""
     digest = hashlib.sha256()
@@ -139,16 +148,54 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return digest.hexdigest()
 
 
-def sha256_path(path: Path) -> str:
+def file_stamp(path: Path) -> dict[str, int]:
+    """What identifies a file's content cheaply: size, modification time (ns) and inode."""
+    stat = Path(path).stat()
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+
+
+def cached_sha256(path: Path) -> str:
+    """:func:`sha256_file`, remembered in the cache folder by absolute path, size, time stamp and inode, so a large model
+    is read once until it changes."""
+    path = Path(path).resolve()
+    stamp = file_stamp(path)
+    entry = cache_root() / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+    try:
+        known = json.loads(entry.read_text(encoding="utf-8"))
+        if known.get("path") == str(path) and all(known.get(key) == value for key, value in stamp.items()):
+            return known["sha256"]
+    except (OSError, ValueError, AttributeError):
+        pass
+    digest = sha256_file(path)
+    with suppress(OSError):  # an unwritable cache only costs the next reader a full read
+        atomic_write_json(entry, {"path": str(path), **stamp, "sha256": digest})
+    return digest
+
+
+def folder_files(path: Path) -> list[Path]:
+    """The files under a folder, sorted, following no linked folder (a link loop cannot recurse)."""
+    found = []
+    for root, dirs, files in os.walk(path, followlinks=False):
+        dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(root, d)))
+        found.extend(Path(root) / name for name in files)
+    return sorted(found)
+
+
+def sha256_path(path: Path, file_sha256=sha256_file) -> str:
     """Hex sha256 of a file, or of a folder (relative names and contents, in sorted order)."""
     path = Path(path)
     if path.is_file():
-        return sha256_file(path)
+        return file_sha256(path)
     digest = hashlib.sha256()
-    for item in sorted(p for p in path.rglob("*") if p.is_file()):
+    for item in folder_files(path):
         digest.update(str(item.relative_to(path)).encode())
-        digest.update(sha256_file(item).encode())
+        digest.update(file_sha256(item).encode())
     return digest.hexdigest()
+
+
+def content_sha256(path: Path) -> str:
+    """:func:`sha256_path` with each file's hash cached (a model folder or file the user gave)."""
+    return sha256_path(path, cached_sha256)
 
 
 def path_size(path: Path) -> int:
@@ -156,4 +203,4 @@ def path_size(path: Path) -> int:
     path = Path(path)
     if path.is_file():
         return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    return sum(p.stat().st_size for p in folder_files(path))

@@ -12,13 +12,12 @@ import functools
 import importlib.util
 import json
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from compress.core.errors import UsageError, first_line
-from compress.core.files import disk_write_error, is_disk_write_error, sha256_file, staging_dir, waiting_lock, written_path
+from compress.core.files import cache_root, disk_write_error, is_disk_write_error, sha256_file, staging_dir, waiting_lock, written_path
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +62,6 @@ class ModelSource:
     kind: str  # "hf-folder" or "gguf"
     path: Path
     license: str = "unknown"
-
-
-def cache_root() -> Path:
-    """Where converted models are cached (``$COMPRESS_CACHE`` or ``~/.cache/compress``)."""
-    return Path(os.environ.get("COMPRESS_CACHE", Path.home() / ".cache" / "compress"))
 
 
 def _package_dir(package: str) -> Path | None:

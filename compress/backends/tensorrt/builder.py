@@ -17,8 +17,7 @@ from pathlib import Path
 from compress.backends.tensorrt.cuda import device_info
 from compress.backends.tensorrt.plan import BuildPlan
 from compress.core.errors import MissingBackendError, StageError
-from compress.core.files import atomic_write_bytes
-from compress.models.sources import cache_root
+from compress.core.files import atomic_write_bytes, cache_root
 
 log = logging.getLogger(__name__)
 

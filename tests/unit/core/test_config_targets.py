@@ -61,7 +61,8 @@ def test_recipes_reference_registered_stages_in_a_valid_order():
         encoder = name.startswith("encoder-")
         target = "jetson-agx-thor" if name.startswith("thor-") else "jetson-orin"  # FP8 and NVFP4 need Thor's tensor cores
         # On the embedded model Edge-LLM's INT4 kernels (groups of 128) take only down_proj's 1536-wide input.
-        overrides = {"quantize.float_linears": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj]"} if name == "edgellm-int4" else {}
+        group_128 = any(spec.options.get("group_size") == 128 for spec in recipe.stages)
+        overrides = {"quantize.float_linears": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj]"} if group_128 else {}
         build = build_plan(RunOptions(target=target, recipe=name, model="all-minilm-l6-v2" if encoder else "smollm2-135m-instruct",
                                       overrides=overrides))
         assert build.stages[-1].stage.name == ("validate_encoder" if encoder else "validate")
