@@ -5,6 +5,7 @@
     compress show RUN_DIR
     compress validate RUN_DIR [target=NAME] [power=MODE] [--require-measured] [--on-device]
     compress build-engine RUN_DIR
+    compress verify RUN_DIR
     compress predict target=NAME model_config=PATH [precision=fp16] [power=MODE] [prompt_len=N]
 """
 
@@ -20,7 +21,9 @@ from pathlib import Path
 
 from compress.core.errors import (
     EXIT_NOT_MEASURED,
+    EXIT_PASS,
     EXIT_STAGE_ERROR,
+    EXIT_USAGE,
     CompressError,
     Interrupted,
     MissingBackendError,
@@ -38,6 +41,7 @@ EPILOG = """examples:
   compress ls targets
   compress show runs/jetson-orin-nano-8gb-default-smollm2-135m-instruct
   compress validate RUN_DIR target=jetson-agx-orin-64gb
+  compress verify RUN_DIR                               every recorded file, in full, and the bundle's custody
 
 exit codes: 0 gate PASS, 1 gate FAIL, 2 usage or input error, 3 gate NOT_MEASURED, 4 stage error,
             130 / 143 stopped by SIGINT / SIGTERM (the run is marked failed; rerun to resume)
@@ -73,6 +77,9 @@ def _parser() -> argparse.ArgumentParser:
 
     build = sub.add_parser("build-engine", help="build a run's TensorRT engine on this device from its build plan")
     build.add_argument("run_dir", type=Path)
+
+    verify = sub.add_parser("verify", help="check every file a run recorded, in full, and its Edge-LLM bundle's custody (exit 0 or 2)")
+    verify.add_argument("run_dir", type=Path)
 
     predict = sub.add_parser("predict", help="predict decode speed, TTFT, memory and energy for a decoder config")
     predict.add_argument("pairs", nargs="+", metavar="key=value", help="target=, model_config=, precision=, power=, prompt_len=")
@@ -148,11 +155,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 
 
 def _cmd_show(args: argparse.Namespace) -> int:
-    from compress.core.files import read_json  # lazy: see above
-    from compress.core.rundir import REPORT_JSON, RunDir  # lazy: see above
+    from compress.core.rundir import RunDir  # lazy: see above
 
     run = RunDir(args.run_dir)
     manifest = run.manifest()
+    run.require_intact()
     print(f"run:     {run.path}")
     print(f"status:  {manifest['status']}" + (f" ({manifest['error']})" if manifest.get("error") else ""))
     print(f"target:  {manifest['target']} ({manifest['power_mode']})")
@@ -161,8 +168,8 @@ def _cmd_show(args: argparse.Namespace) -> int:
     for entry, record in run.stages():
         summary = (record or {}).get("summary") or ""
         print(f"  {entry['dir']:<22} {entry['status']:<9} {summary}".rstrip())
-    if (run.path / REPORT_JSON).is_file():
-        report = read_json(run.path / REPORT_JSON)
+    report = run.report() if manifest["status"] == "finished" else None
+    if report is not None:
         print(f"gate:    {report['gate']['verdict']}")
         for check in report["gate"]["checks"]:
             print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
@@ -181,6 +188,23 @@ def _cmd_validate(args: argparse.Namespace) -> int:
     for check in report["gate"]["checks"]:
         print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
     return report["exit_code"]
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from compress.pipeline.verify import verify_run  # lazy: see above
+
+    result = verify_run(args.run_dir)
+    for problem in result.problems:
+        print(f"  {problem}")
+    if result.problems:
+        print(f"{args.run_dir}: {len(result.problems)} problem(s); this is not what compress wrote")
+        return EXIT_USAGE
+    custody = f"; the Edge-LLM bundle holds the quantized numbers ({result.tensors_compared} tensors)" if result.tensors_compared else ""
+    print(f"{args.run_dir}: every recorded file holds what compress wrote{custody}")
+    if result.not_checked:
+        print(f"compress: {result.not_checked}", file=sys.stderr)
+        return EXIT_NOT_MEASURED
+    return EXIT_PASS
 
 
 def _cmd_predict(args: argparse.Namespace) -> int:
@@ -204,7 +228,7 @@ def _cmd_build_engine(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {"build-engine": _cmd_build_engine, "run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "validate": _cmd_validate,
-            "predict": _cmd_predict}
+            "predict": _cmd_predict, "verify": _cmd_verify}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from compress.algorithms.formats import PRECISIONS
 from compress.core.config import load_target, parse_override_value, select_power_mode
 from compress.core.errors import UsageError
 from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, mode_tops, predict_all_modes
+from compress.models.families import check_model_dimensions
 
 PREDICT_KEYS = ("target", "model_config", "precision", "power", "prompt_len", "context", "group_size", "kv_cache")
 
@@ -46,7 +47,9 @@ def predict_command(pairs: dict[str, str]) -> dict[str, Any]:
         if required not in pairs:
             raise UsageError(f"missing {required}=")
     target = load_target(pairs["target"])
-    shape = ModelShape.from_config(read_model_config(pairs["model_config"]))
+    config = read_model_config(pairs["model_config"])
+    check_model_dimensions(config, f"model_config={pairs['model_config']}")
+    shape = ModelShape.from_config(config)
     precision = pairs.get("precision", "fp16")
     if precision not in PRECISIONS:
         raise UsageError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")

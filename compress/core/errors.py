@@ -12,7 +12,9 @@ Exit codes (stable, documented in the README):
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Iterator
 
 EXIT_PASS = 0
 EXIT_FAIL = 1
@@ -64,12 +66,14 @@ class Interrupted(BaseException):
 
 
 _PENDING_SIGNALS: list[int] = []
+_HOLDING: list[int] = []  # while not empty, signals are remembered and raised when the outermost hold ends
 
 
 def raise_interrupted(signum: int, _frame: object) -> None:
     """A signal handler that turns SIGINT/SIGTERM into :class:`Interrupted`, and remembers the signal."""
     _PENDING_SIGNALS.append(signum)
-    raise Interrupted(signum)
+    if not _HOLDING:
+        raise Interrupted(signum)
 
 
 def raise_pending_interrupt() -> None:
@@ -91,3 +95,20 @@ def first_line(exc: BaseException) -> str:
 def forget_pending_interrupts() -> None:
     """Clear remembered signals (a new command starts, or an :class:`Interrupted` was handled)."""
     _PENDING_SIGNALS.clear()
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM until the block ends (recording a failure must not be cut short by a second signal); one
+    that arrived meanwhile is raised when the block ends.
+
+    Held in the handler rather than with a signal mask: any of torch's threads may take a signal, and Python runs the
+    handler in the main thread whichever did.
+    """
+    _HOLDING.append(len(_PENDING_SIGNALS))
+    try:
+        yield
+    finally:
+        arrived = len(_PENDING_SIGNALS) > _HOLDING.pop()
+    if arrived and not _HOLDING:
+        raise Interrupted(_PENDING_SIGNALS[-1])

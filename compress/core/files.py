@@ -6,6 +6,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -16,6 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.errors import UsageError
+
+log = logging.getLogger(__name__)
 
 _DISK_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
@@ -139,13 +142,10 @@ def cache_root() -> Path:
     return root
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+def sha256_file(path: Path) -> str:
     """Hex sha256 of one file."""
-    digest = hashlib.sha256()
     with open(path, "rb") as handle:
-        while block := handle.read(chunk):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(handle, "sha256").hexdigest()
 
 
 def file_stamp(path: Path) -> dict[str, int]:
@@ -166,6 +166,8 @@ def cached_sha256(path: Path) -> str:
             return known["sha256"]
     except (OSError, ValueError, AttributeError):
         pass
+    if stamp["size"] > 1 << 29:
+        log.info("hashing %s (%.1f GB; once until it changes)", path.name, stamp["size"] / 1e9)
     digest = sha256_file(path)
     with suppress(OSError):  # an unwritable cache only costs the next reader a full read
         atomic_write_json(entry, {"path": str(path), **stamp, "sha256": digest})
@@ -196,6 +198,20 @@ def sha256_path(path: Path, file_sha256=sha256_file) -> str:
 def content_sha256(path: Path) -> str:
     """:func:`sha256_path` with each file's hash cached (a model folder or file the user gave)."""
     return sha256_path(path, cached_sha256)
+
+
+_FICLONE = 0x40049409  # linux/fs.h: share the source's blocks copy-on-write (btrfs, XFS, bcachefs)
+
+
+def clone_or_copy(source: Path, destination: Path) -> None:
+    """A copy of ``source`` at ``destination`` that shares no writable inode with it: a copy-on-write clone where the
+    file system makes one, else a plain copy. Never a hard link (writing through one would change the source)."""
+    with open(source, "rb") as src, open(destination, "wb") as dst:
+        try:
+            fcntl.ioctl(dst.fileno(), _FICLONE, src.fileno())
+        except OSError:
+            shutil.copyfileobj(src, dst, 1 << 24)
+    shutil.copystat(source, destination)
 
 
 def path_size(path: Path) -> int:

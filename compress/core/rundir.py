@@ -28,11 +28,14 @@ import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 
 from compress.core.artifact import ENGINE
-from compress.core.errors import UsageError
-from compress.core.files import disk_write_error, is_disk_write_error, read_json
+from compress.core.errors import ProvenanceError, UsageError, first_line
+from compress.core.files import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_file
+from compress.core.records import FileRecords, file_problem, folder_problems, record_file, record_folder
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +58,9 @@ BUILD_PLAN = "build_plan.json"  # a generic TensorRT build, replayed by `compres
 EDGELLM_BUILD_PLAN = "edgellm_build.json"  # an Edge-LLM llm_build, replayed likewise
 DEVICE_SCRIPT = "build_on_device.sh"
 ENGINE_MANIFEST = "engine_manifest.json"  # who built the engine, for what, from which graph
+TRTEXEC_LOG = "trtexec.log"  # what build_on_device.sh's trtexec printed
 _VALIDATE_OUTPUT = re.compile(r"validate-.+\.(json|md)")
+STAGE_DIR_PATTERN = r"^[0-9]{2}_[a-z][a-z0-9_]*$"  # what stage_dirname makes; nothing else is ever a stage folder
 
 
 def validate_output_stem(target: str, power_mode: str) -> str:
@@ -66,6 +71,69 @@ def validate_output_stem(target: str, power_mode: str) -> str:
 def stage_dirname(index: int, name: str) -> str:
     """``NN_<stage>``: the folder of the ``index``-th stage of a plan."""
     return f"{index:02d}_{name}"
+
+
+class _Open(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+class _ManifestStage(_Open):
+    name: str
+    dir: Annotated[str, StringConstraints(pattern=STAGE_DIR_PATTERN)]
+    status: str
+    fingerprint: str | None = None
+    output_sha256: str | None = None
+    record_sha256: str | None = None
+
+
+class _ManifestRecipe(_Open):
+    name: str
+    stages: list[Any]
+
+
+class _ManifestModel(_Open):
+    spec: str
+
+
+class _Manifest(_Open):
+    """What every reader of a manifest relies on; anything else in it is read where it is used."""
+
+    schema_version: str
+    status: str
+    recipe: _ManifestRecipe
+    model: _ManifestModel
+    stages: list[_ManifestStage]
+    files: dict[str, dict[str, Any]] = {}
+
+
+def parse_manifest(data: Any, where: Path) -> dict[str, Any]:
+    """``data`` if it is a compress manifest, else a usage error naming the first thing wrong with it."""
+    try:
+        _Manifest.model_validate(data)
+    except ValidationError as exc:
+        error = exc.errors()[0]
+        field = ".".join(str(part) for part in error["loc"]) or "the top level"
+        raise UsageError(f"{where} is not a compress manifest ({field}: {error['msg']}); nothing touched") from exc
+    return data
+
+
+def read_manifest_file(path: Path) -> dict[str, Any]:
+    """The manifest at ``path``, checked; a usage error for a file that is not JSON or not a manifest."""
+    try:
+        data = read_json(path)
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise UsageError(f"{path} is unreadable ({first_line(exc)}); not a compress run directory, nothing touched") from exc
+    return parse_manifest(data, path)
+
+
+def stage_folder(run_dir: Path, dirname: str) -> Path:
+    """The folder of a recorded stage: ``NN_name`` directly inside the run directory, never a link."""
+    if not re.fullmatch(STAGE_DIR_PATTERN, dirname):
+        raise ProvenanceError(f"{run_dir / MANIFEST_FILE} names a stage folder {dirname!r}, which compress never makes")
+    folder = Path(run_dir) / dirname
+    if folder.is_symlink():
+        raise ProvenanceError(f"{folder} is a symbolic link; compress never makes one, so it reads and removes none")
+    return folder
 
 
 class RunDir:
@@ -79,17 +147,51 @@ class RunDir:
             raise UsageError(f"{self.path} is not a run directory (no {MANIFEST_FILE})")
 
     def manifest(self) -> dict[str, Any]:
-        """The manifest; a usage error when there is none."""
+        """The manifest, checked; a usage error when there is none or it is not a compress manifest."""
         self.require_manifest()
-        return read_json(self.path / MANIFEST_FILE)
+        return read_manifest_file(self.path / MANIFEST_FILE)
 
     def stages(self) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
         """Each manifest stage entry with its ``stage.json`` record (None where the stage has not finished)."""
         found = []
         for entry in self.manifest()["stages"]:
-            record_path = self.path / entry["dir"] / STAGE_RECORD
-            found.append((entry, read_json(record_path) if record_path.is_file() else None))
+            record_path = stage_folder(self.path, entry["dir"]) / STAGE_RECORD
+            found.append((entry, _read_record(record_path) if record_path.is_file() else None))
         return found
+
+    def report(self) -> dict[str, Any] | None:
+        """``report.json`` of a finished run (None when there is none); a usage error when it is not a compress report."""
+        path = self.path / REPORT_JSON
+        if not path.is_file():
+            return None
+        try:
+            report = read_json(path)
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"{path} is unreadable ({first_line(exc)})") from exc
+        gate = report.get("gate") if isinstance(report, dict) else None
+        if not isinstance(gate, dict) or not isinstance(gate.get("checks"), list) or not isinstance(report.get("target"), dict):
+            raise UsageError(f"{path} is not a compress report (no target and gate)")
+        return report
+
+    def problems(self, full: bool = False) -> list[str]:
+        """How the run directory differs from what compress recorded writing: each stage's record and files, the
+        reports. Cheap (sizes and time stamps, hashing only files whose stamp moved) unless ``full``."""
+        manifest = self.manifest()
+        problems = []
+        for entry in manifest["stages"]:
+            problems.extend(_stage_problems(self.path, entry, full))
+        for relative, record in sorted(manifest.get("files", {}).items()):
+            problem = file_problem(self.path / relative, record, full)
+            if problem:
+                problems.append(f"{self.path / relative} {problem}")
+        return problems
+
+    def require_intact(self, full: bool = False) -> None:
+        """:meth:`problems`, raised as one :class:`ProvenanceError` naming the first (and how many more)."""
+        problems = self.problems(full)
+        if problems:
+            more = f" (and {len(problems) - 1} more; `compress verify {self.path}` lists them)" if len(problems) > 1 else ""
+            raise ProvenanceError(f"{problems[0]}{more}; the run directory is not what compress wrote")
 
     def stage_producing(self, kind: str | tuple[str, ...]) -> tuple[Path, dict[str, Any]] | None:
         """The folder and record of the last finished stage whose output is of ``kind`` (one kind, or any of several)."""
@@ -120,6 +222,65 @@ class RunDir:
         return folder if (folder / EDGELLM_BUILD_PLAN).is_file() else None
 
 
+def _read_record(path: Path) -> dict[str, Any]:
+    try:
+        record = read_json(path)
+    except (OSError, ValueError) as exc:
+        raise ProvenanceError(f"{path} is unreadable ({first_line(exc)})") from exc
+    if not isinstance(record, dict) or not isinstance(record.get("output"), dict):
+        raise ProvenanceError(f"{path} is not a stage record")
+    return record
+
+
+def _stage_problems(run_dir: Path, entry: dict[str, Any], full: bool) -> list[str]:
+    return stage_check(run_dir, entry["dir"], entry, full)[1]
+
+
+def stage_check(run_dir: Path, dirname: str, entry: dict[str, Any] | None,
+                full: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+    """A stage folder's record and how the folder differs from it and from the manifest's ``entry`` for it (None when
+    the manifest has none, as after a kill between finishing a stage and rewriting the manifest)."""
+    folder = stage_folder(run_dir, dirname)
+    record_path = folder / STAGE_RECORD
+    if not record_path.is_file():
+        return None, [f"{record_path} is missing"]
+    if entry is not None and entry.get("record_sha256") != sha256_file(record_path):
+        return None, [f"{record_path} is not the record the manifest names (its sha256 differs)"]
+    record = _read_record(record_path)
+    if entry is not None and record["output"].get("sha256") != entry.get("output_sha256"):
+        return record, [f"{record_path} records another output than the manifest"]
+    if not isinstance(record.get("files"), dict):
+        return record, [f"{record_path} lists no files (written by an older compress; rerun the stage)"]
+    later = tuple(record.get("device_files") or ())
+    return record, folder_problems(folder, record["files"], full, allowed_extra=frozenset({STAGE_RECORD, *later}))
+
+
+def rerecord_stage(run_dir: Path, dirname: str, record: dict[str, Any]) -> None:
+    """Rewrite a finished stage's record after a later command added to its folder (``compress build-engine``): its
+    files are recorded again and the manifest names the new record."""
+    folder = stage_folder(run_dir, dirname)
+    record["files"] = record_folder(folder, skip=frozenset({STAGE_RECORD}))
+    atomic_write_json(folder / STAGE_RECORD, record)
+    manifest = read_manifest_file(Path(run_dir) / MANIFEST_FILE)
+    for entry in manifest["stages"]:
+        if entry["dir"] == dirname:
+            entry["output_sha256"] = record["output"]["sha256"]
+            entry["record_sha256"] = sha256_file(folder / STAGE_RECORD)
+    atomic_write_json(Path(run_dir) / MANIFEST_FILE, manifest)
+
+
+def record_written(run_dir: Path, paths: list[Path]) -> None:
+    """Add files compress just wrote at the top of the run directory (reports, plots, ``validate-*``) to the manifest,
+    so that only they are ever removed and ``compress verify`` checks them."""
+    run_dir = Path(run_dir)
+    manifest = read_manifest_file(run_dir / MANIFEST_FILE)
+    files: FileRecords = dict(manifest.get("files", {}))
+    for path in paths:
+        files[Path(path).resolve().relative_to(run_dir.resolve()).as_posix()] = record_file(path)
+    manifest["files"] = files
+    atomic_write_json(run_dir / MANIFEST_FILE, manifest)
+
+
 def plan_identity(recipe: dict[str, Any], model_spec: str) -> dict[str, Any]:
     """What makes two runs "the same plan": recipe name, model and the ordered stage list."""
     stages = [f"{index:02d}_{stage['name']}" for index, stage in enumerate(recipe.get("stages", []), start=1)]
@@ -129,15 +290,11 @@ def plan_identity(recipe: dict[str, Any], model_spec: str) -> dict[str, Any]:
 def read_run_manifest(out: Path) -> dict[str, Any] | None:
     """The manifest of a compress run directory; None when ``out`` has none; a usage error when it is not ours."""
     path = Path(out) / MANIFEST_FILE
-    if not path.exists():
+    if not path.exists() and not path.is_symlink():
         return None
-    try:
-        manifest = read_json(path)
-    except (OSError, ValueError) as exc:
-        raise UsageError(f"out={out}: {MANIFEST_FILE} is unreadable ({exc}); not a compress run directory, nothing touched") from exc
-    if not isinstance(manifest, dict) or not {"schema_version", "status", "recipe", "model", "stages"} <= manifest.keys():
-        raise UsageError(f"out={out}: {MANIFEST_FILE} is not a compress manifest; give a new or empty folder (nothing touched)")
-    return manifest
+    if path.is_symlink() or not path.is_file():
+        raise UsageError(f"out={out}: {MANIFEST_FILE} is not a file compress wrote; give a new or empty folder (nothing touched)")
+    return read_manifest_file(path)
 
 
 def check_run_dir(out: Path, identity: dict[str, Any], force: bool = False) -> dict[str, Any] | None:
@@ -171,7 +328,8 @@ def clean_for_run(out: Path, manifest: dict[str, Any] | None, identity: dict[str
 
     That is the previous reports (a running or failed run has no report from an earlier attempt),
     staging folders of a killed run, and, when the plan changed (``--force``), the earlier plan's
-    recorded stage folders. Nothing else is touched.
+    recorded stage folders, each only if it holds nothing but what its record names. Nothing else
+    is touched.
     """
     out = Path(out)
     ours = set(identity["stages"])
@@ -180,24 +338,42 @@ def clean_for_run(out: Path, manifest: dict[str, Any] | None, identity: dict[str
         ours |= set(earlier["stages"])
         if earlier != identity:
             for stage in manifest["stages"]:
-                folder = out / stage["dir"]
+                folder = stage_folder(out, stage["dir"])
                 if stage["dir"] not in identity["stages"] and folder.is_dir():
+                    require_only_recorded(folder)
                     log.info("removing %s: a stage of the replaced plan", folder.name)
                     shutil.rmtree(folder)
-        remove_reports(out)
+        remove_reports(out, manifest)
     remove_stale_staging(out, ours)
 
 
-def remove_reports(out: Path) -> None:
-    """Remove the reports a finished run wrote (``report.*``, ``MODEL_CARD.md``, ``plots/``, ``validate-*``)."""
-    for name in REPORT_FILES:
-        (out / name).unlink(missing_ok=True)
+def require_only_recorded(folder: Path) -> None:
+    """Refuse to remove or replace a stage folder holding files its record does not name (someone else's files)."""
+    record_path = folder / STAGE_RECORD
+    records = _read_record(record_path).get("files") if record_path.is_file() else {}
+    if records is None:
+        raise ProvenanceError(f"{record_path} lists no files (written by an older compress); remove {folder} yourself to rerun")
+    later = tuple(_read_record(record_path).get("device_files") or ()) if record_path.is_file() else ()
+    allowed = frozenset({STAGE_RECORD, *later})
+    unrecorded = [p for p in folder_problems(folder, records, allowed_extra=allowed) if "not a file compress wrote" in p]
+    if unrecorded:
+        raise ProvenanceError(f"{unrecorded[0].split(' is not ')[0]} is not a file compress wrote, so {folder.name} is not "
+                              "replaced; move it out of the stage folder and rerun")
+
+
+def remove_reports(out: Path, manifest: dict[str, Any]) -> None:
+    """Remove the report files the manifest records compress wrote (``report.*``, ``MODEL_CARD.md``, ``plots/*``,
+    ``validate-*``) and ``plots/`` once empty; a file of the same name compress did not record is left alone."""
+    out = Path(out)
+    for relative in manifest.get("files", {}):
+        path = out / relative
+        top = Path(relative).parts[0]
+        is_report = relative in REPORT_FILES or top in REPORT_DIRS or _VALIDATE_OUTPUT.fullmatch(relative)
+        if is_report and not path.is_symlink() and path.is_file() and path.resolve().parent.is_relative_to(out.resolve()):
+            path.unlink()
     for name in REPORT_DIRS:
-        if (out / name).is_dir():
-            shutil.rmtree(out / name)
-    for item in out.iterdir():
-        if item.is_file() and _VALIDATE_OUTPUT.fullmatch(item.name):
-            item.unlink()
+        with contextlib.suppress(OSError):
+            (out / name).rmdir()  # only when empty
 
 
 def remove_stale_staging(out: Path, stage_dirs: set[str]) -> None:

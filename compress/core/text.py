@@ -35,6 +35,7 @@ _SHIPPED_DOMAINS = {path: domain for domain, path in DEFAULT_CALIBRATION_DOMAINS
 DEFAULT_CALIBRATION = tuple(path for _, path in DEFAULT_CALIBRATION_DOMAINS)
 DEFAULT_EVALUATION = tuple(path for _, path in DEFAULT_EVALUATION_DOMAINS)
 EVAL_SKIP_CHARS = 5000
+EVALUATED_CHARS_PER_TOKEN = 6  # generous: English BPE averages about 4, so the span checked covers all that is evaluated
 SHINGLE_WORDS = 8
 _OVERLAP_PROBES = 2000
 _OVERLAP_REFUSE_FRACTION = 0.10
@@ -127,8 +128,20 @@ def shared_shingle_fraction(probe_text: str, reference: set[int]) -> float:
     return sum(hash(shingle) in reference for shingle in probe) / len(probe)
 
 
-def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextSource]) -> None:
-    """Refuse calibration text that contains evaluation text: the same file, or 10% of its 8-word sequences."""
+def eval_skip(text: str) -> int:
+    """Characters of an evaluation text's opening left out (a title page, a licence header) when the text is long."""
+    return EVAL_SKIP_CHARS if len(text) > 4 * EVAL_SKIP_CHARS else 0
+
+
+def evaluated_span(text: str, tokens: int) -> str:
+    """The part of an evaluation text that evaluating ``tokens`` tokens reads (or a little more)."""
+    skip = eval_skip(text)
+    return text[skip: skip + tokens * EVALUATED_CHARS_PER_TOKEN]
+
+
+def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int = 2048) -> None:
+    """Refuse calibration text that contains evaluation text: the same file, or 10% of the 8-word sequences of the
+    whole evaluation file or of the part of it that is evaluated (its first ``evaluated_tokens`` after the opening)."""
     for evaluated in evaluation:
         for source in calibration:
             if source.sha256 == evaluated.sha256:
@@ -136,10 +149,12 @@ def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextS
     for source in calibration:
         reference = shingle_set(source.text)
         for evaluated in evaluation:
-            shared = shared_shingle_fraction(evaluated.text, reference)
-            if shared > _OVERLAP_REFUSE_FRACTION:
-                raise UsageError(f"calibration text {source.path} contains {100 * shared:.0f}% of the evaluation text "
-                                 f"{evaluated.path} (sequences of {SHINGLE_WORDS} words); they must not overlap")
+            for probe, what in ((evaluated.text, "the evaluation text"),
+                                (evaluated_span(evaluated.text, evaluated_tokens), "the evaluated part of")):
+                shared = shared_shingle_fraction(probe, reference)
+                if shared > _OVERLAP_REFUSE_FRACTION:
+                    raise UsageError(f"calibration text {source.path} contains {100 * shared:.0f}% of {what} "
+                                     f"{evaluated.path} (sequences of {SHINGLE_WORDS} words); they must not overlap")
 
 
 def token_windows(tokenizer, text: str, window: int, max_tokens: int, skip_chars: int = 0) -> torch.Tensor:
@@ -193,7 +208,7 @@ def text_sentences(text: str, limit: int, min_chars: int = 20, max_chars: int = 
 
 def domain_sentences(sources: Sequence[TextSource], per_domain: int) -> list[tuple[str, list[str]]]:
     """``per_domain`` sentences of each source, by domain (evaluation text skips its opening, as for decoders)."""
-    return [(s.domain, text_sentences(s.text, per_domain, skip_chars=EVAL_SKIP_CHARS if len(s.text) > 4 * EVAL_SKIP_CHARS else 0))
+    return [(s.domain, text_sentences(s.text, per_domain, skip_chars=eval_skip(s.text)))
             for s in sources]
 
 
@@ -212,7 +227,7 @@ def domain_windows(tokenizer, sources: list[TextSource], windows: int) -> torch.
     if not sources:
         return None
     per_domain = -(-windows // len(sources))
-    picked = [token_windows(tokenizer, s.text, 512, per_domain * 512, skip_chars=EVAL_SKIP_CHARS if len(s.text) > 4 * EVAL_SKIP_CHARS
-                            else 0) for s in sources]
+    picked = [token_windows(tokenizer, s.text, 512, per_domain * 512, skip_chars=eval_skip(s.text))
+              for s in sources]
     rows = [w[i] for i in range(per_domain) for w in picked if i < w.shape[0]]
     return torch.stack(rows[:windows])

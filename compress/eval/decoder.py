@@ -22,7 +22,7 @@ from pydantic import PositiveInt
 from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
 from compress.core.config import StrictModel, Target
 from compress.core.files import path_size
-from compress.core.text import EVAL_SKIP_CHARS, TextSource, token_windows
+from compress.core.text import TextSource, eval_skip, evaluated_span, token_windows
 from compress.eval.fidelity import compare_on_domains, worst_domain
 from compress.eval.gate import Check, lower_bound_check, require_measured, upper_bound_check
 from compress.eval.latency import measure_decoder_latency
@@ -56,7 +56,7 @@ def device_reference(decoder: OnnxDecoder, tokenizer, evaluation: list[TextSourc
     """
     prompts, expected = [], []
     for source in evaluation:
-        skip = EVAL_SKIP_CHARS if len(source.text) > 4 * EVAL_SKIP_CHARS else 0
+        skip = eval_skip(source.text)
         ids = tokenizer(source.text[skip:skip + 20 * config.device_prompt_tokens], add_special_tokens=False).input_ids
         text = tokenizer.decode(ids[: config.device_prompt_tokens])
         prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
@@ -80,7 +80,7 @@ def evaluation_windows(tokenizer, evaluation: list[TextSource], config: Validate
     """Each domain's first ``eval_tokens`` tokens (after its opening 5,000 characters when it is long) as windows."""
     domains = []
     for source in evaluation:
-        skip = EVAL_SKIP_CHARS if len(source.text) > 4 * EVAL_SKIP_CHARS else 0
+        skip = eval_skip(source.text)
         domains.append((source.domain, token_windows(tokenizer, source.text, config.window, config.eval_tokens, skip_chars=skip)))
     return domains
 
@@ -102,7 +102,8 @@ def measure(onnx_dir: Path, teacher_dir: Path | None, evaluation: list[TextSourc
     else:
         quality["perplexity_onnx"] = perplexity(decoder.logits, windows, progress, desc="ppl onnx")
     ppl_quantized = quantized_reference_perplexity(exported_from, windows, progress) if exported_from else None
-    prompt = tokenizer(evaluation[0].text[EVAL_SKIP_CHARS:], add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
+    opening = evaluated_span(evaluation[0].text, config.latency_prompt_tokens)
+    prompt = tokenizer(opening, add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
     log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
     latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
     ppl_onnx = quality["perplexity_onnx"]

@@ -260,6 +260,35 @@ ENCODER_FAMILIES = {
 ENCODER_BY_MODEL_TYPE = {model_type: family for family in ENCODER_FAMILIES.values() for model_type in family.model_types}
 
 
+# The largest value of each dimension compress takes from a config.json: a few times today's largest published models,
+# far below what would make a size, a latency or an allocation meaningless.
+DIMENSION_LIMITS = {
+    "num_hidden_layers": 1024, "hidden_size": 1 << 17, "intermediate_size": 1 << 20, "num_attention_heads": 4096,
+    "num_key_value_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 24, "max_position_embeddings": 1 << 26,
+}
+
+
+def check_model_dimensions(config: dict[str, Any], where: str) -> None:
+    """Refuse a config whose dimensions are not whole numbers in a sane range, or whose heads do not divide the width
+    (``where`` names the config for the error). A multimodal config's ``text_config`` is checked too."""
+    if not isinstance(config, dict):
+        raise UsageError(f"{where}: a model config is a JSON object")
+    for key, limit in DIMENSION_LIMITS.items():
+        value = config.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
+            shown = value if not isinstance(value, int) or abs(value) < 10**12 else f"a {len(str(abs(value)))}-digit number"
+            raise UsageError(f"{where}: {key} = {shown} is not a whole number from 1 to {limit:,}")
+    heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
+    if heads and kv_heads and heads % kv_heads:
+        raise UsageError(f"{where}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
+    if heads and config.get("hidden_size") and not config.get("head_dim") and config["hidden_size"] % heads:
+        raise UsageError(f"{where}: hidden_size = {config['hidden_size']} does not divide into {heads} attention heads")
+    if isinstance(config.get("text_config"), dict):
+        check_model_dimensions(config["text_config"], f"{where} (text_config)")
+
+
 def model_kind(config: Any) -> str:
     """"encoder" for the encoder families compress describes, "decoder" otherwise (decoders are checked by :func:`family_of`)."""
     return "encoder" if _model_type(config) in ENCODER_BY_MODEL_TYPE else "decoder"

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 
 from compress.core.errors import UsageError, first_line
-from compress.core.files import disk_write_error, is_disk_write_error
+from compress.core.files import clone_or_copy, disk_write_error, is_disk_write_error
 
 
 def load_encoder(folder: Path, trust_remote_code: bool = False, name: str | None = None):
     """Load an encoder in fp32, safely: with its sequence-classification head when it has one, else the bare encoder."""
-    import torch
     from transformers import AutoModel, AutoModelForSequenceClassification
 
     import compress.models.pruned_bert  # noqa: F401  lazy: registers the pruned-BERT classes; BERT's modelling code loads slowly
@@ -21,23 +19,50 @@ def load_encoder(folder: Path, trust_remote_code: bool = False, name: str | None
     config = json.loads((Path(folder) / "config.json").read_text(encoding="utf-8"))
     heads = any(a.endswith("ForSequenceClassification") for a in config.get("architectures") or [])
     loader = AutoModelForSequenceClassification if heads else AutoModel
-    try:
-        model = loader.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise UsageError(f"cannot load encoder {name or folder}: {first_line(exc)}") from exc
+    model, info = _from_pretrained(loader, folder, name or folder, "encoder", trust_remote_code)
+    # The bare encoder of a checkpoint with a task head leaves the head's tensors unread; they are no part of it.
+    own = {child for child, _ in model.named_children()}
+    _refuse_partial_load(info, name or folder, lambda key: key.split(".")[0] in own or heads)
     return model.eval()
+
+
+def _refuse_partial_load(info: dict, name, counts=lambda key: True) -> None:
+    """A model whose weights and config disagree would run with randomly initialised tensors: refuse it, naming them."""
+    problems = [("missing from the weights", sorted(info.get("missing_keys") or ())),
+                ("in the weights but not in the model config.json describes", sorted(k for k in info.get("unexpected_keys") or ()
+                                                                                      if counts(k))),
+                ("of another shape than config.json says", sorted(str(k[0] if isinstance(k, tuple) else k)
+                                                                  for k in info.get("mismatched_keys") or ()))]
+    for what, keys in problems:
+        if keys:
+            listed = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+            raise UsageError(f"model {name}: tensors {what}: {listed}; the weights do not match config.json")
 
 
 def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None):
     """Load a causal LM in fp32 for CPU work, safely; ``name`` is what the user called the model, for errors."""
-    import torch
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, trust_remote_code=trust_remote_code)
-    except Exception as exc:
-        raise UsageError(f"cannot load model {name or folder}: {first_line(exc)}") from exc
+    model, info = _from_pretrained(AutoModelForCausalLM, folder, name or folder, "model", trust_remote_code)
+    _refuse_partial_load(info, name or folder)
     return model.eval()
+
+
+def _from_pretrained(loader, folder: Path, name, what: str, trust_remote_code: bool):
+    """``loader.from_pretrained`` in fp32 with its loading report; a tensor of the wrong shape is named."""
+    import torch
+
+    options = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, "output_loading_info": True}
+    try:
+        return loader.from_pretrained(folder, **options)
+    except RuntimeError as exc:
+        if "ignore_mismatched_sizes" not in str(exc):
+            raise UsageError(f"cannot load {what} {name}: {first_line(exc)}") from exc
+        _, info = loader.from_pretrained(folder, **options, ignore_mismatched_sizes=True)  # only to name the tensors
+        _refuse_partial_load(info, name)
+        raise UsageError(f"cannot load {what} {name}: {first_line(exc)}") from exc
+    except Exception as exc:
+        raise UsageError(f"cannot load {what} {name}: {first_line(exc)}") from exc
 
 
 def load_tokenizer(folder: Path, trust_remote_code: bool = False):
@@ -50,23 +75,18 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
         raise UsageError(f"cannot load tokenizer from {folder}: {exc}") from exc
 
 
-def link_or_copy_tree(src: Path, dst: Path) -> None:
-    """Populate ``dst`` with ``src``'s files, hard-linking where the file system allows."""
+def copy_model_folder(files: list[Path], dst: Path) -> None:
+    """Copy a model's files into ``dst`` (copy-on-write clones where the file system allows; never hard links, so nothing
+    written into the copy reaches the user's model)."""
     dst.mkdir(parents=True, exist_ok=True)
-    for item in src.iterdir():
+    for item in files:
         target = dst / item.name
-        if item.is_dir():
-            link_or_copy_tree(item, target)
-            continue
         try:
-            os.link(item, target)
-        except OSError:
-            try:
-                shutil.copy2(item, target)
-            except OSError as exc:
-                if is_disk_write_error(exc):
-                    raise disk_write_error(exc, target) from exc
-                raise
+            clone_or_copy(item, target)
+        except OSError as exc:
+            if is_disk_write_error(exc):
+                raise disk_write_error(exc, target) from exc
+            raise
 
 
 def save_model_folder(model, tokenizer, source: Path, out: Path) -> None:

@@ -9,6 +9,7 @@ load): safetensors where present, pickled weights only if ``weights_only`` loadi
 from __future__ import annotations
 
 import functools
+import hashlib
 import importlib.util
 import json
 import logging
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.errors import UsageError, first_line
-from compress.core.files import cache_root, disk_write_error, is_disk_write_error, sha256_file, staging_dir, waiting_lock, written_path
+from compress.core.files import cache_root, cached_sha256, disk_write_error, is_disk_write_error, staging_dir, waiting_lock, written_path
 
 log = logging.getLogger(__name__)
 
@@ -84,7 +85,10 @@ def resolve_model(spec: str, weights_required: bool = True, trust_remote_code: b
         kind = "gguf" if path.suffix == ".gguf" else "hf-folder"
         source = ModelSource(spec, kind, path, builtin.license)
     else:
-        path = Path(spec).expanduser()
+        try:
+            path = Path(spec).expanduser()
+        except RuntimeError as exc:  # ~user that names no user
+            raise UsageError(f"model={spec}: {exc}") from exc
         if not path.exists():
             raise UsageError(f"model not found: {spec} (give a built-in name: {', '.join(BUILTIN_MODELS)}; a folder; or a .gguf file)")
         if path.is_file() and path.suffix != ".gguf":
@@ -187,8 +191,8 @@ def check_model_files(source: ModelSource, weights_required: bool = True, trust_
         raise UsageError(f"{source.path} has no config.json: not a Hugging Face model folder")
     try:
         config_dict = json.loads(config.read_text(encoding="utf-8"))
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise UsageError(f"{config} is corrupt: {exc}") from exc
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
+        raise UsageError(f"{config} is corrupt: {'nested too deeply' if isinstance(exc, RecursionError) else exc}") from exc
     if not trust_remote_code:
         _refuse_custom_code(source.spec, config_dict)
     weights = sorted(source.path.glob("*.safetensors"))
@@ -243,8 +247,9 @@ def _check_safetensors(file: Path) -> None:
 
     try:
         expected_end = _safetensors_data_end(file)
-    except (ValueError, KeyError, TypeError, IndexError, AttributeError) as exc:
-        raise UsageError(f"{file} is a corrupt safetensors file: unreadable header ({exc})") from exc
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, RecursionError) as exc:
+        reason = "nested too deeply" if isinstance(exc, RecursionError) else exc
+        raise UsageError(f"{file} is a corrupt safetensors file: unreadable header ({reason})") from exc
     if file.stat().st_size < expected_end:
         raise UsageError(f"{file} is truncated ({file.stat().st_size} bytes, its header says {expected_end})")
     try:
@@ -268,14 +273,25 @@ def _safetensors_data_end(file: Path) -> int:
 
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Where the safetensors conversion of a GGUF file is cached (named by its content hash)."""
-    stat = Path(gguf_path).stat()
-    return cache_root() / "models" / f"{gguf_path.stem}-{_content_hash(str(gguf_path), stat.st_size, stat.st_mtime_ns)[:16]}"
+    return cache_root() / "models" / f"{gguf_path.stem}-{cached_sha256(gguf_path)[:16]}"
 
 
-@functools.lru_cache(maxsize=8)
-def _content_hash(path: str, size: int, mtime_ns: int) -> str:
-    """A model file's SHA-256, read once per size and time stamp (planning asks for it several times)."""
-    return sha256_file(Path(path))
+def model_files(folder: Path) -> list[Path]:
+    """The files of a Hugging Face model folder that make the model: those at its top (config, tokenizer, weights,
+    index). Sub-folders (an ``original/`` checkpoint in another format, a hub's ``.cache``) are not part of it."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def model_sha256(source: ModelSource) -> str:
+    """The content hash of the model a source names: the GGUF file's, or over a folder's :func:`model_files` (names and
+    contents). Each file's hash is remembered by size, time stamp and inode, so a large model is read once per change."""
+    if source.kind == "gguf":
+        return cached_sha256(source.path)
+    digest = hashlib.sha256()
+    for file in model_files(source.path):
+        digest.update(file.name.encode())
+        digest.update(cached_sha256(file).encode())
+    return digest.hexdigest()
 
 
 def materialize(source: ModelSource) -> Path:
@@ -305,6 +321,24 @@ def materialize(source: ModelSource) -> Path:
 
 def _is_converted(folder: Path) -> bool:
     return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+
+
+def tokenizer_size(folder: Path) -> int | None:
+    """How many token ids a model folder's tokenizer can produce (its highest id + 1), read from ``tokenizer.json`` or
+    ``vocab.txt`` without loading it; None when the folder has neither."""
+    folder = Path(folder)
+    if (folder / "tokenizer.json").is_file():
+        try:
+            data = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
+            vocab = data["model"]["vocab"]
+            ids = list(vocab.values()) if isinstance(vocab, dict) else list(range(len(vocab)))
+            ids += [token["id"] for token in data.get("added_tokens") or []]
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+            raise UsageError(f"{folder / 'tokenizer.json'} is not a tokenizer file ({exc})") from exc
+        return max(ids, default=-1) + 1
+    if (folder / "vocab.txt").is_file():
+        return len((folder / "vocab.txt").read_text(encoding="utf-8", errors="replace").splitlines())
+    return None
 
 
 def model_config(source: ModelSource) -> dict | None:

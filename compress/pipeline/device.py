@@ -18,8 +18,18 @@ from compress.backends.tensorrt.provenance import check_engine_provenance, engin
 from compress.backends.tensorrt.trtexec import build_with_trtexec, find_trtexec
 from compress.core.artifact import ENGINE, ONNX, REPORT
 from compress.core.errors import MissingBackendError, UsageError
-from compress.core.files import atomic_write_json, read_json, sha256_file
-from compress.core.rundir import BUILD_PLAN, DEVICE_REFERENCE, EDGELLM_BUILD_PLAN, ENGINE_MANIFEST, REPORT_JSON, RunDir, locked
+from compress.core.files import atomic_write_json, read_json, sha256_file, sha256_path
+from compress.core.rundir import (
+    BUILD_PLAN,
+    DEVICE_REFERENCE,
+    EDGELLM_BUILD_PLAN,
+    ENGINE_MANIFEST,
+    REPORT_JSON,
+    RunDir,
+    locked,
+    record_written,
+    rerecord_stage,
+)
 from compress.eval import on_device
 
 
@@ -31,9 +41,11 @@ def _generic_engine(run: RunDir) -> tuple[Path, BuildPlan, Path]:
 
 
 def build_on_device(run_dir: Path) -> dict[str, Any]:
-    """Build the run's engine here, from its plan; refuses when this host cannot build for the target."""
+    """Build the run's engine here, from its plan; refuses when this host cannot build for the target, or when the run
+    directory no longer holds what compress wrote."""
     RunDir(run_dir).require_manifest()
     with locked(Path(run_dir)):
+        RunDir(run_dir).require_intact()
         return _build_on_device(Path(run_dir))
 
 
@@ -78,7 +90,10 @@ def _build_edgellm_on_device(run_dir: Path, folder: Path) -> dict[str, Any]:
 
 
 def _record_built_engine(run_dir: Path, engine_path: str, manifest: dict[str, Any]) -> None:
-    """A finished run's report names the engine now built, and its engine stage as done."""
+    """The engine stage's record now lists the built files; a finished run's report names the engine, its stage done."""
+    folder, record = RunDir(run_dir).require_stage_producing(ENGINE, "an engine")
+    record["output"]["sha256"] = sha256_path(folder / record["output"]["path"])
+    rerecord_stage(run_dir, folder.name, record)
     report_path = run_dir / REPORT_JSON
     if not report_path.is_file():
         return
@@ -90,12 +105,14 @@ def _record_built_engine(run_dir: Path, engine_path: str, manifest: dict[str, An
             stage["status"] = "done"
             stage["metrics"] = {**stage.get("metrics", {}), "status": "built", **manifest}
     atomic_write_json(report_path, report)
+    record_written(run_dir, [report_path])
 
 
 def measure_on_device(run_dir: Path, prompt_len: int | None = None, encoder_batch: int | None = None) -> dict[str, Any]:
     """Measure the run's engine on this GPU: an Edge-LLM engine with ``llm_inference``; a generic decoder engine for
     TTFT and decode latency (>= 1024 steps or 60 s, p50/p90/p99); an encoder engine per batch size."""
     run = RunDir(run_dir)
+    run.require_intact()
     folder = run.edgellm_engine_folder()
     if folder is not None:
         tool = edgellm_tools.require_device_tool(edgellm_tools.INFERENCE_TOOL)

@@ -20,9 +20,27 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.artifact import SOURCE, Artifact
-from compress.core.errors import CompressError, StageError, raise_pending_interrupt
-from compress.core.files import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_path, staging_dir, written_path
-from compress.core.rundir import MANIFEST_FILE, RUN_LOG, STAGE_RECORD, RunDirLock, check_run_dir, clean_for_run
+from compress.core.errors import CompressError, StageError, raise_pending_interrupt, signals_held
+from compress.core.files import (
+    atomic_write_json,
+    disk_write_error,
+    is_disk_write_error,
+    sha256_file,
+    sha256_path,
+    staging_dir,
+    written_path,
+)
+from compress.core.records import FileRecords, record_file, record_folder
+from compress.core.rundir import (
+    MANIFEST_FILE,
+    RUN_LOG,
+    STAGE_RECORD,
+    RunDirLock,
+    check_run_dir,
+    clean_for_run,
+    require_only_recorded,
+    stage_check,
+)
 from compress.core.versions import library_versions
 from compress.models.sources import DEFAULT_MODEL
 from compress.pipeline.plan import Plan, PlannedStage, RunOptions, build_plan, config_json, data_record, deployment_versions
@@ -72,24 +90,29 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
-def _reuse(stage_dir: Path, fingerprint: str) -> tuple[Artifact, dict[str, Any]] | None:
-    record_path = stage_dir / STAGE_RECORD
-    if not record_path.is_file():
+def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
+           earlier: dict[str, Any] | None) -> tuple[Artifact, dict[str, Any]] | None:
+    """The finished output of ``planned`` if it may stand: same fingerprint, made from this very input, and its folder
+    still holding what its record (and the earlier manifest's entry, ``earlier``) say was written."""
+    if not (run_dir / planned.dirname / STAGE_RECORD).is_file():
         return None
-    try:
-        record = read_json(record_path)
-    except (OSError, ValueError):
+    record, problems = stage_check(run_dir, planned.dirname, earlier)
+    if record is None or record.get("fingerprint") != planned.fingerprint or record.get("status") not in ("done", "deferred"):
         return None
-    if record.get("fingerprint") != fingerprint or record.get("status") not in ("done", "deferred"):
+    if record.get("input", {}).get("sha256") != previous.sha256:
+        log.info("%s: its input changed since it ran; redoing the stage", planned.dirname)
         return None
+    if problems:
+        log.warning("%s: %s; redoing the stage", planned.dirname, problems[0])
+        return None
+    stage_dir = run_dir / planned.dirname
     artifact = Artifact.from_json(record["output"], base=stage_dir)
-    if not artifact.path.exists() or sha256_path(artifact.path) != record["output"]["sha256"]:
-        log.warning("%s: stored output does not match its recorded hash; redoing the stage", stage_dir.name)
-        return None
     return artifact, record
 
 
 def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final_dir: Path) -> tuple[Artifact, dict[str, Any]]:
+    if final_dir.is_dir():
+        require_only_recorded(final_dir)
     with staging_dir(final_dir) as tmp:
         ctx.stage_dir = tmp
         ctx.stage_name = planned.dirname
@@ -101,7 +124,8 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         raise_pending_interrupt()  # a signal whose exception was dropped mid-stage still stops the run here
         duration = time.perf_counter() - started
         relative = Path(artifact.path).resolve().relative_to(tmp.resolve())
-        output_sha = sha256_path(artifact.path)
+        files = record_folder(tmp, skip=frozenset({STAGE_RECORD}))
+        output_sha = sha256_path(artifact.path, lambda path: files[path.resolve().relative_to(tmp.resolve()).as_posix()]["sha256"])
         status = "deferred" if artifact.meta.get("deferred") else "done"
         record = {
             "stage": planned.stage.name,
@@ -110,6 +134,8 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "config": config_json(planned.config),
             "input": {"kind": previous.kind, "path": str(previous.path), "sha256": previous.sha256},
             "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha},
+            "files": files,
+            "device_files": list(result.device_files),
             "duration_s": round(duration, 3),
             "peak_rss_mb": round(_peak_rss_mb(), 1),
             "metrics": artifact.meta.get("metrics", {}),
@@ -123,24 +149,28 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
     return final, record
 
 
-def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | None = None) -> dict[str, Any]:
+def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | None = None,
+              files: FileRecords | None = None) -> dict[str, Any]:
     return {
         "schema_version": MANIFEST_SCHEMA,
         "status": status,
         "updated_at": datetime.now(timezone.utc).isoformat(),
         "command": " ".join(sys.argv),
         "target": plan.target.name,
+        "target_config": plan.target.model_dump(mode="json"),
         "power_mode": plan.power_mode,
         "budgets": plan.target.budgets.model_dump(),
         "recipe": plan.recipe.model_dump(mode="json"),
-        "model": {"spec": plan.model.spec, "path": str(plan.model.path), "license": plan.model.license},
+        "model": {"spec": plan.model.spec, "path": str(plan.model.path), "license": plan.model.license,
+                  "sha256": plan.model_sha256},
         "data": data_record(plan),
         "versions": {**library_versions(), **deployment_versions(plan)},
         "stages": [
             {"name": r.name, "dir": r.dirname, "status": r.status, "fingerprint": r.record.get("fingerprint"),
-             "output_sha256": r.artifact.sha256}
+             "output_sha256": r.artifact.sha256, "record_sha256": sha256_file(plan.out_dir / r.dirname / STAGE_RECORD)}
             for r in records
         ],
+        "files": files or {},
         "error": error,
     }
 
@@ -153,8 +183,9 @@ def _attach_log_file(run_dir: Path) -> logging.Handler:
     return handler
 
 
-def _open_run_dir(plan: Plan) -> tuple[RunDirLock, logging.Handler]:
-    """Create or reclaim the run directory under its lock; mark it running before anything else is written."""
+def _open_run_dir(plan: Plan) -> tuple[RunDirLock, logging.Handler, dict[str, dict[str, Any]]]:
+    """Create or reclaim the run directory under its lock; mark it running before anything else is written. Returns the
+    lock, the log handler and the earlier manifest's stage entries by folder name."""
     out = plan.out_dir
     lock = RunDirLock(out)
     try:
@@ -168,27 +199,28 @@ def _open_run_dir(plan: Plan) -> tuple[RunDirLock, logging.Handler]:
         clean_for_run(out, earlier, plan.identity)
         atomic_write_json(out / MANIFEST_FILE, _manifest(plan, "running", []))
         handler = _attach_log_file(out)
+        entries = {entry["dir"]: entry for entry in (earlier or {}).get("stages", [])}
     except BaseException as exc:
         lock.release()
         if is_disk_write_error(exc):
             raise disk_write_error(exc, written_path(exc) or out) from exc
         raise
-    return lock, handler
+    return lock, handler, entries
 
 
 def execute(plan: Plan) -> RunResult:
     """Run a checked plan; finished stages whose fingerprint matches are reused."""
-    lock, handler = _open_run_dir(plan)
+    lock, handler, earlier_entries = _open_run_dir(plan)
     out = plan.out_dir = plan.out_dir.resolve()
     records: list[StageRecord] = []
-    previous = Artifact(SOURCE, plan.model.path, {"spec": plan.model.spec})
+    previous = Artifact(SOURCE, plan.model.path, {"spec": plan.model.spec}, plan.model_sha256)
     ctx = plan.context(out)
     total = len(plan.stages)
     current = out
     try:
         for planned in plan.stages:
             current = final_dir = out / planned.dirname
-            reused = _reuse(final_dir, planned.fingerprint)
+            reused = _reuse(out, planned, previous, earlier_entries.get(planned.dirname))
             if reused is not None:
                 artifact, record = reused
                 status = "reused"
@@ -207,12 +239,14 @@ def execute(plan: Plan) -> RunResult:
         current = out
         raise_pending_interrupt()
         report = build_report(out)
-        write_reports(out, report)
-        atomic_write_json(out / MANIFEST_FILE, _manifest(plan, "finished", records))
+        written = write_reports(out, report)
+        files = {path.relative_to(out).as_posix(): record_file(path) for path in written}
+        atomic_write_json(out / MANIFEST_FILE, _manifest(plan, "finished", records, files=files))
         return RunResult(out, records, report, report["exit_code"])
     except BaseException as exc:
-        error = _as_compress_error(exc, current, out)
-        _mark_failed(plan, records, error or exc)
+        with signals_held():
+            error = _as_compress_error(exc, current, out)
+            _mark_failed(plan, records, error or exc)
         if error is not None and error is not exc:
             raise error from exc
         raise

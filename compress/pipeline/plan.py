@@ -33,8 +33,8 @@ from compress.core.text import (
     unseen_domains,
 )
 from compress.core.versions import __version__
-from compress.models.families import check_attention_window, family_of, model_kind
-from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, resolve_model
+from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind
+from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_sha256, resolve_model, tokenizer_size
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, get_stage
 
 log = logging.getLogger("compress")
@@ -127,6 +127,7 @@ class Plan:
     evaluation: list[TextSource]
     stages: list[PlannedStage]
     out_dir: Path
+    model_sha256: str = ""  # the content of the model files (what every fingerprint starts from)
 
     @property
     def unseen_domains(self) -> list[str]:
@@ -159,7 +160,7 @@ class Plan:
             "power_mode": self.power_mode,
             "budgets": self.target.budgets.model_dump(),
             "recipe": self.recipe.name,
-            "model": {"spec": self.model.spec, "kind": self.model.kind, "path": str(self.model.path)},
+            "model": {"spec": self.model.spec, "kind": self.model.kind, "path": str(self.model.path), "sha256": self.model_sha256},
             "out": str(self.out_dir),
             "calibration": [{"domain": s.domain, "path": str(s.path)} for s in self.calibration],
             "evaluation": [{"domain": s.domain, "path": str(s.path), "seen": s.domain not in self.unseen_domains}
@@ -211,18 +212,30 @@ def build_plan(options: RunOptions) -> Plan:
         target = apply_budget_overrides(target, budget_overrides)
     power_mode = (select_power_mode(target, options.power) if options.power else target.power_mode()).name
     config = model_config(model)
+    if config is not None:
+        _check_model_config(config, model)
     planned = _check_stage_chain(recipe, stage_options, explicit, target, model_kind(config or {}), model.spec, config)
     out_dir = options.out or default_out_dir(options, target, recipe)
     if options.eval_labels is not None and not Path(options.eval_labels).is_file():
         raise UsageError(f"eval_labels={options.eval_labels}: no such file")
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
-    check_disjoint(calibration, evaluation)
-    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir)
+    check_disjoint(calibration, evaluation, max((getattr(p.config, "eval_tokens", 0) for p in planned), default=0) or 2048)
+    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, model_sha256(model))
     check_run_dir(out_dir, plan.identity, options.force)
     _check_plan_rules(planned, target, model, config)
     _assign_fingerprints(plan)
     return plan
+
+
+def _check_model_config(config: dict[str, Any], model: ModelSource) -> None:
+    """Sane dimensions, and an embedding with a row for every id the tokenizer makes (else evaluation indexes past it)."""
+    check_model_dimensions(config, f"model={model.spec}")
+    tokens = tokenizer_size(model.path) if model.kind == "hf-folder" else None
+    vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
+    if tokens is not None and vocab is not None and tokens > vocab:
+        raise UsageError(f"model={model.spec}: the tokenizer makes {tokens:,} token ids but the embedding has {vocab:,} rows "
+                         "(vocab_size in config.json); the model cannot read its own tokens")
 
 
 def _default_recipe(target: Target, model: ModelSource) -> str:
@@ -310,7 +323,7 @@ def _kinds(kind: str | tuple[str, ...]) -> str:
 
 def _assign_fingerprints(plan: Plan) -> None:
     upstream = hashlib.sha256(
-        json.dumps({"model": str(plan.model.path), "model_spec": plan.model.spec, "version": __version__}).encode()
+        json.dumps({"model_sha256": plan.model_sha256, "model_spec": plan.model.spec, "version": __version__}).encode()
     ).hexdigest()
     data_hashes = [s.sha256 for s in plan.calibration] + [s.sha256 for s in plan.evaluation]
     for planned in plan.stages:

@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.artifact import REPORT
-from compress.core.config import apply_budget_overrides, load_target, select_power_mode
+from compress.core.config import Target, apply_budget_overrides, load_target, parse_target, select_power_mode
 from compress.core.errors import EXIT_NOT_MEASURED, MissingBackendError, UsageError
 from compress.core.files import atomic_write_json, atomic_write_text, read_json
-from compress.core.rundir import REPORT_JSON, RunDir, locked, validate_output_stem
+from compress.core.rundir import MANIFEST_FILE, REPORT_JSON, RunDir, locked, record_written, validate_output_stem
 from compress.eval import decoder as decoder_gate
 from compress.eval import encoder as encoder_gate
 from compress.eval.gate import NOT_MEASURED, Check, exit_code_for, gate_json, upper_bound_check
@@ -67,10 +67,23 @@ def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = Fa
     With ``on_device`` and no device to measure on, the exit code is 3 (not measured) whatever the host checks say.
     """
     run_dir = Path(run_dir)
-    if not (run_dir / REPORT_JSON).is_file():
+    run = RunDir(run_dir)
+    if not (run_dir / REPORT_JSON).is_file() or run.manifest()["status"] != "finished":
         raise UsageError(f"{run_dir} is not a finished run (no {REPORT_JSON})")
     with locked(run_dir):
+        run.require_intact()
         return _revalidate(run_dir, pairs, require_measured, on_device)
+
+
+def _target_of(run_dir: Path, pairs: dict[str, str]) -> Target:
+    """The target asked for, else the one the run was made for, as it was resolved then (so a target file that has
+    since moved or changed still gates the same way)."""
+    if "target" in pairs:
+        return load_target(pairs["target"])
+    manifest = RunDir(run_dir).manifest()
+    if isinstance(manifest.get("target_config"), dict):
+        return parse_target(manifest["target_config"], f"{run_dir / MANIFEST_FILE} (target_config)")
+    return load_target(manifest["target"])
 
 
 def _encoder_checks(run_dir: Path, stored: dict[str, Any], target, mode: str,
@@ -109,7 +122,7 @@ def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on
     if unknown:
         raise UsageError(f"unknown key {unknown[0]!r} (known: {', '.join(REVALIDATE_KEYS)}, budgets.KEY)")
     report = read_json(run_dir / REPORT_JSON)
-    target = load_target(pairs.get("target", report["target"]["name"]))
+    target = _target_of(run_dir, pairs)
     if budget_overrides:
         target = apply_budget_overrides(target, budget_overrides)
     mode = (select_power_mode(target, pairs["power"]) if "power" in pairs else target.power_mode()).name
@@ -126,4 +139,5 @@ def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on
     stem = validate_output_stem(target.name, mode)
     atomic_write_json(run_dir / f"{stem}.json", new_report)
     atomic_write_text(run_dir / f"{stem}.md", render_markdown(new_report))
+    record_written(run_dir, [run_dir / f"{stem}.json", run_dir / f"{stem}.md"])
     return new_report, run_dir / f"{stem}.md"

@@ -75,6 +75,9 @@ class StageResult:
     artifact: Artifact
     summary: str = ""
     figures: dict[str, Any] = field(default_factory=dict)
+    # Files a build on the device may add to the stage folder later (paths relative to it; a trailing "/" names a
+    # folder): the folder still counts as what compress wrote, and the engine's own manifest proves the build.
+    device_files: tuple[str, ...] = ()
 
 
 StageFn = Callable[[Artifact, Any, RunContext], StageResult]

@@ -75,11 +75,13 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     return report
 
 
-def write_reports(run_dir: Path, report: dict[str, Any]) -> None:
-    """Write ``report.json``, ``report.md``, ``report.html`` (with plots) and ``MODEL_CARD.md`` atomically."""
+def write_reports(run_dir: Path, report: dict[str, Any]) -> list[Path]:
+    """Write ``report.json``, ``report.md``, ``report.html`` (with plots) and ``MODEL_CARD.md`` atomically; returns
+    every file written."""
     plots = make_plots(report, run_dir / PLOTS_DIR)
     report["plots"] = {name: str(path.relative_to(run_dir)) for name, path in plots.items()}
     atomic_write_json(run_dir / REPORT_JSON, report)
     atomic_write_text(run_dir / REPORT_MD, render_markdown(report))
     atomic_write_text(run_dir / REPORT_HTML, render_html(report, plots))
     atomic_write_text(run_dir / MODEL_CARD, render_model_card(report))
+    return [run_dir / name for name in (REPORT_JSON, REPORT_MD, REPORT_HTML, MODEL_CARD)] + list(plots.values())

@@ -24,7 +24,7 @@ from compress.backends.tensorrt.encoder import TrtEncoder
 from compress.backends.tensorrt.provenance import check_engine_provenance
 from compress.core.artifact import ENGINE, ONNX
 from compress.core.errors import CompressError, ProvenanceError, UsageError
-from compress.core.files import read_json, sha256_path
+from compress.core.files import read_json
 from compress.core.rundir import BUILD_PLAN, ENGINE_MANIFEST, MANIFEST_FILE, RunDir
 from compress.models.loading import chat_prompt_ids, load_tokenizer
 from compress.runtime.edgellm import EdgeLLMGenerator, check_engine_files
@@ -150,13 +150,10 @@ def _check_onnx_provenance(run: RunDir) -> tuple[Path, dict]:
     found = run.stage_producing(ONNX)
     if found is None:
         raise ProvenanceError(f"{run.path} has no exported ONNX model")
+    run.require_intact()
     stage_dir, record = found
     onnx_dir = stage_dir / record["output"]["path"]
-    actual = sha256_path(onnx_dir)
-    if actual != record["output"]["sha256"]:
-        raise ProvenanceError(f"{onnx_dir} does not match the hash recorded by the run ({record['output']['sha256'][:12]}…, "
-                              f"found {actual[:12]}…); rerun `compress run` to regenerate it")
-    return onnx_dir, {"run": str(run.path), "onnx_sha256": actual, "target": manifest["target"]}
+    return onnx_dir, {"run": str(run.path), "onnx_sha256": record["output"]["sha256"], "target": manifest["target"]}
 
 
 def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "tensorrt"] = "auto",

@@ -134,11 +134,19 @@ def test_disk_write_failure_is_a_usage_error_and_run_not_finished(tmp_path, tiny
     assert not list(out.glob(".tmp-*")), "a staging folder was left behind"
 
 
-def test_a_library_failure_outside_a_stage_exits_4_not_the_gates_fail_code(capsys, tmp_path):
+def test_a_library_failure_outside_a_stage_exits_4_not_the_gates_fail_code(capsys, monkeypatch, tmp_path, tiny_llama):
     """TensorRT, CUDA or any library raising in ``build-engine`` / ``validate`` is a failed step (4), never FAIL (1)."""
+    import compress.pipeline.device
+
     run = tmp_path / "run"
-    (run / "05_build_engine").mkdir(parents=True)
-    (run / "manifest.json").write_text('{"status": "finished"}')  # a manifest without its stage list
+    assert main(["run", "target=jetson-orin", "recipe=smoke", f"model={tiny_llama}", f"out={run}", "quantize.calib_window=256",
+                 "quantize.min_calib_tokens=1024", *TINY_SMOKE]) in (0, 1)
+    capsys.readouterr()
+
+    def driver_failure():
+        raise RuntimeError("cuInit failed: CUDA_ERROR_NO_DEVICE\n(more lines)")  # what cuda-python raises without a driver
+
+    monkeypatch.setattr(compress.pipeline.device, "cuda_device", driver_failure)
     assert main(["build-engine", str(run)]) == 4
     err = capsys.readouterr().err
-    assert err.startswith("compress: error: KeyError") and "Traceback" not in err
+    assert err.startswith("compress: error: RuntimeError: cuInit failed") and "Traceback" not in err

@@ -83,6 +83,31 @@ def test_a_corrupted_scale_or_weight_in_the_bundle_is_caught_naming_the_tensor(i
         check_custody(quantized, bundle, tmp_path)
 
 
+def test_verify_checks_the_bundles_custody_again_and_catches_a_tampered_bundle(capsys, int4_run, tmp_path):
+    copy = shutil.copytree(int4_run, tmp_path / "run", ignore=shutil.ignore_patterns(".compress.lock"))
+    assert main(["verify", str(copy)]) == 0
+    assert "the Edge-LLM bundle holds the quantized numbers (28 tensors)" in capsys.readouterr().out
+    tamper_bundle(copy / "04_export_edgellm" / "bundle", "_model.model.layers.0.mlp.up_proj.weight_scale",
+                  lambda a: (a * np.float16(1.01)).astype(a.dtype))
+    assert main(["verify", str(copy)]) == 2
+    assert "04_export_edgellm/bundle/llm/model.onnx" in capsys.readouterr().out
+    assert main(["build-engine", str(copy)]) == 2
+
+
+def test_linears_left_float_beside_int4_ones_are_found_fused_and_transposed(tiny_wide, tmp_path):
+    # q (128 x 128) and o (128 x 128) are square, so a transposed copy has the same shape; q, k and v left float are
+    # fused by the exporter into one constant.
+    out = tmp_path / "run"
+    proc = _run(tiny_wide, out, "edgellm-int4", "quantize.float_linears=[q_proj,k_proj,v_proj,o_proj]")
+    assert proc.returncode in (0, 1), proc.stderr[-3000:]
+    custody = json.loads((out / "04_export_edgellm" / "custody.json").read_text())
+    assert custody["mismatches"] == []
+    compared = {c["tensor"] for c in custody["compared"]}
+    assert any(t.startswith("_model.model.layers.1.self_attn.k_proj.weight (FP16, rows 128:192 of fused q|k|v") for t in compared)
+    assert any(t.startswith("_model.model.layers.1.self_attn.o_proj.weight (FP16, ") and "no initializer" not in t for t in compared)
+    assert "_model.model.layers.1.mlp.down_proj.weight" in compared
+
+
 def test_a_bundle_config_that_does_not_describe_the_model_is_caught(int4_run, tmp_path):
     bundle = tmp_path / "bundle"
     shutil.copytree(int4_run / "04_export_edgellm" / "bundle", bundle)

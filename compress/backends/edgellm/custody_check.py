@@ -241,13 +241,7 @@ def check(bundle: str, expected_path: str) -> dict:
     expected = load_file(expected_path)
     report = {"onnx": model_path, "int4_plugin_version": graph.plugin_version, "kernel_nodes": graph.kernel_nodes,
               "compared": [], "mismatches": []}
-    for key in sorted(k for k in expected if k.endswith(".float_weight")):
-        name = key.rsplit(".", 1)[0]
-        target = expected.pop(key)
-        match = next((n for n, a in inits.items() if a.dtype == np.float16 and a.shape in (target.shape, target.T.shape)
-                      and np.array_equal(a if a.shape == target.shape else a.T, target)), None)
-        _compare(report, f"{_PREFIX}{name}.weight (FP16, {match or 'no initializer holds it'})",
-                 inits[match] if match else None, target if match is None or inits[match].shape == target.shape else target.T)
+    _check_float_weights(report, inits, {k.rsplit(".", 1)[0]: expected.pop(k) for k in sorted(expected) if k.endswith(".float_weight")})
     names = sorted({key.rsplit(".", 1)[0] for key in expected})
     attention = {out: node for node in graph.producer.values() if node.op_type == "AttentionPlugin" for out in node.output}
     for name in names:
@@ -265,6 +259,40 @@ def check(bundle: str, expected_path: str) -> dict:
             _compare(report, f"{_PREFIX}{name} bias ({bias_name})", inits.get(bias_name) if bias_name else None,
                      expected[f"{name}.bias"])
     return report
+
+
+def _float_initializer(inits: dict, target: np.ndarray):
+    """The FP16 initializer holding ``target`` as it is or transposed (the exporter stores ``x @ W.T`` weights as ``W.T``),
+    and the array to compare it with; (None, target) when none does."""
+    for name, array in inits.items():
+        if array.dtype != np.float16:
+            continue
+        if array.shape == target.shape and np.array_equal(array, target):
+            return name, target
+        if array.shape == target.T.shape and np.array_equal(array, target.T):
+            return name, target.T
+    return None, target
+
+
+def _check_float_weights(report: dict, inits: dict, weights: dict) -> None:
+    """Decoder linears left float, found by value; q, k and v left float are fused by the exporter into one constant,
+    so a projection not found alone is looked for among its rows of the fused q|k|v."""
+    for name in sorted(weights):
+        match, compared = _float_initializer(inits, weights[name])
+        parent, _, projection = name.rpartition(".")
+        parts = [weights.get(f"{parent}.{p}") for p in _FUSED_QKV]
+        if match is None and projection in _FUSED_QKV and all(p is not None for p in parts):
+            joined = np.concatenate(parts)
+            fused, fused_compared = _float_initializer(inits, joined)
+            if fused is not None:
+                start = sum(p.shape[0] for p in parts[:_FUSED_QKV.index(projection)])
+                rows = slice(start, start + weights[name].shape[0])
+                found = inits[fused] if fused_compared is joined else inits[fused].T
+                _compare(report, f"{_PREFIX}{name}.weight (FP16, rows {rows.start}:{rows.stop} of fused q|k|v {fused})",
+                         np.ascontiguousarray(found)[rows], weights[name])
+                continue
+        _compare(report, f"{_PREFIX}{name}.weight (FP16, {match or 'no initializer holds it'})",
+                 inits[match] if match else None, compared)
 
 
 def _check_integers(report: dict, graph: Graph, name: str, expected: dict) -> None:

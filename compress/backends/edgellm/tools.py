@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import shlex
 import shutil
 import subprocess
 from dataclasses import asdict, dataclass
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.backends.tensorrt.cuda import driver_device_count as cuda_device_count
+from compress.core import shell
 from compress.core.config import Target
 from compress.core.errors import MissingBackendError, StageError, UsageError
 from compress.core.files import atomic_write_json, read_json
@@ -180,12 +180,12 @@ def device_script(target: Target, profile: EngineProfile, onnx_dir: str, engine_
                    else f"CUDA {stack.cuda}, TensorRT {stack.tensorrt}")
     cmake = f" -DEMBEDDED_TARGET={stack.embedded_target}" if stack.embedded_target else ""
     arguments = build_command(BUILD_TOOL, onnx_dir, engine_dir, profile)[1:]
-    build = f'"${{EDGELLM_TOOLS}}/{BUILD_TOOL}" ' + " ".join(shlex.quote(a) for a in arguments)
+    build = f'"${{EDGELLM_TOOLS}}/{BUILD_TOOL}" ' + " ".join(shell.quote(a) for a in arguments)
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# Build the TensorRT Edge-LLM {stack.version} engine for {target.name} on the device ({requirement}; "
-        f"Edge-LLM support: {stack.support}).",
-        f"# Edge-LLM's C++ tools come from its source tree, built on the device (cmake ..{cmake}).",
+        shell.comment(f"Build the TensorRT Edge-LLM {stack.version} engine for {target.name} on the device ({requirement}; "
+                      f"Edge-LLM support: {stack.support})."),
+        shell.comment(f"Edge-LLM's C++ tools come from its source tree, built on the device (cmake ..{cmake})."),
         "# Either, with compress installed:   compress build-engine RUN_DIR",
         "# or with Edge-LLM alone, from this folder:",
         "set -euo pipefail",

@@ -19,10 +19,11 @@ import onnx
 from compress.backends.onnx.encoder import ENCODER_FILE
 from compress.backends.onnx.runtime import ONNX_FILE, DecoderLayout, past_names
 from compress.backends.tensorrt.static_check import GraphFacts, check_onnx_file
+from compress.core import shell
 from compress.core.config import Target
 from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, atomic_write_text, read_json
-from compress.core.rundir import BUILD_PLAN, DEVICE_SCRIPT, ENGINE_MANIFEST
+from compress.core.rundir import BUILD_PLAN, DEVICE_SCRIPT, ENGINE_MANIFEST, TRTEXEC_LOG
 
 GB = 1 << 30
 ENCODER_MAX_TOKENS = 512
@@ -209,7 +210,7 @@ def device_script(plan: BuildPlan) -> str:
     ``compress build-engine RUN_DIR`` does the same through TensorRT's Python API, with separate
     prefill and decode profiles; ``trtexec`` builds the one profile covering both.
     """
-    trtexec = " ".join(shlex.quote(a) for a in plan.trtexec_args()[1:])
+    trtexec = " ".join(shell.quote(a) for a in plan.trtexec_args()[1:])
     manifest = (
         '{"target": "%s", "gpu": "%s", "sm": %d, "tensorrt_version": "%s", "builder": "trtexec", '
         f'"version_compatible": {str(plan.version_compatible).lower()}, "model_kind": "{plan.model_kind}", '
@@ -217,20 +218,20 @@ def device_script(plan: BuildPlan) -> str:
     )
     return "\n".join([
         "#!/usr/bin/env bash",
-        f"# Build the TensorRT engine for {plan.target} (sm_{plan.gpu_sm}, TensorRT {plan.tensorrt_version}) on the device.",
+        shell.comment(f"Build the TensorRT engine for {plan.target} (sm_{plan.gpu_sm}, TensorRT {plan.tensorrt_version}) on the device."),
         '# With compress installed: compress build-engine "$RUN_DIR"',
         "# With trtexec alone:      bash build_on_device.sh (it works in its own folder)",
         "set -euo pipefail",
         'cd "$(dirname "$0")"',
         'TRTEXEC="${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}"',
-        f'"$TRTEXEC" {trtexec} 2>&1 | tee trtexec.log',
-        "VERSION=$(sed -n 's/.*TensorRT version: *\\([0-9.]*\\).*/\\1/p' trtexec.log | head -n 1)",
+        f'"$TRTEXEC" {trtexec} 2>&1 | tee {TRTEXEC_LOG}',
+        f"VERSION=$(sed -n 's/.*TensorRT version: *\\([0-9.]*\\).*/\\1/p' {TRTEXEC_LOG} | head -n 1)",
         "GPU=$({ tr -d '\\000' < /proc/device-tree/model || nvidia-smi --query-gpu=name --format=csv,noheader; } 2>/dev/null "
         "| head -n 1 || true)",
-        f"ENGINE_SHA=$(sha256sum {shlex.quote(plan.engine_file)} | cut -d' ' -f1)",
-        f"GRAPH_SHA=$(sha256sum {shlex.quote(plan.engine_onnx_file)} | cut -d' ' -f1)",
-        f"printf '{manifest}' {plan.target} \"${{GPU:-unknown}}\" {plan.gpu_sm} \"${{VERSION:-unknown}}\" \"$ENGINE_SHA\" \"$GRAPH_SHA\" "
-        f"> {ENGINE_MANIFEST}.tmp",
+        f"ENGINE_SHA=$(sha256sum {shell.quote(plan.engine_file)} | cut -d' ' -f1)",
+        f"GRAPH_SHA=$(sha256sum {shell.quote(plan.engine_onnx_file)} | cut -d' ' -f1)",
+        f"printf '{manifest}' {shell.quote(plan.target)} \"${{GPU:-unknown}}\" {shell.quote(plan.gpu_sm)} \"${{VERSION:-unknown}}\" "
+        f"\"$ENGINE_SHA\" \"$GRAPH_SHA\" > {ENGINE_MANIFEST}.tmp",
         f"mv {ENGINE_MANIFEST}.tmp {ENGINE_MANIFEST}",
         "",
     ])

@@ -10,6 +10,7 @@ from typing import Any
 
 from compress.backends.tensorrt.plan import BuildPlan
 from compress.core.errors import StageError
+from compress.core.rundir import TRTEXEC_LOG
 
 JETPACK_TRTEXEC = Path("/usr/src/tensorrt/bin/trtexec")
 
@@ -25,7 +26,7 @@ def find_trtexec() -> Path | None:
 def build_with_trtexec(plan: BuildPlan, engine_dir: Path, trtexec: Path) -> dict[str, Any]:
     """Build with ``trtexec`` (one profile, see :attr:`BuildPlan.trtexec_profile`) where TensorRT's Python API is absent."""
     command = [str(trtexec), *plan.trtexec_args()[1:]]
-    log_path = engine_dir / "trtexec.log"
+    log_path = engine_dir / TRTEXEC_LOG
     with log_path.open("w") as out:
         code = subprocess.run(command, cwd=engine_dir, stdout=out, stderr=subprocess.STDOUT, check=False).returncode
     text = log_path.read_text(errors="replace")

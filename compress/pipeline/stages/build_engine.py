@@ -26,7 +26,7 @@ from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, Artifact
 from compress.core.config import StrictModel, Target
 from compress.core.errors import MissingBackendError
 from compress.core.files import atomic_write_json, atomic_write_text
-from compress.core.rundir import BUILD_PLAN, DEVICE_SCRIPT, EDGELLM_BUILD_PLAN
+from compress.core.rundir import BUILD_PLAN, DEVICE_SCRIPT, EDGELLM_BUILD_PLAN, ENGINE_MANIFEST, TRTEXEC_LOG
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,8 @@ def run_edgellm_build(source: Artifact, config: BuildEngineConfig, ctx: RunConte
     except MissingBackendError as exc:
         log.info("Edge-LLM engine build deferred: %s; commands written to %s", exc, DEVICE_SCRIPT)
         meta.update(deferred=True, metrics={"status": "deferred", "reason": str(exc), "runtime": "edgellm", **plan["profile"]})
-        return StageResult(Artifact(ENGINE, out, meta), f"{line}; {DEFERRED.format(reason=exc)}")
+        later = (f"engine/{plan['engine_dir']}/", f"engine/{ENGINE_MANIFEST}", "engine/llm_build.log")
+        return StageResult(Artifact(ENGINE, out, meta), f"{line}; {DEFERRED.format(reason=exc)}", device_files=later)
     meta.update(engine_file=plan["engine_dir"], metrics={"status": "built", "runtime": "edgellm", **plan["profile"], **built})
     return StageResult(Artifact(ENGINE, out, meta), line)
 
@@ -91,7 +92,8 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
         meta.update(deferred=True, metrics={"status": "deferred", "reason": reason, "trtexec": plan.trtexec_command(),
                                             "graph_nodes": facts.num_nodes, "qdq": facts.has_qdq, "int4": facts.has_int4,
                                             "profiles": [p.name for p in plan.profiles], **engine_input})
-        return StageResult(Artifact(ENGINE, out, meta), DEFERRED.format(reason=reason))
+        later = tuple(f"engine/{name}" for name in (plan.engine_file, ENGINE_MANIFEST, TRTEXEC_LOG))
+        return StageResult(Artifact(ENGINE, out, meta), DEFERRED.format(reason=reason), device_files=later)
     cache = timing_cache_path(target.name, support.tensorrt_version or "unknown")
     cache.parent.mkdir(parents=True, exist_ok=True)
     built = build_engine(plan, out / plan.engine_onnx_file, out / plan.engine_file, cache)

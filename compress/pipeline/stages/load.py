@@ -6,10 +6,11 @@ import logging
 
 from compress.core.artifact import HF_MODEL, SOURCE, Artifact
 from compress.core.config import StrictModel
+from compress.core.errors import UsageError
 from compress.core.files import read_json
 from compress.models.families import model_kind
-from compress.models.loading import count_parameters, link_or_copy_tree, load_causal_lm, load_encoder
-from compress.models.sources import materialize
+from compress.models.loading import copy_model_folder, count_parameters, load_causal_lm, load_encoder, load_tokenizer
+from compress.models.sources import materialize, model_files
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import SIZE_MB
 
@@ -25,11 +26,18 @@ class LoadConfig(StrictModel):
 def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResult:
     folder = materialize(ctx.model_source)
     out = ctx.stage_dir / "model"
-    link_or_copy_tree(folder, out)
+    skipped = sorted(p.name for p in folder.iterdir() if p.is_dir())
+    if skipped:
+        log.info("not copying sub-folders of %s (not part of the model): %s", folder, ", ".join(skipped))
+    copy_model_folder(model_files(folder), out)
     kind = model_kind(read_json(out / "config.json"))
     loader = load_encoder if kind == ENCODER else load_causal_lm
     model = loader(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}")
     cfg = model.config
+    rows, tokens = model.get_input_embeddings().num_embeddings, len(load_tokenizer(out, trust_remote_code=ctx.trust_remote_code))
+    if tokens > rows:
+        raise UsageError(f"model={ctx.model_spec}: the tokenizer makes {tokens:,} token ids but the embedding has {rows:,} rows; "
+                         "the model cannot read its own tokens")
     parameters = count_parameters(model)
     meta = {
         "architecture": (cfg.architectures or [type(model).__name__])[0],
