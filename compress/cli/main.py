@@ -56,7 +56,7 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="run a recipe for a target", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     run.add_argument("pairs", nargs="*", metavar="key=value",
-                     help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, stage.option=, budgets.key=")
+                     help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, device=, stage.option=, budgets.key=")
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and stage plan; do no work")
     run.add_argument("--require-measured", action="store_true", help="predicted checks count as NOT_MEASURED")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")

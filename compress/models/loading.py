@@ -39,20 +39,22 @@ def _refuse_partial_load(info: dict, name, counts=lambda key: True) -> None:
             raise UsageError(f"model {name}: tensors {what}: {listed}; the weights do not match config.json")
 
 
-def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None):
-    """Load a causal LM in fp32 for CPU work, safely; ``name`` is what the user called the model, for errors."""
+def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None, own_dtype: bool = False):
+    """Load a causal LM safely, in fp32 for the stages that compute in it, or in the checkpoint's own dtype
+    (``own_dtype``: half the memory of a bf16 checkpoint, for reading it); ``name`` is what the user called the model."""
     from transformers import AutoModelForCausalLM
 
-    model, info = _from_pretrained(AutoModelForCausalLM, folder, name or folder, "model", trust_remote_code)
+    model, info = _from_pretrained(AutoModelForCausalLM, folder, name or folder, "model", trust_remote_code, own_dtype)
     _refuse_partial_load(info, name or folder)
     return model.eval()
 
 
-def _from_pretrained(loader, folder: Path, name, what: str, trust_remote_code: bool):
-    """``loader.from_pretrained`` in fp32 with its loading report; a tensor of the wrong shape is named."""
+def _from_pretrained(loader, folder: Path, name, what: str, trust_remote_code: bool, own_dtype: bool = False):
+    """``loader.from_pretrained`` in fp32 (or the checkpoint's dtype) with its loading report; a tensor of the wrong shape
+    is named."""
     import torch
 
-    options = {"dtype": torch.float32, "trust_remote_code": trust_remote_code, "output_loading_info": True}
+    options = {"dtype": "auto" if own_dtype else torch.float32, "trust_remote_code": trust_remote_code, "output_loading_info": True}
     try:
         return loader.from_pretrained(folder, **options)
     except RuntimeError as exc:

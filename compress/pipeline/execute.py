@@ -136,6 +136,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha},
             "files": files,
             "device_files": list(result.device_files),
+            "device": ctx.device,
             "duration_s": round(duration, 3),
             "peak_rss_mb": round(_peak_rss_mb(), 1),
             "metrics": artifact.meta.get("metrics", {}),
@@ -160,6 +161,7 @@ def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | 
         "target_config": plan.target.model_dump(mode="json"),
         "power_mode": plan.power_mode,
         "budgets": plan.target.budgets.model_dump(),
+        "device": plan.device,
         "recipe": plan.recipe.model_dump(mode="json"),
         "model": {"spec": plan.model.spec, "path": str(plan.model.path), "license": plan.model.license,
                   "sha256": plan.model_sha256},
@@ -217,6 +219,11 @@ def execute(plan: Plan) -> RunResult:
     ctx = plan.context(out)
     total = len(plan.stages)
     current = out
+    if plan.estimates:
+        largest = max(plan.estimates, key=lambda e: e.host_bytes)
+        log.info("expected on %s: peak memory about %.1f GB (%s), run directory about %.1f GB, about %.0f min",
+                 plan.device, largest.host_bytes / 1e9, largest.stage, sum(e.disk_bytes for e in plan.estimates) / 1e9,
+                 sum(e.seconds for e in plan.estimates) / 60)
     try:
         for planned in plan.stages:
             current = final_dir = out / planned.dirname

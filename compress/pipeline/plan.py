@@ -19,6 +19,7 @@ from typing import Any
 from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.artifact import EDGELLM_BUNDLE, SOURCE
 from compress.core.config import Recipe, Target, apply_budget_overrides, load_recipe, load_target, parse_override_value, select_power_mode
+from compress.core.devices import resolve_device
 from compress.core.errors import UsageError
 from compress.core.files import sha256_path
 from compress.core.rundir import check_run_dir, plan_identity, stage_dirname
@@ -34,12 +35,13 @@ from compress.core.text import (
 )
 from compress.core.versions import __version__
 from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind
-from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_sha256, resolve_model, tokenizer_size
+from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
+from compress.pipeline.resources import Machine, StageEstimate, check_fits, estimate_stages, parameter_count
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, get_stage
 
 log = logging.getLogger("compress")
 
-RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "eval_labels", "power", "seed", "trust_remote_code")
+RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "eval_labels", "power", "seed", "trust_remote_code", "device")
 # What recipe=default means for each kind of model.
 DEFAULT_RECIPES = {"decoder": "default", "encoder": "encoder-int8"}
 
@@ -63,6 +65,7 @@ class RunOptions:
     power: str | None = None
     seed: int = 0
     trust_remote_code: bool = False
+    device: str = "auto"
     overrides: dict[str, str] = field(default_factory=dict)
     require_measured: bool = False
     progress: bool = True
@@ -128,6 +131,8 @@ class Plan:
     stages: list[PlannedStage]
     out_dir: Path
     model_sha256: str = ""  # the content of the model files (what every fingerprint starts from)
+    device: str = "cpu"  # the torch device the heavy work runs on (``device=`` resolved)
+    estimates: list[StageEstimate] = field(default_factory=list)  # each stage's expected memory, disk and time
 
     @property
     def unseen_domains(self) -> list[str]:
@@ -146,7 +151,7 @@ class Plan:
                           evaluation=self.evaluation, unseen_domains=self.unseen_domains,
                           trust_remote_code=options.trust_remote_code,
                           eval_labels=Path(options.eval_labels) if options.eval_labels else None,
-                          require_measured=options.require_measured, progress=options.progress)
+                          require_measured=options.require_measured, progress=options.progress, device=self.device)
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -159,6 +164,7 @@ class Plan:
             "target": self.target.name,
             "power_mode": self.power_mode,
             "budgets": self.target.budgets.model_dump(),
+            "device": self.device,
             "recipe": self.recipe.name,
             "model": {"spec": self.model.spec, "kind": self.model.kind, "path": str(self.model.path), "sha256": self.model_sha256},
             "out": str(self.out_dir),
@@ -170,6 +176,7 @@ class Plan:
                  "config": config_json(p.config)}
                 for p in self.stages
             ],
+            "estimates": [e.to_json() for e in self.estimates],
         }
         described = [(p, e) for p, e in zip(self.stages, description["stages"], strict=True) if p.variant.describe is not None]
         config = model_config(self.model) if described else None
@@ -221,11 +228,23 @@ def build_plan(options: RunOptions) -> Plan:
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
     check_disjoint(calibration, evaluation, max((getattr(p.config, "eval_tokens", 0) for p in planned), default=0) or 2048)
-    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, model_sha256(model))
+    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, model_sha256(model),
+                resolve_device(options.device))
     check_run_dir(out_dir, plan.identity, options.force)
     _check_plan_rules(planned, target, model, config)
+    if config is not None:
+        plan.estimates = estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config))
+        check_fits(plan.estimates, Machine.here(out_dir), model.spec)
     _assign_fingerprints(plan)
     return plan
+
+
+def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
+    """Bytes of the model's weights on disk (two per parameter where a dry run was given a config alone)."""
+    if model.kind == "gguf":
+        return 4.0 * parameter_count(config)  # the run copies the float32 conversion
+    files = [p for p in model_files(model.path) if p.suffix in (".safetensors", ".bin")]
+    return float(sum(p.stat().st_size for p in files)) or 2.0 * parameter_count(config)
 
 
 def _check_model_config(config: dict[str, Any], model: ModelSource) -> None:

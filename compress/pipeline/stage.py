@@ -50,6 +50,7 @@ class RunContext:
     eval_labels: Path | None = None
     require_measured: bool = False
     progress: bool = True
+    device: str = "cpu"  # where block-by-block work (calibration, quantization, sparsification, scores) is computed
     artifacts: dict[str, Artifact] = field(default_factory=dict)  # by stage name, in run order
     stage_name: str = ""
     fingerprint: str = ""

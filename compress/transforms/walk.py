@@ -22,6 +22,8 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import logging
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -31,6 +33,8 @@ from tqdm import tqdm
 
 from compress.algorithms.stats import InputStats
 from compress.models.families import decoder_blocks
+
+log = logging.getLogger(__name__)
 
 # Token windows ``(n, tokens)``, or a callable that runs the model over the calibration data.
 Calibration = torch.Tensor | Callable[[torch.nn.Module], None]
@@ -207,7 +211,9 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
     propagate = any(v.needs_inputs for v in visitors)
     inputs = capture_first_block_inputs(model, calibration).to(device) if propagate else BlockInputs([], {})
     blocks = decoder_blocks(model)
+    started = time.perf_counter()
     for index in tqdm(range(len(blocks)), desc=desc, unit="layer", disable=not progress, leave=False):
+        _log_progress(desc, index, len(blocks), started)
         block = blocks[index]
         with onloaded(block, device):
             for visitor in visitors:
@@ -224,6 +230,15 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
                 visitor.after(index, block, inputs, outputs)
         inputs = BlockInputs(outputs, inputs.kwargs)
         release_freed_memory()
+
+
+def _log_progress(desc: str, index: int, total: int, started: float) -> None:
+    """A log line (the terminal and ``run.log``) about every tenth of the blocks, with the time left at this pace."""
+    step = max(1, total // 10)
+    if index == 0 or index % step:
+        return
+    elapsed = time.perf_counter() - started
+    log.info("%s: %d of %d blocks in %.0f s, about %.0f s left", desc, index, total, elapsed, elapsed / index * (total - index))
 
 
 def run_encoder_batches(model, batches: list[dict[str, torch.Tensor]], mask: list[torch.Tensor], handles: list) -> None:

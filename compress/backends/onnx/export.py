@@ -26,6 +26,7 @@ from compress.core.files import atomic_write_json
 from compress.models.families import attention_geometry
 from compress.models.loading import chat_prompt_ids, load_causal_lm, load_tokenizer
 from compress.transforms.quantize.saved import attach_quantization, kv_cache_scales, load_quantization
+from compress.transforms.walk import release_freed_memory
 
 log = logging.getLogger(__name__)
 
@@ -123,23 +124,38 @@ def eos_ids(model, tokenizer) -> list[int]:
     return list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
 
 
-def check_parity(model, tokenizer, folder: Path, prompt_text: str, new_tokens: int) -> dict:
-    """Compare ONNX Runtime with torch on a fixed prompt (in the chat template): logits and greedy tokens."""
-    decoder = OnnxDecoder(folder)
+@dataclass(frozen=True)
+class TorchReference:
+    """What torch computes on the parity prompt: its logits and greedy continuation (taken before ONNX Runtime loads the
+    graph, so the torch model can be freed first)."""
+
+    prompt_text: str
+    prompt: list[int]
+    logits: np.ndarray
+    tokens: list[int]
+    new_tokens: int
+
+
+def torch_reference(model, tokenizer, prompt_text: str, new_tokens: int, eos_token_ids: list[int]) -> TorchReference:
+    """Torch's side of the parity check, on ``prompt_text`` in the chat template."""
     prompt = chat_prompt_ids(tokenizer, prompt_text)
     with torch.no_grad():
-        reference = model(torch.tensor([prompt])).logits.numpy()
-    onnx_logits = decoder.logits(np.asarray([prompt]))
-    max_diff = float(np.abs(onnx_logits - reference).max())
-    torch_tokens = torch_greedy(model, prompt, new_tokens, decoder.layout.eos_token_ids)
-    onnx_tokens = decoder.greedy(prompt, new_tokens)
+        logits = model(torch.tensor([prompt])).logits.numpy()
+    return TorchReference(prompt_text, prompt, logits, torch_greedy(model, prompt, new_tokens, eos_token_ids), new_tokens)
+
+
+def check_parity(reference: TorchReference, tokenizer, folder: Path) -> dict:
+    """Compare ONNX Runtime with torch's reference on the same prompt: logits and greedy tokens."""
+    decoder = OnnxDecoder(folder)
+    onnx_logits = decoder.logits(np.asarray([reference.prompt]))
+    onnx_tokens = decoder.greedy(reference.prompt, reference.new_tokens)
     return {
-        "max_abs_logit_diff": max_diff,
-        "greedy_match": torch_tokens == onnx_tokens,
-        "greedy_tokens_torch": torch_tokens,
+        "max_abs_logit_diff": float(np.abs(onnx_logits - reference.logits).max()),
+        "greedy_match": reference.tokens == onnx_tokens,
+        "greedy_tokens_torch": reference.tokens,
         "greedy_tokens_onnx": onnx_tokens,
         "greedy_text_onnx": tokenizer.decode(onnx_tokens, skip_special_tokens=True),
-        "prompt": prompt_text,
+        "prompt": reference.prompt_text,
     }
 
 
@@ -197,7 +213,10 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
     log.info("checking ONNX Runtime against torch")
-    parity = check_parity(model, tokenizer, out, parity_prompt, parity_new_tokens)
+    reference = torch_reference(model, tokenizer, parity_prompt, parity_new_tokens, layout.eos_token_ids)
+    del model  # ONNX Runtime's copy of the graph is the next large allocation; the torch model has done its part
+    release_freed_memory()
+    parity = check_parity(reference, tokenizer, out)
     log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
              "identical" if parity["greedy_match"] else "DIFFER")
     return ExportedDecoder(layout, quantized is not None, parity, qdq_stats, onnx_files_size(out / ONNX_FILE))

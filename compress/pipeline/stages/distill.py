@@ -45,7 +45,7 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
         evaluation, unseen = unseen, None
     student = copy.deepcopy(teacher)
     log.info("building the student: %s", shape)
-    built = build_student(student, calib, shape)
+    built = build_student(student, calib, shape, ctx.device)
     student_params, teacher_params = count_parameters(student), count_parameters(teacher)
     before = seen_and_unseen_perplexity(student, evaluation, unseen)()
     teacher_figures = seen_and_unseen_perplexity(teacher, evaluation, unseen)()

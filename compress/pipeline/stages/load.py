@@ -31,8 +31,10 @@ def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResu
         log.info("not copying sub-folders of %s (not part of the model): %s", folder, ", ".join(skipped))
     copy_model_folder(model_files(folder), out)
     kind = model_kind(read_json(out / "config.json"))
-    loader = load_encoder if kind == ENCODER else load_causal_lm
-    model = loader(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}")
+    if kind == ENCODER:
+        model = load_encoder(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}")
+    else:  # read in its own dtype: the stage only checks and counts it
+        model = load_causal_lm(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}", own_dtype=True)
     cfg = model.config
     rows, tokens = model.get_input_embeddings().num_embeddings, len(load_tokenizer(out, trust_remote_code=ctx.trust_remote_code))
     if tokens > rows:

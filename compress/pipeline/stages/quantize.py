@@ -55,7 +55,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
         config = config.model_copy(update={"hadamard_block": 0})
     model = load_causal_lm(source.path)
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
-    result = quantize_model(model, windows, config, progress=ctx.progress)
+    result = quantize_model(model, windows, config, progress=ctx.progress, device=ctx.device)
     out = ctx.stage_dir / "model"
     save_model_folder(model, tokenizer, source.path, out)
     save_quantization(result, out)

@@ -23,7 +23,7 @@ def run_sparsify(source: Artifact, config: SparsifyConfig, ctx: RunContext) -> S
                                   min_tokens=config.min_calib_tokens)
     model = load_causal_lm(source.path)
     log.info("sparsifying (%s, %s) on %d calibration tokens", config.pattern, config.method, windows.numel())
-    result = sparsify_model(model, windows, config, progress=ctx.progress)
+    result = sparsify_model(model, windows, config, progress=ctx.progress, device=ctx.device)
     out = ctx.stage_dir / "model"
     save_model_folder(model, tokenizer, source.path, out)
     fraction = result["pattern_fraction"]

@@ -112,9 +112,9 @@ def mlp_channel_importance(model, windows: torch.Tensor) -> list[torch.Tensor]:
     return sums
 
 
-def build_student(model, windows: torch.Tensor, shape: dict[str, int]) -> dict[str, Any]:
-    """Prune ``model`` in place to ``shape``; returns what was kept and the importance scores."""
-    influence = layer_influence(model, windows)
+def build_student(model, windows: torch.Tensor, shape: dict[str, int], device: torch.device | str | None = None) -> dict[str, Any]:
+    """Prune ``model`` in place to ``shape`` (the layers scored on ``device``); returns what was kept and the scores."""
+    influence = layer_influence(model, windows, device)
     order = sorted(range(len(influence)), key=lambda i: -influence[i])
     kept_layers = sorted(order[: shape["num_layers"]])
     drop_layers(model, kept_layers)

@@ -92,3 +92,20 @@ def test_blocks_are_computed_on_the_device_given_and_moved_back(model, windows):
     walk_blocks(model, windows, [recorder], device="cpu")
     assert set(recorder.devices) == {"cpu"}
     assert {str(p.device) for p in model.parameters()} == {"cpu"}
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                         reason="no CUDA device"))])
+def test_quantizing_on_a_named_device_gives_the_numbers_of_the_model_s_own_device(tiny_llama, windows, device):
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_model
+
+    config = QUANTIZE_CONFIG.validate_python({"method": "int8", "calib_windows": 3, "calib_window": 24, "min_calib_tokens": 1,
+                                              "sample_tokens": 64})
+    here, there = load_causal_lm(tiny_llama), load_causal_lm(tiny_llama)
+    quantize_model(here, windows, config, progress=False)
+    quantize_model(there, windows, config, progress=False, device=device)
+    assert {str(p.device) for p in there.parameters()} == {"cpu"}
+    tolerance = 0.0 if device == "cpu" else 1e-3  # another device sums in another order
+    for (name, a), (_, b) in zip(here.state_dict().items(), there.state_dict().items(), strict=True):
+        assert torch.allclose(a, b, atol=tolerance * float(a.abs().max()), rtol=0), name

@@ -1,0 +1,138 @@
+"""Know before you start: each stage's peak host memory, disk and time for this model on this machine.
+
+The figures come from the model's parameter count and rates measured on the stages as they are
+written today (the scaling section of ``docs/benchmarks.md`` gives the runs they were measured on): the stages that load a
+model in full hold an fp32 copy, so host memory is a multiple of the model's fp32 bytes; time is
+linear in the parameters and in the tokens a stage reads. They are estimates, good to about a
+factor of two; the plan refuses only a run whose largest stage would need more than this machine's
+memory and swap by a clear margin, or more disk than the run directory's file system has free.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from compress.core.errors import UsageError
+from compress.eval.perf_model import ModelShape
+from compress.models.families import model_kind
+
+GB = 1e9
+PROCESS_BASE_BYTES = 0.45 * GB  # torch, transformers, ONNX Runtime imported: the floor of every stage
+REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this factor (the estimate's error)
+
+# Peak host memory of a stage beyond the process floor, in fp32 copies of the model; measured on the embedded SmolLM2
+# (default recipe, 2 cores) and checked against a Qwen3-0.6B-shape run.
+HOST_FP32_COPIES = {"load": 0.75, "distill": 6.0, "prune_heads": 3.0, "sparsify": 1.6, "quantize": 1.6, "export_onnx": 4.7,
+                    "export_edgellm": 2.4, "build_engine": 0.5, "validate": 3.8}
+# Bytes written per parameter.
+DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": 4.0, "quantize": 4.0, "export_onnx": 2.2,
+                        "export_edgellm": 3.2, "build_engine": 0.0, "validate": 0.0}
+# Seconds per parameter (and per token read, where a stage reads text) on one core-pair of this class of machine.
+SECONDS_PER_PARAM_TOKEN = {"quantize": 8.7e-11, "sparsify": 8.7e-11, "validate": 8.0e-11, "distill": 6.0e-10}
+SECONDS_PER_PARAM = {"load": 6e-9, "prune_heads": 1e-7, "export_onnx": 1.7e-7, "export_edgellm": 3.0e-7, "build_engine": 0.0}
+
+
+@dataclass(frozen=True)
+class StageEstimate:
+    """What one stage is expected to need."""
+
+    stage: str
+    host_bytes: float
+    disk_bytes: float
+    seconds: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"stage": self.stage, "peak_host_gb": round(self.host_bytes / GB, 2), "disk_gb": round(self.disk_bytes / GB, 2),
+                "minutes": round(self.seconds / 60, 1)}
+
+
+def parameter_count(config: dict[str, Any]) -> int:
+    """Parameters of a model from its config alone (decoders through the latency model's shape; encoders BERT-like)."""
+    if model_kind(config) == "decoder":
+        return ModelShape.from_config(config).total_params()
+    hidden, layers = config.get("hidden_size", 0), config.get("num_hidden_layers", 0)
+    intermediate = config.get("intermediate_size", 4 * hidden)
+    return layers * (4 * hidden * hidden + 2 * hidden * intermediate) + config.get("vocab_size", 0) * hidden
+
+
+def _tokens_read(stage: str, config: Any) -> int:
+    """Tokens a stage runs the model over, from its config (calibration windows, evaluation tokens, training steps)."""
+    if stage in ("quantize", "sparsify"):
+        return int(getattr(config, "calib_windows", 32)) * int(getattr(config, "calib_window", 512))
+    if stage == "validate":
+        return 6 * int(getattr(config, "eval_tokens", 2048))
+    if stage == "distill":
+        return int(getattr(config, "steps", 0)) * int(getattr(config, "batch_size", 1)) * int(getattr(config, "seq_len", 512))
+    return 0
+
+
+def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any], checkpoint_bytes: float) -> list[StageEstimate]:
+    """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take ``checkpoint_bytes``."""
+    params = parameter_count(model_config)
+    fp32 = 4.0 * params
+    hidden = int(model_config.get("hidden_size") or (model_config.get("text_config") or {}).get("hidden_size") or 0)
+    estimates = []
+    for name, config in stages:
+        base = name.removesuffix("_encoder")
+        tokens = _tokens_read(base, config)
+        host = PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 2.0) * fp32
+        if base in ("quantize", "sparsify"):
+            host += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
+        per_param = DISK_BYTES_PER_PARAM.get(base, 4.0)
+        disk = checkpoint_bytes if per_param is None else per_param * params
+        seconds = SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
+        estimates.append(StageEstimate(name, host, disk, seconds))
+    return estimates
+
+
+@dataclass(frozen=True)
+class Machine:
+    """What this machine offers a run: memory, swap and free disk where the run directory goes."""
+
+    memory_bytes: float
+    available_bytes: float
+    swap_bytes: float
+    free_disk_bytes: float
+
+    @classmethod
+    def here(cls, out_dir: Path) -> Machine:
+        info = _meminfo()
+        existing = next((p for p in [Path(out_dir), *Path(out_dir).absolute().parents] if p.exists()), Path("."))
+        return cls(info.get("MemTotal", 0.0), info.get("MemAvailable", 0.0), info.get("SwapTotal", 0.0),
+                   float(shutil.disk_usage(existing).free))
+
+
+def _meminfo() -> dict[str, float]:
+    try:
+        lines = Path("/proc/meminfo").read_text().splitlines()
+    except OSError:
+        pages = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return {"MemTotal": float(pages), "MemAvailable": float(pages)}
+    values = {}
+    for line in lines:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            values[key] = float(parts[0]) * 1024
+    return values
+
+
+def check_fits(estimates: list[StageEstimate], machine: Machine, model_spec: str) -> None:
+    """Refuse a run whose largest stage needs clearly more memory than the machine has, or more disk than is free."""
+    if not estimates:
+        return
+    largest = max(estimates, key=lambda e: e.host_bytes)
+    ceiling = (machine.memory_bytes + machine.swap_bytes) * REFUSE_MARGIN
+    if machine.memory_bytes and largest.host_bytes > ceiling:
+        raise UsageError(f"model={model_spec}: {largest.stage} would need about {largest.host_bytes / GB:.1f} GB of memory "
+                         f"(estimated from the model's size), this machine has {machine.memory_bytes / GB:.1f} GB"
+                         f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; run it on a larger "
+                         "machine or a smaller model (`--dry-run` prints every stage's estimate)")
+    disk = sum(e.disk_bytes for e in estimates)
+    if disk > machine.free_disk_bytes * REFUSE_MARGIN:
+        raise UsageError(f"model={model_spec}: the run directory would take about {disk / GB:.1f} GB, its file system has "
+                         f"{machine.free_disk_bytes / GB:.1f} GB free; give out= on a larger disk")
