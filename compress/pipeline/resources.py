@@ -25,15 +25,17 @@ PROCESS_BASE_BYTES = 0.45 * GB  # torch, transformers, ONNX Runtime imported: th
 REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this factor (the estimate's error)
 
 # Peak host memory of a stage beyond the process floor, in fp32 copies of the model; measured on the embedded SmolLM2
-# (default recipe, 2 cores) and checked against a Qwen3-0.6B-shape run.
-HOST_FP32_COPIES = {"load": 0.75, "distill": 6.0, "prune_heads": 3.0, "sparsify": 1.6, "quantize": 1.6, "export_onnx": 4.7,
+# and a Qwen3-0.6B-shape bf16 checkpoint (default recipe, 2 cores; `bench/scale_table.py`), the larger of the two.
+HOST_FP32_COPIES = {"load": 0.75, "distill": 6.0, "prune_heads": 3.0, "sparsify": 2.0, "quantize": 2.0, "export_onnx": 4.0,
                     "export_edgellm": 2.4, "build_engine": 0.5, "validate": 3.8}
 # Bytes written per parameter.
 DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": 4.0, "quantize": 4.0, "export_onnx": 2.2,
                         "export_edgellm": 3.2, "build_engine": 0.0, "validate": 0.0}
-# Seconds per parameter (and per token read, where a stage reads text) on one core-pair of this class of machine.
-SECONDS_PER_PARAM_TOKEN = {"quantize": 8.7e-11, "sparsify": 8.7e-11, "validate": 8.0e-11, "distill": 6.0e-10}
-SECONDS_PER_PARAM = {"load": 6e-9, "prune_heads": 1e-7, "export_onnx": 1.7e-7, "export_edgellm": 3.0e-7, "build_engine": 0.0}
+# Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
+# of this class of machine.
+SECONDS_PER_PARAM_TOKEN = {"quantize": 8.7e-11, "sparsify": 8.7e-11, "validate": 6.5e-11, "distill": 6.0e-10}
+SECONDS_PER_PARAM = {"load": 8e-9, "prune_heads": 1e-7, "export_onnx": 8e-8, "export_edgellm": 3e-8}
+FIXED_SECONDS = {"export_onnx": 15.0, "export_edgellm": 30.0}
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,8 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
             host += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
         per_param = DISK_BYTES_PER_PARAM.get(base, 4.0)
         disk = checkpoint_bytes if per_param is None else per_param * params
-        seconds = SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
+        seconds = (SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
+                   + FIXED_SECONDS.get(base, 0.0))
         estimates.append(StageEstimate(name, host, disk, seconds))
     return estimates
 
