@@ -123,6 +123,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     plan = build_plan(options)
     if args.dry_run:
         print(json.dumps(plan.describe(), indent=2))
+        if plan.fit_problem:
+            print(f"compress: warning: {plan.fit_problem}", file=sys.stderr)
         return 0
     result = execute(plan)
     gate = result.report["gate"]

@@ -29,7 +29,7 @@ from compress.eval.latency import measure_decoder_latency
 from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
 from compress.eval.perplexity import perplexity, torch_logits_fn
 from compress.models.loading import load_causal_lm, load_tokenizer
-from compress.transforms.quantize.saved import attach_quantization, load_quantization
+from compress.transforms.quantize.saved import attach_quantization, load_quantization, load_quantized_causal_lm
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> 
     quantized = load_quantization(model_dir)
     if quantized is None:
         return None
-    model = load_causal_lm(model_dir)
+    model = load_quantized_causal_lm(model_dir)
     attach_quantization(model, *quantized)
     return perplexity(torch_logits_fn(model), windows, progress, desc="ppl torch quantized")
 

@@ -26,9 +26,10 @@ def load_encoder(folder: Path, trust_remote_code: bool = False, name: str | None
     return model.eval()
 
 
-def _refuse_partial_load(info: dict, name, counts=lambda key: True) -> None:
-    """A model whose weights and config disagree would run with randomly initialised tensors: refuse it, naming them."""
-    problems = [("missing from the weights", sorted(info.get("missing_keys") or ())),
+def _refuse_partial_load(info: dict, name, counts=lambda key: True, left_out: frozenset[str] = frozenset()) -> None:
+    """A model whose weights and config disagree would run with randomly initialised tensors: refuse it, naming them
+    (``left_out``: keys the folder stores elsewhere, which the caller fills in)."""
+    problems = [("missing from the weights", sorted(set(info.get("missing_keys") or ()) - left_out)),
                 ("in the weights but not in the model config.json describes", sorted(k for k in info.get("unexpected_keys") or ()
                                                                                       if counts(k))),
                 ("of another shape than config.json says", sorted(str(k[0] if isinstance(k, tuple) else k)
@@ -39,13 +40,15 @@ def _refuse_partial_load(info: dict, name, counts=lambda key: True) -> None:
             raise UsageError(f"model {name}: tensors {what}: {listed}; the weights do not match config.json")
 
 
-def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None, own_dtype: bool = False):
+def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None, own_dtype: bool = False,
+                   left_out: frozenset[str] = frozenset()):
     """Load a causal LM safely, in fp32 for the stages that compute in it, or in the checkpoint's own dtype
-    (``own_dtype``: half the memory of a bf16 checkpoint, for reading it); ``name`` is what the user called the model."""
+    (``own_dtype``: half the memory of a bf16 checkpoint); ``name`` is what the user called the model; ``left_out``: weights
+    the folder stores elsewhere (a quantized checkpoint's levels), which the caller must fill in."""
     from transformers import AutoModelForCausalLM
 
     model, info = _from_pretrained(AutoModelForCausalLM, folder, name or folder, "model", trust_remote_code, own_dtype)
-    _refuse_partial_load(info, name or folder)
+    _refuse_partial_load(info, name or folder, left_out=left_out)
     return model.eval()
 
 
@@ -91,9 +94,10 @@ def copy_model_folder(files: list[Path], dst: Path) -> None:
             raise
 
 
-def save_model_folder(model, tokenizer, source: Path, out: Path) -> None:
-    """Save a transformed model beside its tokenizer and the source's generation files."""
-    model.save_pretrained(out)
+def save_model_folder(model, tokenizer, source: Path, out: Path, state_dict: dict | None = None) -> None:
+    """Save a transformed model (``state_dict``: only these of its tensors) beside its tokenizer and the source's
+    generation files."""
+    model.save_pretrained(out, state_dict=state_dict)
     tokenizer.save_pretrained(out)
     for extra in ("generation_config.json", "chat_template.jinja"):
         if (Path(source) / extra).is_file() and not (out / extra).exists():

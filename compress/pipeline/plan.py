@@ -22,7 +22,7 @@ from compress.core.config import Recipe, Target, apply_budget_overrides, load_re
 from compress.core.devices import resolve_device
 from compress.core.errors import UsageError
 from compress.core.files import sha256_path
-from compress.core.rundir import check_run_dir, plan_identity, stage_dirname
+from compress.core.rundir import ARTIFACT_LAYOUT, check_run_dir, plan_identity, stage_dirname
 from compress.core.text import (
     DEFAULT_CALIBRATION,
     DEFAULT_EVALUATION,
@@ -36,7 +36,7 @@ from compress.core.text import (
 from compress.core.versions import __version__
 from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind
 from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
-from compress.pipeline.resources import Machine, StageEstimate, check_fits, estimate_stages, parameter_count
+from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, get_stage
 
 log = logging.getLogger("compress")
@@ -133,6 +133,7 @@ class Plan:
     model_sha256: str = ""  # the content of the model files (what every fingerprint starts from)
     device: str = "cpu"  # the torch device the heavy work runs on (``device=`` resolved)
     estimates: list[StageEstimate] = field(default_factory=list)  # each stage's expected memory, disk and time
+    fit_problem: str | None = None  # why the run cannot fit this machine (a dry run reports it, a run is refused)
 
     @property
     def unseen_domains(self) -> list[str]:
@@ -177,7 +178,10 @@ class Plan:
                 for p in self.stages
             ],
             "estimates": [e.to_json() for e in self.estimates],
+            "fits_this_machine": self.fit_problem is None,
         }
+        if self.fit_problem:
+            description["fit_problem"] = self.fit_problem
         described = [(p, e) for p, e in zip(self.stages, description["stages"], strict=True) if p.variant.describe is not None]
         config = model_config(self.model) if described else None
         for planned, entry in described if config is not None else ():
@@ -228,15 +232,23 @@ def build_plan(options: RunOptions) -> Plan:
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
     check_disjoint(calibration, evaluation, max((getattr(p.config, "eval_tokens", 0) for p in planned), default=0) or 2048)
+    estimates = _estimates(planned, model, config)
+    problem = fit_problem(estimates, Machine.here(out_dir), model.spec)
+    if problem and not options.dry_run:
+        raise UsageError(problem)  # before the model's files are hashed: a model too large to run is not read
     plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, model_sha256(model),
-                resolve_device(options.device))
+                resolve_device(options.device), estimates, problem)
     check_run_dir(out_dir, plan.identity, options.force)
     _check_plan_rules(planned, target, model, config)
-    if config is not None:
-        plan.estimates = estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config))
-        check_fits(plan.estimates, Machine.here(out_dir), model.spec)
     _assign_fingerprints(plan)
     return plan
+
+
+def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None) -> list[StageEstimate]:
+    """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later)."""
+    if config is None:
+        return []
+    return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config))
 
 
 def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
@@ -342,7 +354,8 @@ def _kinds(kind: str | tuple[str, ...]) -> str:
 
 def _assign_fingerprints(plan: Plan) -> None:
     upstream = hashlib.sha256(
-        json.dumps({"model_sha256": plan.model_sha256, "model_spec": plan.model.spec, "version": __version__}).encode()
+        json.dumps({"model_sha256": plan.model_sha256, "model_spec": plan.model.spec, "version": __version__,
+                    "layout": ARTIFACT_LAYOUT}).encode()
     ).hexdigest()
     data_hashes = [s.sha256 for s in plan.calibration] + [s.sha256 for s in plan.evaluation]
     for planned in plan.stages:

@@ -5,7 +5,8 @@ written today (the scaling section of ``docs/benchmarks.md`` gives the runs they
 model in full hold an fp32 copy, so host memory is a multiple of the model's fp32 bytes; time is
 linear in the parameters and in the tokens a stage reads. They are estimates, good to about a
 factor of two; the plan refuses only a run whose largest stage would need more than this machine's
-memory and swap by a clear margin, or more disk than the run directory's file system has free.
+memory and swap by a clear margin, or more disk than the run directory's file system has free (a dry
+run, which may plan for another machine, reports it instead).
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from compress.core.errors import UsageError
 from compress.eval.perf_model import ModelShape
 from compress.models.families import model_kind
 
@@ -124,18 +124,20 @@ def _meminfo() -> dict[str, float]:
     return values
 
 
-def check_fits(estimates: list[StageEstimate], machine: Machine, model_spec: str) -> None:
-    """Refuse a run whose largest stage needs clearly more memory than the machine has, or more disk than is free."""
+def fit_problem(estimates: list[StageEstimate], machine: Machine, model_spec: str) -> str | None:
+    """Why a run cannot fit ``machine``: its largest stage needs clearly more memory than the machine has, or the run
+    directory more disk than is free; None when it fits."""
     if not estimates:
-        return
+        return None
     largest = max(estimates, key=lambda e: e.host_bytes)
     ceiling = (machine.memory_bytes + machine.swap_bytes) * REFUSE_MARGIN
     if machine.memory_bytes and largest.host_bytes > ceiling:
-        raise UsageError(f"model={model_spec}: {largest.stage} would need about {largest.host_bytes / GB:.1f} GB of memory "
-                         f"(estimated from the model's size), this machine has {machine.memory_bytes / GB:.1f} GB"
-                         f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; run it on a larger "
-                         "machine or a smaller model (`--dry-run` prints every stage's estimate)")
+        return (f"model={model_spec}: {largest.stage} would need about {largest.host_bytes / GB:.1f} GB of memory "
+                f"(estimated from the model's size), this machine has {machine.memory_bytes / GB:.1f} GB"
+                f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; run it on a larger "
+                "machine or a smaller model (`--dry-run` prints every stage's estimate)")
     disk = sum(e.disk_bytes for e in estimates)
     if disk > machine.free_disk_bytes * REFUSE_MARGIN:
-        raise UsageError(f"model={model_spec}: the run directory would take about {disk / GB:.1f} GB, its file system has "
-                         f"{machine.free_disk_bytes / GB:.1f} GB free; give out= on a larger disk")
+        return (f"model={model_spec}: the run directory would take about {disk / GB:.1f} GB, its file system has "
+                f"{machine.free_disk_bytes / GB:.1f} GB free; give out= on a larger disk")
+    return None

@@ -4,7 +4,8 @@ Calibration enters as token windows or as a ``forward_loop(model)`` callable (Mo
 convention), so transforms never load data. The walker captures what the first decoder block
 receives, then for each block in order:
 
-1. moves the block and its inputs to the compute device (the walker's business, never a visitor's),
+1. moves the block and its inputs to the compute device, in the compute dtype (float32 by default,
+   whatever the model is held in; the walker's business, never a visitor's),
 2. hands the block and its inputs to every visitor (:meth:`BlockVisitor.visit`: calibrate,
    quantize, sparsify, score in place),
 3. runs the block on its inputs to produce the next block's inputs, with whatever simulation the
@@ -51,22 +52,22 @@ class BlockInputs:
     hidden: list[torch.Tensor]
     kwargs: dict[str, Any]
 
-    def to(self, device: torch.device | str | None) -> BlockInputs:
-        """These inputs on ``device`` (themselves when already there, or ``device`` is None)."""
-        if device is None:
+    def to(self, device: torch.device | str | None, dtype: torch.dtype | None = None) -> BlockInputs:
+        """These inputs on ``device`` with their float tensors in ``dtype`` (None: unchanged)."""
+        if device is None and dtype is None:
             return self
-        return BlockInputs([h.to(device) for h in self.hidden], _move(self.kwargs, device))
+        return BlockInputs([_move(h, device, dtype) for h in self.hidden], _move(self.kwargs, device, dtype))
 
 
-def _move(value: Any, device: torch.device | str) -> Any:
+def _move(value: Any, device: torch.device | str | None, dtype: torch.dtype | None = None) -> Any:
     if isinstance(value, torch.Tensor):
-        return value.to(device)
+        return value.to(device=device, dtype=dtype if dtype is not None and value.is_floating_point() else None)
     if isinstance(value, tuple):
-        return tuple(_move(v, device) for v in value)
+        return tuple(_move(v, device, dtype) for v in value)
     if isinstance(value, list):
-        return [_move(v, device) for v in value]
+        return [_move(v, device, dtype) for v in value]
     if isinstance(value, dict):
-        return {k: _move(v, device) for k, v in value.items()}
+        return {k: _move(v, device, dtype) for k, v in value.items()}
     return value
 
 
@@ -189,33 +190,37 @@ class BlockVisitor:
 
 
 @contextlib.contextmanager
-def onloaded(block: torch.nn.Module, device: torch.device | str | None) -> Iterator[None]:
-    """``block`` on ``device`` for the duration, then back where it was."""
-    home = next(block.parameters()).device if device is not None else None
-    if device is not None:
-        block.to(device)
+def onloaded(block: torch.nn.Module, device: torch.device | str | None, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """``block`` on ``device`` and in ``dtype`` for the duration (None: as it is), then back where and as it was."""
+    first = next(block.parameters())
+    home, home_dtype = first.device, first.dtype
+    moved = (device is not None and torch.device(device) != home) or (dtype is not None and dtype != home_dtype)
+    if moved:
+        block.to(device=device, dtype=dtype)
     try:
         yield
     finally:
-        if home is not None:
-            block.to(home)
+        if moved:
+            block.to(device=home, dtype=home_dtype)
 
 
 def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[BlockVisitor], *, device: torch.device | str | None = None,
-                progress: bool = False, desc: str = "blocks") -> None:
+                progress: bool = False, desc: str = "blocks", compute_dtype: torch.dtype | None = torch.float32) -> None:
     """Drive ``model``'s decoder blocks once, in order, through ``visitors`` (see the module docstring).
 
     ``device`` is where each block and its inputs are computed (None: where the model is); between
-    blocks the hidden states stay there too.
+    blocks the hidden states stay there too. ``compute_dtype`` is what each block computes in while
+    it is visited (a model held in bf16 is computed on in float32 one block at a time, and each block
+    returns to bf16 after; None: the model's own dtype).
     """
     propagate = any(v.needs_inputs for v in visitors)
-    inputs = capture_first_block_inputs(model, calibration).to(device) if propagate else BlockInputs([], {})
+    inputs = capture_first_block_inputs(model, calibration).to(device, compute_dtype) if propagate else BlockInputs([], {})
     blocks = decoder_blocks(model)
     started = time.perf_counter()
     for index in tqdm(range(len(blocks)), desc=desc, unit="layer", disable=not progress, leave=False):
         _log_progress(desc, index, len(blocks), started)
         block = blocks[index]
-        with onloaded(block, device):
+        with onloaded(block, device, compute_dtype):
             for visitor in visitors:
                 visitor.visit(index, block, inputs)
             if not propagate:

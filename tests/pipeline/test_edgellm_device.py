@@ -124,8 +124,11 @@ def test_engine_built_measured_and_loaded_through_the_edgellm_tools(int8_run, tm
     generator = compress.runtime.load(run)
     assert generator.backend == "edgellm"
     assert generator.generate(["one", "two"]) == ["stand-in answer 0", "stand-in answer 1"]
-    (run / "05_build_engine" / "engine" / "engines" / "llm.engine").write_bytes(b"swapped")
-    with pytest.raises(compress.runtime.ProvenanceError, match="does not match the hash recorded"):
+    engine = run / "05_build_engine" / "engine" / "engines" / "llm.engine"
+    swapped = bytearray(engine.read_bytes())
+    swapped[0] ^= 0xFF  # same size, other content: only the hash can tell
+    engine.write_bytes(bytes(swapped))
+    with pytest.raises(compress.runtime.ProvenanceError, match="llm.engine does not hold the content compress wrote"):
         compress.runtime.load(run)
 
 

@@ -7,9 +7,11 @@ import json
 import numpy as np
 import onnx
 import pytest
+import torch
 from onnx import numpy_helper
 
 from compress.cli.main import main
+from compress.transforms.quantize.saved import load_quantization, load_quantized_causal_lm
 from tests.conftest import TINY_SMOKE, cached_decode_logits
 
 QUANT_SMALL = ["quantize.calib_windows=8", "quantize.calib_window=256", "quantize.min_calib_tokens=1024",
@@ -59,18 +61,16 @@ def test_int8_graph_has_per_channel_weights_and_per_tensor_activations(runs):
 
 
 def _assert_no_float_copy(out, graph):
-    from safetensors.torch import load_file
-
-    weights = load_file(str(out / "02_quantize" / "model" / "model.safetensors"))
-    quantized = {k: v for k, v in weights.items() if k.endswith("_proj.weight")}
+    folder = out / "02_quantize" / "model"
+    _, linears = load_quantization(folder)
+    model = load_quantized_causal_lm(folder)
     float_inits = {numpy_helper.to_array(i).tobytes() for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
-    for name, tensor in quantized.items():
+    for name in linears:
+        tensor = model.get_submodule(name).weight.detach()
         assert tensor.T.contiguous().numpy().tobytes() not in float_inits, f"float copy of {name} left in the graph"
 
 
 def test_rotated_down_proj_is_rotated_in_the_graph_and_exact_in_the_saved_folder(runs):
-    from safetensors.torch import load_file
-
     from compress.algorithms.rotation import hadamard
 
     _, out = runs["int8"]
@@ -91,14 +91,15 @@ def test_rotated_down_proj_is_rotated_in_the_graph_and_exact_in_the_saved_folder
         matmul = next(n for n in graph.graph.node if dequantize.output[0] in n.input)
         weight_dq = producers[matmul.input[1]]
         assert matmul.op_type == "MatMul" and inits[weight_dq.input[0]].dtype == np.int8
-    # The saved folder keeps the rotated-back weight: the rotated integer weight times its scales.
-    saved = load_file(str(out / "02_quantize" / "model" / "model.safetensors"))
-    scales = load_file(str(out / "02_quantize" / "model" / "quant_scales.safetensors"))
+    # The saved folder stores the rotated basis' integers; the weight it rebuilds is them times their scales, rotated back.
+    folder = out / "02_quantize" / "model"
+    meta, linears = load_quantization(folder)
     name = rotated[0]
-    weight = saved[f"{name}.weight"].double()
+    levels = linears[name].levels
+    assert levels.dtype == torch.int8 and linears[name].rotation == 128
+    weight = load_quantized_causal_lm(folder).get_submodule(name).weight.detach().double()
     grid = (weight.reshape(weight.shape[0], -1, 128) @ hadamard(128)).reshape(weight.shape)
-    levels = grid / scales[f"{name}.weight_scale"].double()[:, None]
-    assert (levels - levels.round()).abs().max() < 1e-3 and levels.abs().max() <= 128
+    torch.testing.assert_close(grid / linears[name].weight_scales.double()[:, None], levels.double(), atol=1e-3, rtol=0)
 
 
 def test_int4_graph_is_blockwise_weight_only(runs):

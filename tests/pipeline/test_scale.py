@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 
 from compress.cli.main import main
@@ -59,10 +60,59 @@ def test_the_plan_estimates_each_stage_from_the_models_size(capsys, tmp_path):
     assert quantize["peak_host_gb"] > 4 * 0.6 and quantize["minutes"] > 1  # more than the model's fp32 copy, and not instant
 
 
+def _sparse_safetensors(path: Path, parameters: int) -> None:
+    """A valid safetensors file of ``parameters`` bf16 zeros that takes no disk (its data is a hole)."""
+    header = json.dumps({"weight": {"dtype": "BF16", "shape": [parameters], "data_offsets": [0, 2 * parameters]}}).encode()
+    with path.open("wb") as handle:
+        handle.write(len(header).to_bytes(8, "little") + header)
+        handle.truncate(8 + len(header) + 2 * parameters)
+
+
 def test_a_model_that_cannot_fit_this_machine_is_refused_before_any_work(capsys, tmp_path):
     model = _config_only(tmp_path / "llama70b", "Llama", **LLAMA_70B)
+    for shard in range(28):  # 70B parameters in shards of a published checkpoint's size
+        _sparse_safetensors(model / f"model-{shard + 1:05d}-of-00028.safetensors", 2_500_000_000)
     out = tmp_path / "run"
-    assert main(["run", "target=jetson-orin", f"model={model}", f"out={out}", "--dry-run"]) == 2
+    assert main(["run", "target=jetson-orin", f"model={model}", f"out={out}", "--no-progress"]) == 2
     error = capsys.readouterr().err.strip().splitlines()[-1]
     assert f"model={model}: " in error and "GB of memory" in error and "this machine has" in error
     assert not out.exists()
+
+
+def test_a_dry_run_plans_for_another_machine_and_says_this_one_is_too_small(capsys, tmp_path):
+    model = _config_only(tmp_path / "llama70b", "Llama", **LLAMA_70B)
+    assert main(["run", "target=jetson-orin", f"model={model}", f"out={tmp_path / 'run'}", "--dry-run"]) == 0
+    printed = capsys.readouterr()
+    plan = json.loads(printed.out)
+    assert plan["fits_this_machine"] is False and "GB of memory" in plan["fit_problem"]
+    assert max(e["peak_host_gb"] for e in plan["estimates"]) > 280  # at least 70B parameters in fp32
+    assert printed.err.strip().splitlines()[-1] == f"compress: warning: {plan['fit_problem']}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_bf16_checkpoint_is_quantized_into_integers_and_scales_with_no_float_copy(tmp_path):
+    from safetensors import safe_open
+
+    from compress.transforms.quantize.saved import QUANT_WEIGHTS_FILE, load_quantization
+    from tests.conftest import QUANTIZE_SMALL, build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "fp32", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True)
+    bf16 = tmp_path / "bf16"
+    transformers.AutoModelForCausalLM.from_pretrained(model).to(dtype=torch.bfloat16).save_pretrained(bf16)
+    build_tokenizer(chat_template=True).save_pretrained(bf16)
+    out = tmp_path / "run"
+    assert main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={bf16}", f"out={out}", "--no-progress",
+                 *QUANTIZE_SMALL, *TINY_SMOKE]) in (0, 1)
+    folder = out / "02_quantize" / "model"
+    meta, linears = load_quantization(folder)
+    assert len(linears) == 14 and all(q.levels.dtype == torch.int8 for q in linears.values())
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as saved:
+        names = saved.keys()  # a safetensors handle is not iterable
+        stored = {key: saved.get_tensor(key).dtype for key in names}
+    assert not {f"{name}.weight" for name in linears} & set(stored)  # the quantized linears live only as levels
+    assert set(stored.values()) == {torch.bfloat16}
+    checkpoint = sum(p.stat().st_size for p in (out / "01_load" / "model").glob("*.safetensors"))
+    quantized = (folder / "model.safetensors").stat().st_size + (folder / QUANT_WEIGHTS_FILE).stat().st_size
+    assert quantized < 0.85 * checkpoint  # int8 linears and bf16 embeddings, against all of it in bf16
+    assert json.loads((out / "03_export_onnx" / "stage.json").read_text())["metrics"]["parity"]["greedy_match"]
+    assert json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]["mismatches"] == 0

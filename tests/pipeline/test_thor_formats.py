@@ -41,7 +41,7 @@ from compress.cli.main import main
 from compress.core.errors import StageError
 from compress.transforms.quantize.config import QuantizeConfig
 from compress.transforms.quantize.decoder import _search_global_scale
-from compress.transforms.quantize.saved import load_quantization
+from compress.transforms.quantize.saved import dequantized_weight, load_quantization
 from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress, tamper_bundle
 
 
@@ -176,7 +176,8 @@ def test_an_fp8_kv_cache_needs_fp8_and_a_checkpoint_edgellm_reads_it_from(capsys
     assert "quantize.kv_cache=fp8: target jetson-orin-nano-8gb (ampere sm_87) has no FP8" in capsys.readouterr().err
     assert main(["run", "target=jetson-agx-thor", "recipe=edgellm-int4", "quantize.kv_cache=fp8", f"out={tmp_path / 'b'}",
                  "--dry-run"]) == 2
-    assert "Edge-LLM 0.11 reads no FP8 KV cache from a W4A16_AWQ checkpoint" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "quantize.kv_cache=fp8 with INT4 weights" in error and "takes no FP8 KV cache read from a W4A16_AWQ checkpoint" in error
 
 
 def test_a_generic_tensorrt_build_of_an_nvfp4_graph_is_refused_before_any_work(capsys, tmp_path):
@@ -263,7 +264,8 @@ def test_per_channel_fp8_weights_go_to_the_portable_onnx_and_not_to_edgellm(tiny
     levels_on_grid(dequantized, Fp8Grid(per_channel=True), scales, tolerance=0.0)
     assert main(["run", "target=jetson-agx-thor", "recipe=thor-fp8", "quantize.fp8_weight_scale=channel", f"out={tmp_path / 'a'}",
                  "--dry-run"]) == 2
-    assert "Edge-LLM's FP8 linears take one weight scale per tensor" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "quantize.fp8_weight_scale=channel" in error and "FP8 linears with one weight scale per tensor" in error
     recipe = tmp_path / "fp8-onnx.yaml"
     recipe.write_text("name: fp8-onnx\nstages:\n  - load\n  - quantize: {method: fp8, fp8_weight_scale: channel}\n  - export_onnx\n"
                       "  - validate\n")
@@ -341,11 +343,12 @@ def test_nvfp4_weight_only_bundle_keeps_every_input_in_fp16(runs):
 
 
 def _our_weight(run: Path, module: str) -> torch.Tensor:
-    with safe_open(str(run / "02_quantize" / "model" / "model.safetensors"), framework="pt") as folder:
-        if module.endswith("qkv_proj_fused"):
-            parent = module.rsplit(".", 1)[0]
-            return torch.cat([folder.get_tensor(f"{parent}.{p}.weight") for p in ("q_proj", "k_proj", "v_proj")])
-        return folder.get_tensor(f"{module}.weight")
+    """The float weight our quantized folder computes with (rebuilt from its stored levels and scales)."""
+    meta, linears = load_quantization(run / "02_quantize" / "model")
+    if module.endswith("qkv_proj_fused"):
+        parent = module.rsplit(".", 1)[0]
+        return torch.cat([dequantized_weight(meta, linears[f"{parent}.{p}"]) for p in ("q_proj", "k_proj", "v_proj")])
+    return dequantized_weight(meta, linears[module])
 
 
 def _input_scale(run: Path, module: str) -> float | None:

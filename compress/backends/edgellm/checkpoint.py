@@ -22,10 +22,9 @@ its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the spe
 * Every other tensor (embedding, norms) in float16, ``torch_dtype: float16``.
 
 SmoothQuant and AWQ scales are already folded into the norms and producer linears of the
-quantized folder, so ``pre_quant_scale`` is all ones. The integers are recovered exactly from
-the folder's on-grid weights (``round(W / scale)``); a weight that is not on its grid, such as a
-``down_proj`` stored rotated back from a Hadamard basis, is refused: the format has no slot for
-an online rotation.
+quantized folder, so ``pre_quant_scale`` is all ones. The integers and E4M3 / E2M1 values are
+the ones the quantize stage stored; a linear whose input is rotated online (a ``down_proj``
+quantized in a Hadamard basis) is refused: the format has no slot for an online rotation.
 """
 
 from __future__ import annotations
@@ -40,18 +39,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from compress.algorithms.formats import PRECISIONS, e2m1_codes, levels_on_grid, pack_fp4
+from compress.algorithms.formats import PRECISIONS, e2m1_codes, pack_fp4
 from compress.core.errors import UsageError
 from compress.core.versions import __version__
 from compress.models.families import family_of, is_decoder_linear
-from compress.transforms.quantize.saved import LinearQuant, kv_cache_scales, load_quantization, stored_grid
+from compress.transforms.quantize.saved import LinearQuant, kv_cache_scales, level_values, load_quantization
 
 NVFP4_WEIGHT_ONLY = PRECISIONS["nvfp4_a16"].quant_algo
 HF_QUANT_CONFIG = "hf_quant_config.json"
 WEIGHTS_FILE = "model.safetensors"
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-# |W / scale - round(W / scale)| above this means the weight is not on its grid.
-_GRID_TOLERANCE = 1e-3
 
 
 @dataclass(frozen=True)
@@ -71,34 +68,20 @@ class CheckpointSummary:
                 "fp16_linear_bytes": self.fp16_bytes, "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}
 
 
-def integer_weight(name: str, weight: torch.Tensor, quant: LinearQuant, bits: int) -> torch.Tensor:
-    """The integer grid values of an on-grid float weight; refuses a weight that is not on its grid."""
+def grid_values(name: str, quant: LinearQuant, meta: dict[str, Any]) -> torch.Tensor:
+    """The grid values the quantize stage stored for a linear: integers (int8), E4M3 values (FP8) or E2M1 values (NVFP4,
+    float32); refuses a linear whose input is rotated online (the format has no slot for it)."""
     if quant.rotation:
         raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
                          "cannot express; quantize with quantize.hadamard_block=0")
-    scales = quant.weight_scales.float()
-    expanded = scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], dim=1)
-    ratio = weight.double() / expanded.double()
-    integers = ratio.round()
-    off_grid = float((ratio - integers).abs().max())
+    values = level_values(quant)
+    if meta.get("format", "int") != "int":
+        return values
+    bits = meta["weight_bits"]
     low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
-    if off_grid > _GRID_TOLERANCE or integers.min() < low or integers.max() > high:
-        raise UsageError(f"{name}: weight is not on its {bits}-bit grid (off by up to {off_grid:.3g} steps); "
-                         "the quantized folder and its scales disagree")
-    return integers.to(torch.int8)
-
-
-def grid_values(name: str, weight: torch.Tensor, quant: LinearQuant, meta: dict[str, Any]) -> torch.Tensor:
-    """The grid values of a saved linear's weight: integers (int8), E4M3 values (FP8) or E2M1 values (NVFP4), exactly."""
-    if meta.get("format", "int") == "int":
-        return integer_weight(name, weight, quant, meta["weight_bits"])
-    if quant.rotation:
-        raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
-                         "cannot express; quantize with quantize.hadamard_block=0")
-    try:
-        return levels_on_grid(weight, stored_grid(meta, quant), quant.weight_scales, tolerance=0.0)
-    except ValueError as exc:
-        raise UsageError(f"{name}: {exc}; the quantized folder and its scales disagree") from exc
+    if not torch.equal(values, values.round()) or values.min() < low or values.max() > high:
+        raise UsageError(f"{name}: its stored levels are not {bits}-bit integers; the quantized folder is damaged")
+    return values.to(torch.int8)
 
 
 def pack_int4(integers: torch.Tensor) -> torch.Tensor:
@@ -119,8 +102,8 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(values > 7, values - 16, values).to(torch.int8)
 
 
-def _linear_tensors(name: str, weight: torch.Tensor, quant: LinearQuant, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    values = grid_values(name, weight, quant, meta)
+def _linear_tensors(name: str, quant: LinearQuant, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
+    values = grid_values(name, quant, meta)
     weight_format, bits = meta.get("format", "int"), meta["weight_bits"]
     if weight_format == "fp8":
         if quant.input_scale is None:
@@ -139,7 +122,7 @@ def _linear_tensors(name: str, weight: torch.Tensor, quant: LinearQuant, meta: d
             raise UsageError(f"{name}: W8A8 needs a calibrated input scale")
         return {f"{name}.weight": integers, f"{name}.weight_scale": quant.weight_scales.float().contiguous(),
                 f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32),
-                f"{name}.pre_quant_scale": torch.ones(weight.shape[1], dtype=torch.float16)}
+                f"{name}.pre_quant_scale": torch.ones(values.shape[1], dtype=torch.float16)}
     return {f"{name}.weight": pack_int4(integers), f"{name}.weight_scale": quant.weight_scales.float().contiguous()}
 
 
@@ -161,19 +144,17 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     quantized_bytes = fp16_bytes = 0
     family = family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8")))
     float_linears: list[str] = []
+    for name, quant in linears.items():
+        written = _linear_tensors(name, quant, meta)
+        quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
+        fp16_bytes += quant.levels.numel() * 2
+        tensors.update(written)
     with safe_open(str(quantized_dir / WEIGHTS_FILE), framework="pt") as source:
         for key in list(source.keys()):
             module = key.rsplit(".", 1)[0]
-            if module in linears and key.endswith(".weight"):
-                weight = source.get_tensor(key)
-                written = _linear_tensors(module, weight, linears[module], meta)
-                quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
-                fp16_bytes += weight.numel() * 2
-                tensors.update(written)
-                continue
             tensor = source.get_tensor(key)
             tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
-            if key.endswith(".weight") and is_decoder_linear(module, family):
+            if key.endswith(".weight") and is_decoder_linear(module, family) and module not in linears:
                 float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
                 quantized_bytes += tensor.numel() * 2
                 fp16_bytes += tensor.numel() * 2
@@ -181,9 +162,6 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     for layer, (k_scale, v_scale) in (kv_scales or {}).items():
         tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
         tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
-    missing = sorted(set(linears) - {k.rsplit(".", 1)[0] for k in tensors})
-    if missing:
-        raise UsageError(f"{quantized_dir}: quantized linears without weights: {', '.join(missing[:3])}")
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
     quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,

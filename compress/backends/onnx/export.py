@@ -24,8 +24,8 @@ from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, appl
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.core.files import atomic_write_json
 from compress.models.families import attention_geometry
-from compress.models.loading import chat_prompt_ids, load_causal_lm, load_tokenizer
-from compress.transforms.quantize.saved import attach_quantization, kv_cache_scales, load_quantization
+from compress.models.loading import chat_prompt_ids, load_tokenizer
+from compress.transforms.quantize.saved import attach_quantization, kv_cache_scales, load_quantization, load_quantized_causal_lm
 from compress.transforms.walk import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -198,7 +198,7 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
                           trust_remote_code: bool = False) -> ExportedDecoder:
     """Export the Hugging Face folder ``source`` (float, or quantized by the quantize stage) into ``out``: the graph, its
     KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime."""
-    model = load_causal_lm(source, trust_remote_code=trust_remote_code)
+    model = load_quantized_causal_lm(source, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(source)
     quantized = load_quantization(source)
     int8_activations = bool(quantized and quantized[0]["activations"].startswith("int8"))

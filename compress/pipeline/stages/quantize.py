@@ -1,9 +1,9 @@
 """``quantize``: calibrated W8A8 (INT8 or FP8, SmoothQuant), INT4 weight-only (AWQ / GPTQ), NVFP4 or RTN for a decoder;
 static W8A8 with smoothing placed where it is exact for an encoder (``quantize_encoder``).
 
-The output is a Hugging Face folder whose weights lie on their quantization grid (dequantized),
-with the saved quantization beside it (:mod:`compress.transforms.quantize.saved`); ``export_onnx``
-turns that into real Q/DQ nodes, ``export_edgellm`` into a quantized checkpoint.
+The output is the quantized checkpoint: a Hugging Face folder in the model's own dtype whose quantized
+linears are stored as grid values and scales (:mod:`compress.transforms.quantize.saved`), never as a
+float copy; ``export_onnx`` turns it into real Q/DQ nodes, ``export_edgellm`` into Edge-LLM's checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from compress.report.figures import LAYER_SQNR, QUANTIZATION
 from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, QuantizeConfig, algorithm_name, describe_scheme
 from compress.transforms.quantize.decoder import check_group_size, quantize_model
 from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder, save_encoder_quantization, summary
-from compress.transforms.quantize.saved import save_quantization
+from compress.transforms.quantize.saved import model_state_without_quantized, save_quantization
 
 log = logging.getLogger(__name__)
 
@@ -53,11 +53,11 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     if config.rotation_limit() and source.meta.get("sparse_24"):
         log.warning("hadamard_block ignored: rotating down_proj inputs would break the model's 2:4 sparsity")
         config = config.model_copy(update={"hadamard_block": 0})
-    model = load_causal_lm(source.path)
+    model = load_causal_lm(source.path, own_dtype=True)  # each block computes in float32 while the walker holds it
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
     result = quantize_model(model, windows, config, progress=ctx.progress, device=ctx.device)
     out = ctx.stage_dir / "model"
-    save_model_folder(model, tokenizer, source.path, out)
+    save_model_folder(model, tokenizer, source.path, out, model_state_without_quantized(model, result.linears))
     save_quantization(result, out)
     _log_findings(result, config, model.config.num_hidden_layers)
     bits, _, group = config.scheme()

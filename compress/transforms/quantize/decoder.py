@@ -16,10 +16,11 @@ Phi-3's producers are the v and up parts of its fused ``qkv_proj`` and ``gate_up
 For W8A8 with ``hadamard_block``, the MLP hidden state may instead be rotated by a block-diagonal
 Hadamard matrix in front of ``down_proj`` (kept where it gives the lower output error on the
 calibration samples). The rotation cannot be folded through the gated product, so it stays in
-the deployed graph as a small ``MatMul``; the saved weight is the rotated-back quantized weight,
-so the saved folder stays an exact float model.
+the deployed graph as a small ``MatMul``; the levels are saved in the rotated basis and the float
+weight the model computes with is the rotated-back dequantized one (``x W^T == (x R)(W R)^T``).
 
-Weights are then quantized (RTN, AWQ clipping, GPTQ), written back dequantized, and the block's
+Weights are then quantized (RTN, AWQ clipping, GPTQ), their grid values kept for the saved checkpoint and
+the block computing on with them dequantized, and the block's
 outputs (with simulated activation quantization for W8A8) become the next block's inputs: the
 blocks are driven by the shared walker (:mod:`compress.transforms.walk`), this module being one
 of its visitors.
@@ -35,14 +36,14 @@ from dataclasses import dataclass
 import torch
 
 from compress.algorithms import kv_cache
-from compress.algorithms.formats import ActivationFormat, Nvfp4Grid, WeightGrid, quantize_dequantize
+from compress.algorithms.formats import ActivationFormat, Nvfp4Grid, WeightGrid, expand_scales, quantize_dequantize
 from compress.algorithms.quant import activation_scale, awq_search_clip, awq_search_scales, gptq_quantize, smoothquant_scales, sqnr_db
 from compress.algorithms.rotation import rotate
 from compress.algorithms.stats import InputStats
 from compress.core.errors import UsageError
 from compress.models.families import ActivationPoint, Family, attention_geometry, family_of, linear_shapes, part_rows
 from compress.transforms.quantize.config import QuantizeConfig
-from compress.transforms.quantize.saved import LinearQuant, QuantResult, attach_activation_quant
+from compress.transforms.quantize.saved import LinearQuant, QuantResult, attach_activation_quant, grid_levels
 from compress.transforms.walk import BlockInputs, BlockVisitor, collect_input_stats, walk_blocks
 
 log = logging.getLogger(__name__)
@@ -369,6 +370,9 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
         dequantized, weight_scales = migration.gptq_weights[index]
     else:
         dequantized, weight_scales = _quantize_weight(config, weight, stats, grid, search_clip)
+    # What is stored is the levels; the weight computed with from here on is rebuilt from them, as every reader rebuilds it.
+    levels = grid_levels(dequantized, grid, weight_scales, config.weight_format())
+    dequantized = grid.dequantize(levels.float(), expand_scales(weight_scales.float(), weight.shape[1]))
     activation = config.activation_format()
     x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
     error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
@@ -379,8 +383,9 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
     with torch.no_grad():
         # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
         linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
-    return LinearQuant(weight_scales, input_scale, error, migration.ratio, migration.rotation,
-                       global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8")
+    return LinearQuant(weight_scales.cpu(), input_scale, error, migration.ratio, migration.rotation,
+                       global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8",
+                       levels=levels.cpu())
 
 
 class _Quantizer(BlockVisitor):

@@ -1,9 +1,19 @@
-"""A quantization on disk: the scales and choices the quantize stage saves beside the model, and reading them back.
+"""A quantization on disk: the quantized checkpoint the quantize stage writes, and reading it back.
 
-The quantize stage writes the model with every quantized weight on its grid (dequantized) plus
-``quantization.json`` (method, precision, per-linear input scales, rotations, NVFP4 global scales,
-FP8 KV-cache scales) and ``quant_scales.safetensors`` (weight scales). Every later reader (ONNX
-export, the Edge-LLM checkpoint, validation's torch reference) goes through this module.
+The quantize stage writes a Hugging Face folder whose quantized linears are stored as their grid
+values and scales, never as a float copy:
+
+* ``quantized_weights.safetensors``: per quantized linear ``<name>.weight_levels`` (int8 for the
+  integer grids, FP8 E4M3 for the FP8 and E2M1 values, which E4M3 holds exactly; in the basis the
+  input is quantized in) and ``<name>.weight_scale``;
+* ``quantization.json``: method, precision, per-linear input scales, rotations, NVFP4 global
+  scales, FP8 KV-cache scales;
+* ``model.safetensors``: every other tensor (embeddings, norms, linears left float) in the
+  checkpoint's own dtype, without the quantized linears' weights.
+
+Every later reader (ONNX export, the Edge-LLM checkpoint and its custody check, validation's torch
+reference) goes through this module: :func:`load_quantized_causal_lm` rebuilds the float model
+with each quantized weight computed from its levels exactly as the quantizer computed it.
 """
 
 from __future__ import annotations
@@ -17,13 +27,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from compress.algorithms import kv_cache
-from compress.algorithms.formats import ACTIVATION_FORMATS, Fp8Grid, IntGrid, Nvfp4Grid, WeightGrid
+from compress.algorithms.formats import ACTIVATION_FORMATS, Fp8Grid, IntGrid, Nvfp4Grid, WeightGrid, expand_scales, levels_on_grid
 from compress.algorithms.rotation import rotate
+from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, read_json
+from compress.models.loading import load_causal_lm
 from compress.transforms.quantize.config import QuantizeConfig
 
 QUANT_CONFIG_FILE = "quantization.json"
-QUANT_SCALES_FILE = "quant_scales.safetensors"
+QUANT_WEIGHTS_FILE = "quantized_weights.safetensors"
+# The compact dtype each weight format's grid values are stored in (exact: int8 holds INT8/INT4, E4M3 holds E4M3 and E2M1).
+LEVEL_DTYPES = {"int": torch.int8, "fp8": torch.float8_e4m3fn, "nvfp4": torch.float8_e4m3fn}
 ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-per-tensor",
                            "nvfp4": "nvfp4-dynamic-block16-static-global"}
 OUTLIER_MARGIN_DB = 10.0
@@ -40,6 +54,7 @@ class LinearQuant:
     rotation: int = 0  # Hadamard block size applied to the input before quantization; 0 = none
     global_scale: float | None = None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
     input_format: str = "int8"  # how input_scale quantizes the input (a key of ACTIVATION_FORMATS)
+    levels: torch.Tensor | None = None  # the weight's grid values (in the input's basis), as LEVEL_DTYPES stores them
 
 
 @dataclass
@@ -94,10 +109,11 @@ def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
 
 
 def save_quantization(result: QuantResult, folder: Path) -> None:
-    """Write ``quantization.json`` and the scales beside a saved model."""
+    """Write ``quantization.json`` and each quantized linear's levels and scales beside a saved model."""
     bits, _, group = result.config.scheme()
     tensors = {f"{name}.weight_scale": q.weight_scales.contiguous().float() for name, q in result.linears.items()}
-    save_file(tensors, str(folder / QUANT_SCALES_FILE))
+    tensors.update({f"{name}.weight_levels": q.levels.contiguous() for name, q in result.linears.items() if q.levels is not None})
+    save_file(tensors, str(folder / QUANT_WEIGHTS_FILE))
     activation = result.config.activation_format()
     atomic_write_json(folder / QUANT_CONFIG_FILE, {
         "method": result.config.method,
@@ -120,11 +136,59 @@ def load_quantization(folder: Path) -> tuple[dict[str, Any], dict[str, LinearQua
     if not (folder / QUANT_CONFIG_FILE).is_file():
         return None
     meta = read_json(folder / QUANT_CONFIG_FILE)
-    scales = load_file(str(folder / QUANT_SCALES_FILE))
-    linears = {name: LinearQuant(scales[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
-                                 info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"))
+    stored = load_file(str(folder / QUANT_WEIGHTS_FILE))
+    linears = {name: LinearQuant(stored[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
+                                 info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"),
+                                 stored.get(f"{name}.weight_levels"))
                for name, info in meta["linears"].items()}
+    missing = [name for name, quant in linears.items() if quant.levels is None]
+    if missing:
+        raise UsageError(f"{folder / QUANT_WEIGHTS_FILE} holds no levels for {', '.join(missing[:3])}; it was written by another "
+                         "version of compress: rerun the quantize stage")
     return meta, linears
+
+
+def grid_levels(weight: torch.Tensor, grid: WeightGrid, scales: torch.Tensor, weight_format: str) -> torch.Tensor:
+    """The stored form of an on-grid weight's levels (``weight`` in its input's basis); raises ValueError off the grid."""
+    return levels_on_grid(weight, grid, scales, tolerance=1e-5).to(LEVEL_DTYPES[weight_format])
+
+
+def level_values(quant: LinearQuant) -> torch.Tensor:
+    """A saved linear's grid values as float32 (integers, E4M3 or E2M1 values), in its input's basis."""
+    return quant.levels.float()
+
+
+def dequantized_weight(meta: dict[str, Any], quant: LinearQuant) -> torch.Tensor:
+    """The float32 weight a saved linear computes with: its levels times its scales, rotated back when its input is
+    rotated (the quantizer computes it this way, so the result is the same number for number)."""
+    levels = level_values(quant)
+    weight = stored_grid(meta, quant).dequantize(levels, expand_scales(quant.weight_scales.float(), levels.shape[1]))
+    return rotate(weight, quant.rotation) if quant.rotation else weight
+
+
+def quantized_weight_names(folder: Path) -> frozenset[str]:
+    """The state-dict keys a quantized folder's ``model.safetensors`` leaves out (its quantized linears' weights)."""
+    meta = read_json(Path(folder) / QUANT_CONFIG_FILE) if (Path(folder) / QUANT_CONFIG_FILE).is_file() else {"linears": {}}
+    return frozenset(f"{name}.weight" for name in meta["linears"])
+
+
+def model_state_without_quantized(model, linears: dict[str, LinearQuant]) -> dict[str, torch.Tensor]:
+    """``model``'s state dict without the weights its quantized linears store as levels (what ``model.safetensors`` holds)."""
+    left_out = {f"{name}.weight" for name in linears}
+    return {key: value for key, value in model.state_dict().items() if key not in left_out}
+
+
+def load_quantized_causal_lm(folder: Path, trust_remote_code: bool = False):
+    """A causal LM in float32 from a folder the quantize stage wrote (each quantized weight rebuilt from its levels), or
+    from any float Hugging Face folder."""
+    loaded = load_quantization(folder)
+    model = load_causal_lm(folder, trust_remote_code=trust_remote_code, left_out=quantized_weight_names(folder))
+    if loaded is not None:
+        meta, linears = loaded
+        with torch.no_grad():
+            for name, quant in linears.items():
+                model.get_submodule(name).weight.copy_(dequantized_weight(meta, quant))
+    return model
 
 
 def kv_cache_scales(meta: dict[str, Any]) -> dict[int, tuple[float, float]] | None:

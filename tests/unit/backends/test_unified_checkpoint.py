@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from compress.backends.edgellm.checkpoint import integer_weight, pack_int4, unpack_int4, write_unified_checkpoint
+from compress.algorithms.formats import expand_scales
+from compress.backends.edgellm.checkpoint import grid_values, pack_int4, unpack_int4, write_unified_checkpoint
 from compress.backends.edgellm.env import edgellm_python
 from compress.core.errors import UsageError
-from compress.transforms.quantize.saved import LinearQuant, load_quantization
+from compress.transforms.quantize.saved import LinearQuant, load_quantization, load_quantized_causal_lm
 from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress
 
 
@@ -43,10 +44,16 @@ def _probe(checkpoint: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], d
 
 
 def _our_integers(quantized: Path) -> tuple[dict[str, torch.Tensor], dict[str, LinearQuant], int]:
+    """The integers of each quantized linear, recovered from the float weight the folder rebuilds (not from the levels the
+    checkpoint writer reads)."""
     meta, linears = load_quantization(quantized)
-    with safe_open(str(quantized / "model.safetensors"), framework="pt") as source:
-        integers = {name: integer_weight(name, source.get_tensor(f"{name}.weight"), quant, meta["weight_bits"])
-                    for name, quant in linears.items()}
+    model = load_quantized_causal_lm(quantized)
+    integers = {}
+    for name, quant in linears.items():
+        weight = model.get_submodule(name).weight.detach().double()
+        ratio = weight / expand_scales(quant.weight_scales.double(), weight.shape[1])
+        assert float((ratio - ratio.round()).abs().max()) < 1e-3, name
+        integers[name] = ratio.round().to(torch.int8)
     return integers, linears, meta["weight_bits"]
 
 
@@ -94,15 +101,17 @@ def test_int4_packing_round_trips_every_value():
     assert int(pack_int4(torch.tensor([[-1], [0]], dtype=torch.int8))[0, 0]) == 0x0F  # even row low nibble, two's complement
 
 
-def test_rotated_or_off_grid_weights_are_refused():
+def test_rotated_or_damaged_levels_are_refused():
     scales = torch.full((4,), 0.5)
-    on_grid = torch.tensor([[1.0, -1.5], [0.5, 0.0], [2.0, 63.5], [-64.0, 0.5]])
-    assert torch.equal(integer_weight("x", on_grid, LinearQuant(scales, 0.1, 40.0), 8),
-                       torch.tensor([[2, -3], [1, 0], [4, 127], [-128, 1]], dtype=torch.int8))
-    with pytest.raises(UsageError, match="not on its 8-bit grid"):
-        integer_weight("x", on_grid + 0.1, LinearQuant(scales, 0.1, 40.0), 8)
+    levels = torch.tensor([[2, -3], [1, 0], [4, 127], [-128, 1]], dtype=torch.int8)
+    meta = {"format": "int", "weight_bits": 8}
+    assert torch.equal(grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels), meta), levels)
+    with pytest.raises(UsageError, match="not 4-bit integers"):
+        grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels), {**meta, "weight_bits": 4})
+    with pytest.raises(UsageError, match="not 8-bit integers"):
+        grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels.float() + 0.5), meta)
     with pytest.raises(UsageError, match="Hadamard-rotated online.*quantize.hadamard_block=0"):
-        integer_weight("model.layers.3.mlp.down_proj", on_grid, LinearQuant(scales, 0.1, 40.0, rotation=64), 8)
+        grid_values("model.layers.3.mlp.down_proj", LinearQuant(scales, 0.1, 40.0, rotation=64, levels=levels), meta)
 
 
 def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(tmp_path):
