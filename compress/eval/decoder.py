@@ -28,8 +28,9 @@ from compress.eval.gate import Check, lower_bound_check, require_measured, upper
 from compress.eval.latency import measure_decoder_latency
 from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
 from compress.eval.perplexity import perplexity, torch_logits_fn
+from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer
-from compress.transforms.quantize.saved import attach_quantization, load_quantization, load_quantized_causal_lm
+from compress.transforms.quantize.saved import attach_quantization, held_quantized_causal_lm, load_quantization
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,10 @@ def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> 
     quantized = load_quantization(model_dir)
     if quantized is None:
         return None
-    model = load_quantized_causal_lm(model_dir)
+    model, rebuilt = held_quantized_causal_lm(model_dir)
     attach_quantization(model, *quantized)
-    return perplexity(torch_logits_fn(model), windows, progress, desc="ppl torch quantized")
+    with computed_in_float32(model, rebuilt):
+        return perplexity(torch_logits_fn(model), windows, progress, desc="ppl torch quantized")
 
 
 def evaluation_windows(tokenizer, evaluation: list[TextSource], config: ValidateConfig) -> list[tuple[str, torch.Tensor]]:
@@ -96,8 +98,9 @@ def measure(onnx_dir: Path, teacher_dir: Path | None, evaluation: list[TextSourc
     if teacher_dir is not None:
         log.info("ONNX model vs torch teacher on %d domains (%s), %d windows of %d tokens", len(domains),
                  ", ".join(name for name, _ in domains), windows.shape[0], config.window)
-        teacher = load_causal_lm(teacher_dir)
-        quality = domain_quality(compare_on_domains(decoder.logits, torch_logits_fn(teacher), domains, progress), unseen or [])
+        teacher = load_causal_lm(teacher_dir, own_dtype=True)
+        with computed_in_float32(teacher):
+            quality = domain_quality(compare_on_domains(decoder.logits, torch_logits_fn(teacher), domains, progress), unseen or [])
         del teacher
     else:
         quality["perplexity_onnx"] = perplexity(decoder.logits, windows, progress, desc="ppl onnx")

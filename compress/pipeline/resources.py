@@ -1,8 +1,9 @@
 """Know before you start: each stage's peak host memory, disk and time for this model on this machine.
 
 The figures come from the model's parameter count and rates measured on the stages as they are
-written today (the scaling section of ``docs/benchmarks.md`` gives the runs they were measured on): the stages that load a
-model in full hold an fp32 copy, so host memory is a multiple of the model's fp32 bytes; time is
+written today (the scaling section of ``docs/benchmarks.md`` gives the runs they were measured on): the stages that hold the
+model in its own dtype (load, sparsify, quantize: one block in float32 at a time) need a multiple of
+the checkpoint's bytes, the others that load a model in full a multiple of its fp32 bytes; time is
 linear in the parameters and in the tokens a stage reads. They are estimates, good to about a
 factor of two; the plan refuses only a run whose largest stage would need more than this machine's
 memory and swap by a clear margin, or more disk than the run directory's file system has free (a dry
@@ -18,22 +19,26 @@ from pathlib import Path
 from typing import Any
 
 from compress.eval.perf_model import ModelShape
-from compress.models.families import model_kind
+from compress.models.families import linear_shapes, model_kind
 
 GB = 1e9
 PROCESS_BASE_BYTES = 0.45 * GB  # torch, transformers, ONNX Runtime imported: the floor of every stage
 REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this factor (the estimate's error)
 
-# Peak host memory of a stage beyond the process floor, in fp32 copies of the model; measured on the embedded SmolLM2
-# and a Qwen3-0.6B-shape bf16 checkpoint (default recipe, 2 cores; `bench/scale_table.py`), the larger of the two.
-HOST_FP32_COPIES = {"load": 0.75, "distill": 6.0, "prune_heads": 3.0, "sparsify": 2.0, "quantize": 2.0, "export_onnx": 4.0,
-                    "export_edgellm": 2.4, "build_engine": 0.5, "validate": 3.8}
-# Bytes written per parameter.
-DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": 4.0, "quantize": 4.0, "export_onnx": 2.2,
+# Peak host memory of a stage beyond the process floor, in fp32 copies of the model, for the stages that compute on a
+# float32 copy; measured on the embedded SmolLM2 and a Qwen3-0.6B-shape bf16 checkpoint (default recipe, 2 cores;
+# `bench/scale_table.py`), the larger of the two.
+HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_onnx": 4.0, "export_edgellm": 2.4, "build_engine": 0.5,
+                    "validate": 3.8}
+# The same for the stages that hold the model in its checkpoint's own dtype (one block in float32 at a time), in copies
+# of the checkpoint's bytes.
+HOST_HELD_COPIES = {"load": 0.5, "quantize": 2.0, "sparsify": 2.0}
+# Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes).
+DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": 2.2,
                         "export_edgellm": 3.2, "build_engine": 0.0, "validate": 0.0}
 # Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
 # of this class of machine.
-SECONDS_PER_PARAM_TOKEN = {"quantize": 8.7e-11, "sparsify": 8.7e-11, "validate": 6.5e-11, "distill": 6.0e-10}
+SECONDS_PER_PARAM_TOKEN = {"quantize": 4.5e-11, "sparsify": 4.5e-11, "validate": 6.5e-11, "distill": 6.0e-10}
 SECONDS_PER_PARAM = {"load": 8e-9, "prune_heads": 1e-7, "export_onnx": 8e-8, "export_edgellm": 3e-8}
 FIXED_SECONDS = {"export_onnx": 15.0, "export_edgellm": 30.0}
 
@@ -81,15 +86,28 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     for name, config in stages:
         base = name.removesuffix("_encoder")
         tokens = _tokens_read(base, config)
-        host = PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 2.0) * fp32
+        if base in HOST_HELD_COPIES:
+            host = PROCESS_BASE_BYTES + HOST_HELD_COPIES[base] * checkpoint_bytes
+        else:
+            host = PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 2.0) * fp32
         if base in ("quantize", "sparsify"):
             host += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
         per_param = DISK_BYTES_PER_PARAM.get(base, 4.0)
-        disk = checkpoint_bytes if per_param is None else per_param * params
+        disk = _disk_bytes(base, model_config, params, checkpoint_bytes) if per_param is None else per_param * params
         seconds = (SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
                    + FIXED_SECONDS.get(base, 0.0))
         estimates.append(StageEstimate(name, host, disk, seconds))
     return estimates
+
+
+def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float) -> float:
+    """What the stages that write the model in its own dtype write: the checkpoint again (load, sparsify), or its quantized
+    linears as one byte per weight and the rest as in the checkpoint (quantize)."""
+    if stage != "quantize" or model_kind(model_config) != "decoder":
+        return checkpoint_bytes
+    per_param = checkpoint_bytes / max(params, 1)
+    linear = sum(out * inp for out, inp in linear_shapes(model_config).values()) * int(model_config.get("num_hidden_layers", 0))
+    return linear + per_param * max(params - linear, 0)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """``sparsify``: 2:4 semi-structured or unstructured sparsity (magnitude, Wanda, SparseGPT).
 
-The output model stores the zeros; its metadata says whether the 2:4 pattern holds so the engine
+The model is held in its checkpoint's own dtype (each block computed in float32 while the walker
+visits it) and saved in it. The output model stores the zeros; its metadata says whether the 2:4 pattern holds so the engine
 build asks TensorRT for sparse weights.
 """
 
@@ -21,7 +22,7 @@ def run_sparsify(source: Artifact, config: SparsifyConfig, ctx: RunContext) -> S
     tokenizer = load_tokenizer(source.path)
     windows = calibration_windows(tokenizer, ctx.calibration, config.calib_window, config.calib_windows,
                                   min_tokens=config.min_calib_tokens)
-    model = load_causal_lm(source.path)
+    model = load_causal_lm(source.path, own_dtype=True)  # each block computes in float32 while the walker holds it
     log.info("sparsifying (%s, %s) on %d calibration tokens", config.pattern, config.method, windows.numel())
     result = sparsify_model(model, windows, config, progress=ctx.progress, device=ctx.device)
     out = ctx.stage_dir / "model"

@@ -18,7 +18,9 @@ with each quantized weight computed from its levels exactly as the quantizer com
 
 from __future__ import annotations
 
+import functools
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -176,6 +178,20 @@ def model_state_without_quantized(model, linears: dict[str, LinearQuant]) -> dic
     """``model``'s state dict without the weights its quantized linears store as levels (what ``model.safetensors`` holds)."""
     left_out = {f"{name}.weight" for name in linears}
     return {key: value for key, value in model.state_dict().items() if key not in left_out}
+
+
+def held_quantized_causal_lm(folder: Path) -> tuple[Any, dict[str, Callable[[], torch.Tensor]]]:
+    """A quantized folder's model held compactly, for computing with :func:`~compress.models.compute.computed_in_float32`:
+    in the checkpoint's own dtype, each quantized weight kept only as its levels and scales, with the function that
+    rebuilds it in float32 (by parameter name) while its block computes."""
+    meta, linears = load_quantization(folder)
+    model = load_causal_lm(folder, own_dtype=True, left_out=quantized_weight_names(folder))
+    rebuilt = {}
+    for name, quant in linears.items():
+        weight = model.get_submodule(name).weight
+        weight.data = torch.empty(0, dtype=weight.dtype)  # transformers initialised it; the levels are the weight
+        rebuilt[f"{name}.weight"] = functools.partial(dequantized_weight, meta, quant)
+    return model, rebuilt
 
 
 def load_quantized_causal_lm(folder: Path, trust_remote_code: bool = False):

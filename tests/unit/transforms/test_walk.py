@@ -137,3 +137,15 @@ def test_a_model_held_in_bf16_is_computed_in_float32_one_block_at_a_time(tiny_ll
         assert ours.dtype == torch.int8 and ours.shape == quant.levels.shape
         # Only the rotary tables differ (bf16 in the held model), so the integers agree but for a few rounding ties.
         assert (ours != quant.levels).float().mean() < 0.02, name
+
+
+def test_sparsegpt_on_a_bf16_model_keeps_it_in_bf16_and_its_2_4_pattern_exact(tiny_llama, windows):
+    from compress.transforms.sparsify import SparsifyConfig, sparse_linears, sparsify_model
+
+    held = load_causal_lm(tiny_llama).to(torch.bfloat16)
+    result = sparsify_model(held, windows, SparsifyConfig(calib_windows=3, calib_window=24, min_calib_tokens=1), progress=False)
+    assert {p.dtype for p in held.parameters()} == {torch.bfloat16}
+    assert result["pattern_fraction"] == 1.0  # the zeros survive the return to bf16
+    for name, weight in sparse_linears(held).items():
+        groups = (weight.reshape(weight.shape[0], -1, 4) == 0).sum(dim=2)
+        assert bool((groups >= 2).all()), name

@@ -1,0 +1,55 @@
+"""A model held in bf16 or as quantized levels computes what its float32 copy computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compress.models.compute import computed_in_float32
+from compress.models.loading import load_causal_lm, load_tokenizer, save_model_folder
+from compress.transforms.quantize.config import QUANTIZE_CONFIG
+from compress.transforms.quantize.decoder import quantize_model
+from compress.transforms.quantize.saved import (
+    held_quantized_causal_lm,
+    load_quantized_causal_lm,
+    model_state_without_quantized,
+    save_quantization,
+)
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, 400, (2, 40), generator=torch.Generator().manual_seed(1))
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_a_bf16_model_computes_exactly_what_its_float32_copy_does(tiny_llama, ids):
+    held = load_causal_lm(tiny_llama).to(torch.bfloat16)
+    copy = load_causal_lm(tiny_llama).to(torch.bfloat16).float()
+    with computed_in_float32(held):
+        logits = _logits(held, ids)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, _logits(copy, ids), atol=1e-5, rtol=1e-5)
+    assert {p.dtype for p in held.parameters()} == {torch.bfloat16}  # every part got its own tensors back
+    assert float((_logits(held, ids).float() - logits).abs().max()) > 1e-6  # outside, it computes in bf16 again
+
+
+def test_a_quantized_folder_held_as_levels_computes_what_its_rebuilt_float_model_does(tiny_llama, ids, tmp_path):
+    model = load_causal_lm(tiny_llama).to(torch.bfloat16)
+    config = QUANTIZE_CONFIG.validate_python({"method": "int4", "calib_windows": 2, "calib_window": 40, "min_calib_tokens": 1,
+                                              "sample_tokens": 64, "group_size": 32})
+    result = quantize_model(model, ids, config, progress=False)
+    folder = tmp_path / "quantized"
+    save_model_folder(model, load_tokenizer(tiny_llama), tiny_llama, folder, model_state_without_quantized(model, result.linears))
+    save_quantization(result, folder)
+    held, rebuilt = held_quantized_causal_lm(folder)
+    assert set(rebuilt) == {f"{name}.weight" for name in result.linears}
+    assert all(held.get_submodule(name).weight.numel() == 0 for name in result.linears)  # nothing but the levels
+    with computed_in_float32(held, rebuilt):
+        logits = _logits(held, ids)
+    torch.testing.assert_close(logits, _logits(load_quantized_causal_lm(folder), ids), atol=1e-5, rtol=1e-5)
+    assert all(held.get_submodule(name).weight.numel() == 0 for name in result.linears)
