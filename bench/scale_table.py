@@ -85,13 +85,19 @@ def estimate(folder: Path, recipe: str) -> list[dict]:
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
         return [{"stage": "refused", "reason": proc.stderr.strip().splitlines()[-1]}]
-    return json.loads(proc.stdout)["estimates"]
+    plan = json.loads(proc.stdout)
+    rows = plan["estimates"]
+    if not plan["fits_this_machine"]:
+        rows.append({"stage": "refused", "reason": plan["fit_problem"]})  # a real run is refused; the dry run only says so
+    return rows
 
 
 def measure(folder: Path, name: str, recipe: str) -> dict:
     out = RUNS / f"{name}-{recipe}"
+    if out.exists():
+        shutil.rmtree(out)  # this script's own earlier run: a measurement computes every stage afresh
     command = ["/usr/bin/time", "-v", *COMPRESS, "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}", f"out={out}",
-               "--no-progress", "--force"]
+               "--no-progress"]
     print("$", " ".join(command), flush=True)
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     peak_kb = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
@@ -102,7 +108,11 @@ def measure(folder: Path, name: str, recipe: str) -> dict:
         stages[data["stage"]] = {"s": data["duration_s"], "peak_gb": round(data["peak_rss_mb"] / 1024, 2)}
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    return {"exit": proc.returncode, "peak_rss_gb": int(peak_kb.group(1)) / 1024**2 if peak_kb else None,
+    # compress resets the kernel's high-water mark at each stage (to record each stage's peak), which also lowers what
+    # /usr/bin/time reads at exit; the run's peak is the larger of that and every stage's own.
+    stage_peak = max((s["peak_gb"] for s in stages.values()), default=0.0)
+    time_peak = int(peak_kb.group(1)) / 1024**2 if peak_kb else 0.0
+    return {"exit": proc.returncode, "peak_rss_gb": max(time_peak, stage_peak) or None,
             "wall": wall.group(1) if wall else None, "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
             "stages": stages, "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1, 3) else None}
 

@@ -25,14 +25,14 @@ GB = 1e9
 PROCESS_BASE_BYTES = 0.45 * GB  # torch, transformers, ONNX Runtime imported: the floor of every stage
 REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this factor (the estimate's error)
 
-# Peak host memory of a stage beyond the process floor, in fp32 copies of the model, for the stages that compute on a
-# float32 copy; measured on the embedded SmolLM2 and a Qwen3-0.6B-shape bf16 checkpoint (default recipe, 2 cores;
-# `bench/scale_table.py`), the larger of the two.
+# Peak host memory of a stage beyond the process floor: fp32 copies of the model (what a stage computing on a float32
+# copy holds) plus copies of the checkpoint's bytes (what a stage holding the model in its own dtype, one part in float32
+# at a time, holds); measured on the embedded SmolLM2 (float32) and a Qwen3-0.6B-shape bf16 checkpoint (default recipe,
+# 2 cores; `bench/scale_table.py`), fitted to the larger of the two. A stage in neither table: two fp32 copies.
 HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_onnx": 4.0, "export_edgellm": 2.4, "build_engine": 0.5,
-                    "validate": 3.8}
-# The same for the stages that hold the model in its checkpoint's own dtype (one block in float32 at a time), in copies
-# of the checkpoint's bytes.
-HOST_HELD_COPIES = {"load": 0.5, "quantize": 2.0, "sparsify": 2.0}
+                    "validate": 1.6}
+HOST_CHECKPOINT_COPIES = {"load": 0.5, "quantize": 2.0, "sparsify": 2.0, "validate": 2.0}
+
 # Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes).
 DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": 2.2,
                         "export_edgellm": 3.2, "build_engine": 0.0, "validate": 0.0}
@@ -86,10 +86,9 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     for name, config in stages:
         base = name.removesuffix("_encoder")
         tokens = _tokens_read(base, config)
-        if base in HOST_HELD_COPIES:
-            host = PROCESS_BASE_BYTES + HOST_HELD_COPIES[base] * checkpoint_bytes
-        else:
-            host = PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 2.0) * fp32
+        known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES
+        host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32
+                + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes)
         if base in ("quantize", "sparsify"):
             host += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
         per_param = DISK_BYTES_PER_PARAM.get(base, 4.0)
