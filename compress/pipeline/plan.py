@@ -34,7 +34,7 @@ from compress.core.text import (
     unseen_domains,
 )
 from compress.core.versions import __version__
-from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind
+from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind, supported_model_types
 from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
 from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, get_stage
@@ -245,8 +245,9 @@ def build_plan(options: RunOptions) -> Plan:
 
 
 def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None) -> list[StageEstimate]:
-    """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later)."""
-    if config is None:
+    """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later, nor for a
+    decoder family compress does not describe, which the plan's rules refuse naming it)."""
+    if config is None or (model_kind(config) == DECODER and config.get("model_type") not in supported_model_types()):
         return []
     return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config))
 
