@@ -168,15 +168,14 @@ def dequantized_weight(meta: dict[str, Any], quant: LinearQuant) -> torch.Tensor
     return rotate(weight, quant.rotation) if quant.rotation else weight
 
 
-def quantized_weight_names(folder: Path) -> frozenset[str]:
-    """The state-dict keys a quantized folder's ``model.safetensors`` leaves out (its quantized linears' weights)."""
-    meta = read_json(Path(folder) / QUANT_CONFIG_FILE) if (Path(folder) / QUANT_CONFIG_FILE).is_file() else {"linears": {}}
-    return frozenset(f"{name}.weight" for name in meta["linears"])
+def _weight_names(linears: dict[str, LinearQuant]) -> frozenset[str]:
+    """The state-dict keys of quantized linears' weights (which ``model.safetensors`` leaves out: they are levels)."""
+    return frozenset(f"{name}.weight" for name in linears)
 
 
 def model_state_without_quantized(model, linears: dict[str, LinearQuant]) -> dict[str, torch.Tensor]:
     """``model``'s state dict without the weights its quantized linears store as levels (what ``model.safetensors`` holds)."""
-    left_out = {f"{name}.weight" for name in linears}
+    left_out = _weight_names(linears)
     return {key: value for key, value in model.state_dict().items() if key not in left_out}
 
 
@@ -185,7 +184,7 @@ def held_quantized_causal_lm(folder: Path) -> tuple[Any, dict[str, Callable[[], 
     in the checkpoint's own dtype, each quantized weight kept only as its levels and scales, with the function that
     rebuilds it in float32 (by parameter name) while its block computes."""
     meta, linears = load_quantization(folder)
-    model = load_causal_lm(folder, own_dtype=True, left_out=quantized_weight_names(folder))
+    model = load_causal_lm(folder, own_dtype=True, left_out=_weight_names(linears))
     rebuilt = {}
     for name, quant in linears.items():
         weight = model.get_submodule(name).weight
@@ -198,7 +197,8 @@ def load_quantized_causal_lm(folder: Path, trust_remote_code: bool = False):
     """A causal LM in float32 from a folder the quantize stage wrote (each quantized weight rebuilt from its levels), or
     from any float Hugging Face folder."""
     loaded = load_quantization(folder)
-    model = load_causal_lm(folder, trust_remote_code=trust_remote_code, left_out=quantized_weight_names(folder))
+    left_out = _weight_names(loaded[1]) if loaded is not None else frozenset()
+    model = load_causal_lm(folder, trust_remote_code=trust_remote_code, left_out=left_out)
     if loaded is not None:
         meta, linears = loaded
         with torch.no_grad():
