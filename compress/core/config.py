@@ -60,6 +60,12 @@ class Budgets(StrictModel):
     max_memory_gb: PositiveFloat
     context_length: PositiveInt = 2048
     prompt_length: PositiveInt = 128
+    # The app's prompts (prompts=, the shipped set for chat models): greedy answers against the teacher's.
+    min_answer_prefix_agreement: float = Field(0.35, ge=0.0, le=1.0,
+                                               description="mean share of the teacher's answer matched before the first difference")
+    min_first_token_agreement: float = Field(0.8, ge=0.0, le=1.0, description="share of answers whose first token is the teacher's")
+    min_identical_answers: float = Field(0.05, ge=0.0, le=1.0, description="share of answers identical to the teacher's")
+    max_expect_pass_drop_pct: float = Field(10.0, ge=0.0, description="points lost on prompts whose answer must match 'expect'")
     # Encoders (sentence embeddings, classifiers) against their fp32 model on the evaluation sentences.
     min_embedding_cosine: float = Field(0.99, gt=0.0, le=1.0, description="mean cosine similarity of embeddings to the fp32 model's")
     min_embedding_cosine_worst: float = Field(0.95, gt=0.0, le=1.0, description="lowest cosine similarity over the sentences")

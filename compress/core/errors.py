@@ -87,6 +87,12 @@ def raise_pending_interrupt() -> None:
         raise Interrupted(_PENDING_SIGNALS[-1])
 
 
+def first_interruption() -> Interrupted | None:
+    """The first signal that stopped this command (a second one can land while the first unwinds and replace its
+    exception; the run stopped for the first)."""
+    return Interrupted(_PENDING_SIGNALS[0]) if _PENDING_SIGNALS else None
+
+
 def first_line(exc: BaseException) -> str:
     """The first non-empty line of an exception's message (library errors often run to many lines)."""
     return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from compress.catalog import TEXT, catalog_dir
+from compress.core.data_files import DataSpec, Record, iter_records, parse_spec
 from compress.core.errors import UsageError
-from compress.core.files import sha256_file
+from compress.core.files import cached_sha256, sha256_file, sha256_path
 
 _SHIPPED = catalog_dir(TEXT)
 # (domain, file): the shipped text (calib_data/PROVENANCE.md). Calibration and evaluation never share
@@ -43,12 +44,26 @@ _OVERLAP_REFUSE_FRACTION = 0.10
 
 @dataclass(frozen=True)
 class TextSource:
-    """A checked text file, its hash and the domain it stands for (the file's stem unless shipped with a name)."""
+    """One domain's checked text: the file it came from, the file's hash and the domain's name (the file's stem unless
+    shipped with a name, or the rows' ``domain``); plain text, chat conversations (rendered later with the model's own
+    chat template), or both."""
 
     path: Path
     sha256: str
     text: str
     domain: str = ""
+    conversations: tuple[tuple[dict[str, str], ...], ...] = ()
+    whole_file: bool = True  # a book-like .txt file, whose opening (a title page, a licence) evaluation leaves out
+
+    @property
+    def is_chat(self) -> bool:
+        return bool(self.conversations)
+
+    @property
+    def words(self) -> str:
+        """Every word the source holds (its text and its messages' contents): what overlap checks compare."""
+        contents = "\n".join(m["content"] for conversation in self.conversations for m in conversation)
+        return "\n".join(part for part in (self.text, contents) if part)
 
 
 def domain_of(path: Path) -> str:
@@ -71,34 +86,53 @@ def read_text_file(path: Path, role: str) -> TextSource:
     return TextSource(path=path, sha256=sha256_file(path), text=text, domain=domain_of(path))
 
 
-def split_paths(value: str | Sequence[str | Path] | None, default: Sequence[Path]) -> list[Path]:
-    """``calib=a.txt,b.txt`` or a list, or the shipped default."""
+def split_paths(value: str | Sequence[str | Path] | None, default: Sequence[Path]) -> list[DataSpec]:
+    """``calib=a.txt,b.parquet:body`` or a list, or the shipped default."""
     if value is None or value == "":
-        return list(default)
-    if isinstance(value, str):
-        return [Path(part) for part in value.split(",") if part]
-    return [Path(part) for part in value]
+        return [DataSpec(Path(path)) for path in default]
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    return [parse_spec(part) for part in parts if str(part)]
 
 
-def load_texts(paths: Sequence[Path], role: str) -> list[TextSource]:
+def read_source(spec: DataSpec | Path, role: str) -> list[TextSource]:
+    """The domains of one data file: a ``.txt`` file is one; a table or JSON-lines file one per ``domain`` value."""
+    spec = spec if isinstance(spec, DataSpec) else DataSpec(Path(spec))
+    if spec.is_plain_text:
+        if spec.column:
+            raise UsageError(f"{role} text {spec.path} is plain text; it has no column {spec.column!r}")
+        return [read_text_file(spec.path, role)]
+    by_domain: dict[str, list[Record]] = {}
+    for record in iter_records(spec, role):
+        by_domain.setdefault(record.domain, []).append(record)
+    if not by_domain:
+        raise UsageError(f"{role} data {spec} has no rows")
+    digest = sha256_path(spec.path)
+    return [TextSource(path=spec.path, sha256=digest, domain=domain, whole_file=False,
+                       text="\n\n".join(r.text for r in records if r.text),
+                       conversations=tuple(r.messages for r in records if r.messages))
+            for domain, records in by_domain.items()]
+
+
+def load_texts(specs: Sequence[DataSpec | Path], role: str) -> list[TextSource]:
     """Read every calibration or evaluation file."""
-    if not paths:
+    if not specs:
         raise UsageError(f"no {role} text given")
-    return [read_text_file(path, role) for path in paths]
+    return [source for spec in specs for source in read_source(spec, role)]
 
 
-def load_calibration(paths: Sequence[Path]) -> list[TextSource]:
+def load_calibration(specs: Sequence[DataSpec | Path]) -> list[TextSource]:
     """Read every calibration file."""
-    return load_texts(paths, "calibration")
+    return load_texts(specs, "calibration")
 
 
-def load_evaluation(paths: Sequence[Path]) -> list[TextSource]:
-    """Read the evaluation domains; two files of one domain name are refused (the report keys on it)."""
-    sources = load_texts(paths, "evaluation")
+def load_evaluation(specs: Sequence[DataSpec | Path]) -> list[TextSource]:
+    """Read the evaluation domains; two sources of one domain name are refused (the report keys on it)."""
+    sources = load_texts(specs, "evaluation")
     names = [s.domain for s in sources]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
-        raise UsageError(f"evaluation domains must have distinct file names; {', '.join(duplicated)} appears twice")
+        raise UsageError(f"evaluation domains must have distinct names (file names or 'domain' values); "
+                         f"{', '.join(duplicated)} appears twice")
     return sources
 
 
@@ -128,15 +162,15 @@ def shared_shingle_fraction(probe_text: str, reference: set[int]) -> float:
     return sum(hash(shingle) in reference for shingle in probe) / len(probe)
 
 
-def eval_skip(text: str) -> int:
-    """Characters of an evaluation text's opening left out (a title page, a licence header) when the text is long."""
-    return EVAL_SKIP_CHARS if len(text) > 4 * EVAL_SKIP_CHARS else 0
+def eval_skip(source: TextSource) -> int:
+    """Characters of an evaluation text's opening left out (a title page, a licence header) when it is a long book-like file."""
+    return EVAL_SKIP_CHARS if source.whole_file and len(source.text) > 4 * EVAL_SKIP_CHARS else 0
 
 
-def evaluated_span(text: str, tokens: int) -> str:
-    """The part of an evaluation text that evaluating ``tokens`` tokens reads (or a little more)."""
-    skip = eval_skip(text)
-    return text[skip: skip + tokens * EVALUATED_CHARS_PER_TOKEN]
+def evaluated_span(source: TextSource, tokens: int) -> str:
+    """The part of an evaluation source that evaluating ``tokens`` tokens reads (or a little more)."""
+    skip = eval_skip(source)
+    return source.words[skip: skip + tokens * EVALUATED_CHARS_PER_TOKEN]
 
 
 def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int = 2048) -> None:
@@ -147,41 +181,104 @@ def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextS
             if source.sha256 == evaluated.sha256:
                 raise UsageError(f"calibration text {source.path} is the evaluation text {evaluated.path}; they must not overlap")
     for source in calibration:
-        reference = shingle_set(source.text)
+        reference = shingle_set(source.words)
         for evaluated in evaluation:
-            for probe, what in ((evaluated.text, "the evaluation text"),
-                                (evaluated_span(evaluated.text, evaluated_tokens), "the evaluated part of")):
+            for probe, what in ((evaluated.words, "the evaluation text"),
+                                (evaluated_span(evaluated, evaluated_tokens), "the evaluated part of")):
                 shared = shared_shingle_fraction(probe, reference)
                 if shared > _OVERLAP_REFUSE_FRACTION:
                     raise UsageError(f"calibration text {source.path} contains {100 * shared:.0f}% of {what} "
                                      f"{evaluated.path} (sequences of {SHINGLE_WORDS} words); they must not overlap")
 
 
-def token_windows(tokenizer, text: str, window: int, max_tokens: int, skip_chars: int = 0) -> torch.Tensor:
-    """Tokenize ``text[skip_chars:]``, keep the first ``max_tokens`` and cut non-overlapping windows.
+def window_prefix(tokenizer) -> list[int]:
+    """The ids the tokenizer's own rule puts before any text (a BOS token for Llama 3 or Gemma; none for many others).
+
+    Windows are cut from text tokenized without special tokens, then each gets this prefix, so a model trained to see
+    its BOS first sees it at the start of every calibration, evaluation and training window.
+    """
+    plain = tokenizer("a", add_special_tokens=False).input_ids
+    special = tokenizer("a", add_special_tokens=True).input_ids
+    for start in range(len(special) - len(plain) + 1):
+        if special[start:start + len(plain)] == plain:
+            return list(special[:start])
+    return []
+
+
+def prefix_tokens(tokenizer) -> list[str]:
+    """The window prefix as token strings (what reports say was prepended)."""
+    return tokenizer.convert_ids_to_tokens(window_prefix(tokenizer))
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def rendered_conversation(tokenizer, messages: Sequence[dict[str, str]], where: Path | str = "") -> str:
+    """A conversation as the deployed model sees it: rendered with the tokenizer's own chat template."""
+    if not has_chat_template(tokenizer):
+        raise UsageError(f"{where} holds chat conversations, but the model's tokenizer has no chat template")
+    return tokenizer.apply_chat_template(list(messages), tokenize=False)
+
+
+def source_ids(tokenizer, source: TextSource, skip_chars: int = 0, max_tokens: int | None = None) -> torch.Tensor:
+    """The token stream of a source (text after ``skip_chars``, then each conversation rendered by the chat template), without
+    special tokens the tokenizer would add and without a leading :func:`window_prefix` a template writes itself."""
+    prefix = window_prefix(tokenizer)
+    pieces: list[list[int]] = []
+    if source.text[skip_chars:].strip():
+        pieces.append(tokenizer(source.text[skip_chars:], add_special_tokens=False).input_ids)
+    for conversation in source.conversations:
+        if max_tokens is not None and sum(map(len, pieces)) >= max_tokens:
+            break
+        ids = tokenizer(rendered_conversation(tokenizer, conversation, source.path), add_special_tokens=False).input_ids
+        pieces.append(ids[len(prefix):] if prefix and ids[:len(prefix)] == prefix else ids)
+    ids = torch.tensor([i for piece in pieces for i in piece], dtype=torch.long)
+    return ids if max_tokens is None else ids[:max_tokens]
+
+
+def _windowed(prefix: list[int], body: torch.Tensor) -> torch.Tensor:
+    """``(n, window - len(prefix))`` body rows with the prefix in front of each."""
+    if not prefix:
+        return body
+    return torch.cat([torch.tensor(prefix, dtype=torch.long).expand(body.shape[0], -1), body], dim=1)
+
+
+def token_windows(tokenizer, source: TextSource, window: int, max_tokens: int, skip_chars: int = 0) -> torch.Tensor:
+    """Non-overlapping windows over the first ``max_tokens`` of a source (after ``skip_chars``), each led by the window prefix.
 
     Returns a ``(n_windows, window)`` tensor of token ids.
     """
-    ids = tokenizer(text[skip_chars:], add_special_tokens=False, return_tensors="pt").input_ids[0][:max_tokens]
-    n_windows = ids.numel() // window
+    prefix = window_prefix(tokenizer)
+    body = window - len(prefix)
+    per_window_cap = max_tokens // window * body if max_tokens >= window else max_tokens
+    ids = source_ids(tokenizer, source, skip_chars, max_tokens=per_window_cap)
+    n_windows = ids.numel() // body
     if n_windows == 0:
-        raise UsageError(f"text has only {ids.numel()} tokens; need at least one window of {window}")
-    return ids[: n_windows * window].view(n_windows, window)
+        raise UsageError(f"{source.path} ({source.domain}) has only {ids.numel()} tokens; need at least one window of {window}")
+    return _windowed(prefix, ids[: n_windows * body].view(n_windows, body))
 
 
 def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n_windows: int, min_tokens: int = 0) -> torch.Tensor:
-    """Calibration windows drawn evenly from all sources; too little text is a usage error."""
+    """Calibration windows drawn evenly from all sources, each led by the window prefix; too little text is a usage error.
+
+    A shipped chat source is left out for a model without a chat template (a user's is refused)."""
+    sources = usable_sources(tokenizer, sources)
+    if not sources:
+        raise UsageError("no calibration text this model can read (the shipped chat text needs a chat template)")
+    prefix = window_prefix(tokenizer)
+    body = window - len(prefix)
     per_source = max(1, -(-n_windows // len(sources)))
     chunks = []
     for source in sources:
-        ids = tokenizer(source.text, add_special_tokens=False, return_tensors="pt").input_ids[0]
-        usable = ids.numel() // window
+        ids = source_ids(tokenizer, source)
+        usable = ids.numel() // body
         if usable == 0:
             continue
         stride = max(1, usable // per_source)
         picks = list(range(0, usable, stride))[:per_source]
-        chunks.extend(ids[p * window:(p + 1) * window] for p in picks)
-    windows = torch.stack(chunks[:n_windows]) if chunks else torch.empty(0, window, dtype=torch.long)
+        chunks.extend(ids[p * body:(p + 1) * body] for p in picks)
+    windows = _windowed(prefix, torch.stack(chunks[:n_windows])) if chunks else torch.empty(0, window, dtype=torch.long)
     have = windows.numel()
     if windows.shape[0] < n_windows or have < min_tokens:
         raise UsageError(
@@ -189,6 +286,102 @@ def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n
             f"need {max(min_tokens, n_windows * window)} tokens"
         )
     return windows
+
+
+def usable_sources(tokenizer, sources: Sequence[TextSource]) -> list[TextSource]:
+    """The sources a model can read: shipped chat text is for models with a chat template, and left out for others."""
+    if has_chat_template(tokenizer):
+        return list(sources)
+    kept = [s for s in sources if not (s.is_chat and not s.text and Path(s.path).resolve() in _SHIPPED_DOMAINS)]
+    for source in kept:
+        if source.is_chat:
+            raise UsageError(f"{source.path} holds chat conversations, but the model's tokenizer has no chat template")
+    return kept
+
+
+TRAIN_SAMPLE_CHARS = 2_000_000
+_TEXT_PIECE_CHARS = 1_000_000
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """``train_data=``: the distillation corpus, read as a stream when training; at plan time only each file's hash and the
+    opening rows of each (up to 2 MB of text, for the overlap check against evaluation and the domains it covers)."""
+
+    specs: list[DataSpec]
+    sha256: list[str]
+    sample: list[TextSource]
+
+    @classmethod
+    def read(cls, specs: Sequence[DataSpec]) -> TrainingData:
+        if not specs:
+            raise UsageError("train_data= names no file")
+        sample: list[TextSource] = []
+        for spec in specs:
+            by_domain: dict[str, list[Record]] = {}
+            chars = 0
+            for record in training_records(spec):
+                by_domain.setdefault(record.domain, []).append(record)
+                chars += len(record.text) + sum(len(m["content"]) for m in record.messages)
+                if chars >= TRAIN_SAMPLE_CHARS:
+                    break
+            if not by_domain:
+                raise UsageError(f"training data {spec} has no rows")
+            sample += [TextSource(spec.path, "", "\n\n".join(r.text for r in rows if r.text), domain, whole_file=False,
+                                  conversations=tuple(r.messages for r in rows if r.messages)) for domain, rows in by_domain.items()]
+        return cls(list(specs), [sha256_path(spec.path, cached_sha256) for spec in specs], sample)
+
+
+def training_records(spec: DataSpec) -> Iterator[Record]:
+    """The rows of a training file as a stream; a plain-text file comes in pieces of about a megabyte, cut at a line break."""
+    if not spec.is_plain_text:
+        yield from iter_records(spec, "training", streaming=True)
+        return
+    if not spec.path.is_file():
+        raise UsageError(f"training text not found: {spec.path}")
+    with open(spec.path, encoding="utf-8", errors="strict") as handle:
+        carry, number = "", 0
+        while True:
+            try:
+                chunk = handle.read(_TEXT_PIECE_CHARS)
+            except UnicodeDecodeError as exc:
+                raise UsageError(f"training text {spec.path} is not UTF-8 near character {number * _TEXT_PIECE_CHARS}") from exc
+            if not chunk:
+                break
+            number += 1
+            text, _, carry = (carry + chunk).rpartition("\n")
+            if text.strip():
+                yield Record(number, domain_of(spec.path), text=text)
+        if carry.strip():
+            yield Record(number + 1, domain_of(spec.path), text=carry)
+
+
+def packed_windows(tokenizer, specs: Sequence[DataSpec], window: int, n_windows: int, progress: bool = False) -> torch.Tensor:
+    """The first ``n_windows`` training windows of a corpus read as a stream: documents tokenized one at a time (chat rows
+    rendered by the template), joined with the end-of-sequence token, packed into windows each led by the window prefix.
+
+    Only the windows are held, never the corpus; too little text is a usage error.
+    """
+    prefix = window_prefix(tokenizer)
+    body = window - len(prefix)
+    separator = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    rows: list[torch.Tensor] = []
+    pending: list[int] = []
+    for spec in specs:
+        for record in training_records(spec):
+            if record.messages:
+                ids = tokenizer(rendered_conversation(tokenizer, record.messages, spec.path), add_special_tokens=False).input_ids
+                ids = ids[len(prefix):] if prefix and ids[:len(prefix)] == prefix else ids
+            else:
+                ids = tokenizer(record.text, add_special_tokens=False).input_ids
+            pending += ids + separator
+            while len(pending) >= body and len(rows) < n_windows:
+                rows.append(torch.tensor(pending[:body], dtype=torch.long))
+                pending = pending[body:]
+            if len(rows) == n_windows:
+                return _windowed(prefix, torch.stack(rows))
+    raise UsageError(f"too little training text in {', '.join(map(str, specs))}: {len(rows)} windows of {window} tokens; "
+                     f"need {n_windows}")
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)]*\s+")
@@ -208,7 +401,7 @@ def text_sentences(text: str, limit: int, min_chars: int = 20, max_chars: int = 
 
 def domain_sentences(sources: Sequence[TextSource], per_domain: int) -> list[tuple[str, list[str]]]:
     """``per_domain`` sentences of each source, by domain (evaluation text skips its opening, as for decoders)."""
-    return [(s.domain, text_sentences(s.text, per_domain, skip_chars=eval_skip(s.text)))
+    return [(s.domain, text_sentences(s.words, per_domain, skip_chars=eval_skip(s)))
             for s in sources]
 
 
@@ -227,7 +420,7 @@ def domain_windows(tokenizer, sources: list[TextSource], windows: int) -> torch.
     if not sources:
         return None
     per_domain = -(-windows // len(sources))
-    picked = [token_windows(tokenizer, s.text, 512, per_domain * 512, skip_chars=eval_skip(s.text))
-              for s in sources]
+    picked = [token_windows(tokenizer, s, 512, per_domain * 512, skip_chars=eval_skip(s))
+              for s in usable_sources(tokenizer, sources)]
     rows = [w[i] for i in range(per_domain) for w in picked if i < w.shape[0]]
     return torch.stack(rows[:windows])

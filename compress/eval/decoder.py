@@ -22,12 +22,22 @@ from pydantic import PositiveInt
 from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
 from compress.core.config import StrictModel, Target
 from compress.core.files import path_size
-from compress.core.text import TextSource, eval_skip, evaluated_span, token_windows
+from compress.core.text import (
+    TextSource,
+    eval_skip,
+    evaluated_span,
+    prefix_tokens,
+    source_ids,
+    token_windows,
+    usable_sources,
+    window_prefix,
+)
 from compress.eval.fidelity import compare_on_domains, worst_domain
 from compress.eval.gate import Check, lower_bound_check, require_measured, upper_bound_check
 from compress.eval.latency import measure_decoder_latency
 from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
 from compress.eval.perplexity import perplexity, torch_logits_fn
+from compress.eval.prompts import compare_prompts, prompt_checks, resolve_prompts, torch_greedy
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer
 from compress.transforms.quantize.saved import attach_quantization, held_quantized_causal_lm, load_quantization
@@ -48,21 +58,31 @@ class ValidateConfig(StrictModel):
     latency_repeats: PositiveInt = 1
     device_prompt_tokens: PositiveInt = 64  # per evaluation domain, for the on-device greedy comparison
     device_new_tokens: PositiveInt = 24
+    prompt_new_tokens: PositiveInt = 32  # greedy answer length to each app prompt (prompts=)
 
 
-def device_reference(decoder: OnnxDecoder, tokenizer, evaluation: list[TextSource], config: ValidateConfig) -> dict[str, Any]:
-    """Greedy continuations of one prompt per evaluation domain by the host model, for ``validate --on-device`` to compare with.
+def device_reference(decoder: OnnxDecoder, tokenizer, evaluation: list[TextSource], config: ValidateConfig,
+                     answers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Greedy continuations by the host model, for ``validate --on-device`` to compare with: one prompt per evaluation
+    domain, then the app prompts (their measured answers, cut to length: a greedy answer's start is the shorter answer).
 
     The prompts are stored as text decoded from their token ids, so the device's tokenizer reads the same tokens.
     """
     prompts, expected = [], []
-    for source in evaluation:
-        skip = eval_skip(source.text)
-        ids = tokenizer(source.text[skip:skip + 20 * config.device_prompt_tokens], add_special_tokens=False).input_ids
-        text = tokenizer.decode(ids[: config.device_prompt_tokens])
+    prefix = window_prefix(tokenizer)
+    for source in usable_sources(tokenizer, evaluation):
+        ids = source_ids(tokenizer, source, eval_skip(source), max_tokens=config.device_prompt_tokens).tolist()
+        text = tokenizer.decode(prefix + ids, skip_special_tokens=False)
         prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
         prompts.append({"domain": source.domain, "text": text, "prompt_ids": prompt_ids})
         expected.append(decoder.greedy(prompt_ids, config.device_new_tokens))
+    for row in sorted((answers or {}).get("rows", []), key=lambda r: r["order"]):
+        prompts.append({"domain": f"prompt {row['id']}", "text": tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
+                        "prompt_ids": row["prompt_ids"]})
+        answer = row["model_ids"]
+        ended = bool(answer) and answer[-1] in decoder.layout.eos_token_ids
+        complete = ended or len(answer) >= config.device_new_tokens
+        expected.append(answer[: config.device_new_tokens] if complete else decoder.greedy(row["prompt_ids"], config.device_new_tokens))
     return {"max_new_tokens": config.device_new_tokens, "prompts": prompts, "host_output_ids": expected,
             "host": "our Q/DQ ONNX in ONNX Runtime (the numbers the bundle holds)"}
 
@@ -80,40 +100,47 @@ def quantized_reference_perplexity(model_dir: Path, windows, progress: bool) -> 
 
 def evaluation_windows(tokenizer, evaluation: list[TextSource], config: ValidateConfig) -> list[tuple[str, torch.Tensor]]:
     """Each domain's first ``eval_tokens`` tokens (after its opening 5,000 characters when it is long) as windows."""
-    domains = []
-    for source in evaluation:
-        skip = eval_skip(source.text)
-        domains.append((source.domain, token_windows(tokenizer, source.text, config.window, config.eval_tokens, skip_chars=skip)))
-    return domains
+    return [(source.domain, token_windows(tokenizer, source, config.window, config.eval_tokens, skip_chars=eval_skip(source)))
+            for source in usable_sources(tokenizer, evaluation)]
 
 
 def measure(onnx_dir: Path, teacher_dir: Path | None, evaluation: list[TextSource], config: ValidateConfig, progress: bool,
-            exported_from: Path | None = None, unseen: list[str] | None = None) -> dict[str, Any]:
-    """Every target-independent measurement of an exported decoder."""
+            exported_from: Path | None = None, unseen: list[str] | None = None, prompts: str | None = None) -> dict[str, Any]:
+    """Every target-independent measurement of an exported decoder (``prompts``: the run's ``prompts=``)."""
     tokenizer = load_tokenizer(onnx_dir)
     domains = evaluation_windows(tokenizer, evaluation, config)
     windows = torch.cat([w for _, w in domains])
     decoder = OnnxDecoder(onnx_dir)
     quality: dict[str, Any] = {"perplexity_teacher": None, "perplexity_increase_pct": None}
+    answers = None
+    cases, prompt_source = resolve_prompts(prompts, tokenizer)
     if teacher_dir is not None:
         log.info("ONNX model vs torch teacher on %d domains (%s), %d windows of %d tokens", len(domains),
                  ", ".join(name for name, _ in domains), windows.shape[0], config.window)
         teacher = load_causal_lm(teacher_dir, own_dtype=True)
         with computed_in_float32(teacher):
             quality = domain_quality(compare_on_domains(decoder.logits, torch_logits_fn(teacher), domains, progress), unseen or [])
+            if cases:
+                log.info("app prompts: %d from %s, greedy %d tokens, ONNX model vs torch teacher", len(cases), prompt_source,
+                         config.prompt_new_tokens)
+                answers = compare_prompts(cases, tokenizer, torch_greedy(teacher, decoder.layout.eos_token_ids), decoder.greedy,
+                                          config.prompt_new_tokens, progress, prompt_source)
         del teacher
     else:
         quality["perplexity_onnx"] = perplexity(decoder.logits, windows, progress, desc="ppl onnx")
     ppl_quantized = quantized_reference_perplexity(exported_from, windows, progress) if exported_from else None
-    opening = evaluated_span(evaluation[0].text, config.latency_prompt_tokens)
-    prompt = tokenizer(opening, add_special_tokens=False).input_ids[: config.latency_prompt_tokens]
+    opening = evaluated_span(evaluation[0], config.latency_prompt_tokens)
+    prompt = (window_prefix(tokenizer) + tokenizer(opening, add_special_tokens=False).input_ids)[: config.latency_prompt_tokens]
     log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
     latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
     ppl_onnx = quality["perplexity_onnx"]
     return {
         "eval_tokens": int(windows.numel()),
         "eval_windows": int(windows.shape[0]),
+        "window_prefix": prefix_tokens(tokenizer),
         **quality,
+        "prompts": answers,
+        "prompts_source": prompt_source,
         "perplexity_torch_quantized": ppl_quantized,
         "onnx_vs_torch_quantized_pct": None if ppl_quantized is None else 100.0 * abs(ppl_onnx / ppl_quantized - 1.0),
         "host_latency": latency,
@@ -163,6 +190,7 @@ def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Ta
         upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
                           f"weights + KV cache at {budgets.context_length} + runtime"),
     ]
+    checks += prompt_checks(metrics.get("prompts"), budgets)
     if metrics.get("onnx_pattern_24_fraction") is not None:
         checks.append(upper_bound_check("sparsity_24_violations_pct", 100.0 * (1.0 - metrics["onnx_pattern_24_fraction"]), 0.0,
                                         "measured", "%", "share of exported linear weight 4-groups outside the 2:4 pattern"))

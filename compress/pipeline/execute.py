@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.artifact import SOURCE, Artifact
-from compress.core.errors import CompressError, StageError, raise_pending_interrupt, signals_held
+from compress.core.errors import CompressError, Interrupted, StageError, first_interruption, raise_pending_interrupt, signals_held
 from compress.core.files import (
     atomic_write_json,
     disk_write_error,
@@ -277,6 +277,9 @@ def _as_compress_error(exc: BaseException, writing: Path, out: Path) -> Compress
 
 
 def _failure_reason(exc: BaseException) -> str:
+    first = first_interruption()
+    if first is not None and isinstance(exc, (Interrupted, KeyboardInterrupt)):
+        return str(first)
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted (SIGINT)"
     return str(exc) or type(exc).__name__

@@ -27,6 +27,7 @@ from compress.core.text import (
     DEFAULT_CALIBRATION,
     DEFAULT_EVALUATION,
     TextSource,
+    TrainingData,
     check_disjoint,
     load_calibration,
     load_evaluation,
@@ -34,6 +35,7 @@ from compress.core.text import (
     unseen_domains,
 )
 from compress.core.versions import __version__
+from compress.eval.prompts import PROMPTS_OFF, load_prompts
 from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind, supported_model_types
 from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
 from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
@@ -41,7 +43,8 @@ from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant,
 
 log = logging.getLogger("compress")
 
-RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "eval_labels", "power", "seed", "trust_remote_code", "device")
+RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "train_data", "prompts", "eval_labels", "power", "seed",
+            "trust_remote_code", "device")
 # What recipe=default means for each kind of model.
 DEFAULT_RECIPES = {"decoder": "default", "encoder": "encoder-int8"}
 
@@ -61,6 +64,8 @@ class RunOptions:
     out: Path | None = None
     calib: str | None = None
     eval: str | None = None
+    train_data: str | None = None
+    prompts: str | None = None
     eval_labels: str | None = None
     power: str | None = None
     seed: int = 0
@@ -130,6 +135,7 @@ class Plan:
     evaluation: list[TextSource]
     stages: list[PlannedStage]
     out_dir: Path
+    train_data: TrainingData | None = None
     model_sha256: str = ""  # the content of the model files (what every fingerprint starts from)
     device: str = "cpu"  # the torch device the heavy work runs on (``device=`` resolved)
     estimates: list[StageEstimate] = field(default_factory=list)  # each stage's expected memory, disk and time
@@ -138,7 +144,8 @@ class Plan:
     @property
     def unseen_domains(self) -> list[str]:
         """Evaluation domains no calibration or training text came from."""
-        return unseen_domains(self.calibration, self.evaluation)
+        seen = self.calibration + (self.train_data.sample if self.train_data else [])
+        return unseen_domains(seen, self.evaluation)
 
     @property
     def model_kind(self) -> str:
@@ -152,7 +159,8 @@ class Plan:
                           evaluation=self.evaluation, unseen_domains=self.unseen_domains,
                           trust_remote_code=options.trust_remote_code,
                           eval_labels=Path(options.eval_labels) if options.eval_labels else None,
-                          require_measured=options.require_measured, progress=options.progress, device=self.device)
+                          require_measured=options.require_measured, progress=options.progress, device=self.device,
+                          prompts=options.prompts, train_data=self.train_data.specs if self.train_data else [])
 
     @property
     def identity(self) -> dict[str, Any]:
@@ -172,6 +180,8 @@ class Plan:
             "calibration": [{"domain": s.domain, "path": str(s.path)} for s in self.calibration],
             "evaluation": [{"domain": s.domain, "path": str(s.path), "seen": s.domain not in self.unseen_domains}
                            for s in self.evaluation],
+            "train_data": [str(spec) for spec in self.train_data.specs] if self.train_data else None,
+            "prompts": self.options.prompts or "default (the shipped assistant prompts, for a model with a chat template)",
             "stages": [
                 {"dir": p.dirname, "name": p.stage.name, "input": p.stage.input_kind, "output": p.stage.output_kind,
                  "config": config_json(p.config)}
@@ -231,17 +241,32 @@ def build_plan(options: RunOptions) -> Plan:
         raise UsageError(f"eval_labels={options.eval_labels}: no such file")
     calibration = load_calibration(split_paths(options.calib, DEFAULT_CALIBRATION))
     evaluation = load_evaluation(split_paths(options.eval, DEFAULT_EVALUATION))
-    check_disjoint(calibration, evaluation, max((getattr(p.config, "eval_tokens", 0) for p in planned), default=0) or 2048)
+    evaluated_tokens = max((getattr(p.config, "eval_tokens", 0) for p in planned), default=0) or 2048
+    check_disjoint(calibration, evaluation, evaluated_tokens)
+    train_data = _training_data(options, planned)
+    if train_data is not None:
+        check_disjoint(train_data.sample, evaluation, evaluated_tokens)
+    if options.prompts and options.prompts != PROMPTS_OFF:
+        load_prompts(Path(options.prompts))
     estimates = _estimates(planned, model, config)
     problem = fit_problem(estimates, Machine.here(out_dir), model.spec)
     if problem and not options.dry_run:
         raise UsageError(problem)  # before the model's files are hashed: a model too large to run is not read
-    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, model_sha256(model),
-                resolve_device(options.device), estimates, problem)
+    plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, train_data,
+                model_sha256(model), resolve_device(options.device), estimates, problem)
     check_run_dir(out_dir, plan.identity, options.force)
     _check_plan_rules(planned, target, model, config)
     _assign_fingerprints(plan)
     return plan
+
+
+def _training_data(options: RunOptions, planned: list[PlannedStage]) -> TrainingData | None:
+    """``train_data=``, checked and sampled for the overlap check, for a recipe that trains (refused for one that does not)."""
+    if not options.train_data:
+        return None
+    if not any(p.stage.name == "distill" for p in planned):
+        raise UsageError(f"train_data={options.train_data}: the recipe has no distill stage to train with it")
+    return TrainingData.read(split_paths(options.train_data, ()))
 
 
 def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None) -> list[StageEstimate]:
@@ -359,6 +384,9 @@ def _assign_fingerprints(plan: Plan) -> None:
                     "layout": ARTIFACT_LAYOUT}).encode()
     ).hexdigest()
     data_hashes = [s.sha256 for s in plan.calibration] + [s.sha256 for s in plan.evaluation]
+    data_hashes += plan.train_data.sha256 if plan.train_data else []
+    prompts = plan.options.prompts
+    prompts_hash = sha256_path(Path(prompts)) if prompts and prompts != PROMPTS_OFF else prompts
     for planned in plan.stages:
         material = {
             "upstream": upstream,
@@ -371,6 +399,7 @@ def _assign_fingerprints(plan: Plan) -> None:
             material["target"] = plan.target.model_dump(mode="json")
             material["power_mode"] = plan.power_mode
             material["require_measured"] = plan.options.require_measured
+            material["prompts"] = prompts_hash
             if plan.options.eval_labels:
                 material["eval_labels"] = sha256_path(Path(plan.options.eval_labels))
         upstream = hashlib.sha256(json.dumps(material, sort_keys=True).encode()).hexdigest()
@@ -391,4 +420,10 @@ def data_record(plan: Plan) -> dict[str, Any]:
     def entries(sources: list[TextSource]) -> list[dict[str, str]]:
         return [{"domain": s.domain, "path": str(s.path), "sha256": s.sha256} for s in sources]
 
-    return {"calibration": entries(plan.calibration), "evaluation": entries(plan.evaluation), "unseen_domains": plan.unseen_domains}
+    record = {"calibration": entries(plan.calibration), "evaluation": entries(plan.evaluation), "unseen_domains": plan.unseen_domains}
+    if plan.train_data:
+        record["train_data"] = [{"path": str(spec), "sha256": digest} for spec, digest in zip(plan.train_data.specs,
+                                                                                             plan.train_data.sha256, strict=True)]
+    if plan.options.prompts:
+        record["prompts"] = plan.options.prompts
+    return record

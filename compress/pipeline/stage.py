@@ -21,6 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from compress.core.artifact import Artifact
 from compress.core.config import StrictModel, Target, format_validation_error
+from compress.core.data_files import DataSpec
 from compress.core.errors import UsageError
 from compress.core.text import TextSource
 
@@ -51,6 +52,8 @@ class RunContext:
     require_measured: bool = False
     progress: bool = True
     device: str = "cpu"  # where block-by-block work (calibration, quantization, sparsification, scores) is computed
+    prompts: str | None = None  # ``prompts=``: the app's prompt file, ``off``, or None for the shipped set (chat models)
+    train_data: list[DataSpec] = field(default_factory=list)  # ``train_data=``: the distillation corpus (else calibration)
     artifacts: dict[str, Artifact] = field(default_factory=dict)  # by stage name, in run order
     stage_name: str = ""
     fingerprint: str = ""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.report.figures import DOMAIN_QUALITY, figure
+from compress.report.figures import DOMAIN_QUALITY, PROMPT_ANSWERS, figure
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -48,9 +48,52 @@ def _domain_table(report: dict[str, Any]) -> list[str]:
         return []
     return ["", "## Quality per evaluation domain", "",
             f"The accuracy budget applies to the worst domain (**{metrics['worst_domain']}**). Unseen domains (no calibration "
-            f"or training text came from them): {', '.join(metrics.get('unseen_domains') or []) or 'none'}.", "",
+            f"or training text came from them): {', '.join(metrics.get('unseen_domains') or []) or 'none'}. "
+            f"{_prefix_sentence(metrics.get('window_prefix'))}", "",
             "| " + " | ".join(DOMAIN_HEADERS) + " |", "|" + "---|" * len(DOMAIN_HEADERS),
             *("| " + " | ".join(row) + " |" for row in rows)]
+
+
+def _prefix_sentence(prefix: list[str] | None) -> str:
+    """What was put before each evaluation window (the tokenizer's own rule for the start of a text)."""
+    if prefix is None:
+        return ""
+    if not prefix:
+        return "Nothing is put before a window: the tokenizer starts a text with no special token."
+    return f"Each window starts with {' '.join(f'`{t}`' for t in prefix)}, as the tokenizer starts a text."
+
+
+def _cell(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split()).replace("|", "\\|")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def marked_answer(row: dict[str, Any]) -> str:
+    """The deployed answer with its first difference from the teacher's marked ``⟦…⟧``."""
+    if row["identical"]:
+        return row["model_answer"]
+    common = row["common_prefix"]
+    rest = row["model_answer"][len(common):] if row["model_answer"].startswith(common) else row["model_answer"]
+    return f"{common}⟦{rest}⟧"
+
+
+def _prompt_table(report: dict[str, Any]) -> list[str]:
+    measured = figure(report, PROMPT_ANSWERS)
+    if not measured:
+        return []
+    lines = ["", "## The app's prompts", "",
+             f"{measured['prompts']} prompts ({measured['source']}), greedy answers of {measured['new_tokens']} tokens at most: "
+             f"**{100 * measured['identical_answers']:.0f}%** identical to the teacher's, "
+             f"**{100 * measured['answer_prefix_agreement']:.0f}%** of the teacher's answer matched on average before the "
+             f"first difference, first token equal in **{100 * measured['first_token_agreement']:.0f}%**.", "",
+             "Worst first; the deployed answer's part after its first difference is marked ⟦…⟧.", "",
+             "| id | prompt | matched | teacher's answer | deployed answer | expect |", "|---|---|---|---|---|---|"]
+    for row in measured["rows"]:
+        expect = "—" if row["expect"] is None else (f"`{row['expect']}`: teacher {'✓' if row['teacher_passes'] else '✗'}, "
+                                                     f"deployed {'✓' if row['model_passes'] else '✗'}")
+        lines.append(f"| {row['id']} | {_cell(row['prompt'], 80)} | {100 * row['prefix_fraction']:.0f}% | "
+                     f"{_cell(row['teacher_answer'])} | {_cell(marked_answer(row))} | {_cell(expect, 80)} |")
+    return lines
 
 
 def _on_device_section(report: dict[str, Any]) -> list[str]:
@@ -105,6 +148,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     if not gate["checks"]:
         lines.append(f"| — | — | — | **{gate['verdict']}** | — | {gate.get('detail', '')} |")
     lines += _domain_table(report)
+    lines += _prompt_table(report)
     lines += _on_device_section(report)
     lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
     for index, stage in enumerate(report["stages"], start=1):

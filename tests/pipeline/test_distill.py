@@ -15,7 +15,7 @@ import torch
 from compress.cli.main import main
 from compress.transforms.distill.student import build_student, layer_influence, plan_from_config
 from compress.transforms.distill.train import DistillConfig, Distiller, kd_loss, write_job
-from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
+from tests.conftest import CALIB, REPO, TINY_SMOKE, build_tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -165,13 +165,16 @@ def test_default_recipe_does_not_distill_and_the_distill_recipe_plans_a_half_siz
 
 def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
     out = tmp_path / "run"
+    corpus = tmp_path / "corpus.jsonl"  # train_data=: a JSON-lines corpus, packed into the training windows
+    corpus.write_text("".join(json.dumps({"text": p}) + "\n" for p in CALIB.read_text(encoding="utf-8")[:60_000].split("\n\n")
+                              if p.strip()), encoding="utf-8")
     recipe = tmp_path / "distill-int8.yaml"
     recipe.write_text("name: distill-int8\nstages:\n  - load\n  - distill: {target_fraction: 0.7}\n  - quantize: {method: int8}\n"
                       "  - export_onnx\n  - build_engine\n  - validate\n")
     proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={llama4}",
                            f"out={out}", "--no-progress", "distill.steps=2", "distill.seq_len=64", "distill.eval_every=1000",
                            "distill.eval_windows=1", "distill.teacher_generations=2", "distill.generation_prompt_tokens=16",
-                           "quantize.calib_windows=8", *TINY_SMOKE],
+                           "distill.train_windows=12", f"train_data={corpus}", "quantize.calib_windows=8", *TINY_SMOKE],
                           cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
@@ -185,6 +188,7 @@ def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
     assert stages["validate"]["metrics"]["perplexity_onnx"] > 0
     distill = stages["distill"]["metrics"]
     assert distill["teacher_generations"] == 2 and distill["unseen_domains"] == ["learned", "government", "religion"]
+    assert distill["train_data"] == [str(corpus)] and distill["train_windows"] == 12 + 2  # packed windows + generations
     assert distill["perplexity_before_unseen"] > 0 and distill["perplexity_after_unseen"] > 0
 
 

@@ -16,7 +16,7 @@ import torch
 
 from compress.core.artifact import HF_MODEL, Artifact
 from compress.core.rundir import CHECKPOINTS_DIR
-from compress.core.text import calibration_windows, domain_windows
+from compress.core.text import calibration_windows, domain_windows, packed_windows
 from compress.eval.perplexity import seen_and_unseen_perplexity
 from compress.models.loading import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
@@ -34,7 +34,12 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
     teacher = load_causal_lm(source.path)
     shape = student_shape(teacher.config.to_dict(), config)
     calib = calibration_windows(tokenizer, ctx.calibration, 512, 8)
-    train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows)
+    if ctx.train_data:
+        log.info("training windows: the first %d windows of %d tokens packed from %s", config.train_windows, config.seq_len,
+                 ", ".join(map(str, ctx.train_data)))
+        train = packed_windows(tokenizer, ctx.train_data, config.seq_len, config.train_windows)
+    else:
+        train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows)
     generated = teacher_generations(teacher, tokenizer, ctx.calibration, config)
     if generated is not None:
         train = torch.cat([train, generated])
@@ -84,7 +89,8 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
                "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
                "perplexity_before_unseen": before.get("perplexity_unseen"), "perplexity_after_unseen": after.get("perplexity_unseen"),
                "eval_tokens": int(evaluation.numel()), "curve": history, "unseen_domains": ctx.unseen_domains,
-               "stopped_early_at": stopped_early_at, "teacher_generations": 0 if generated is None else int(generated.shape[0])}
+               "stopped_early_at": stopped_early_at, "teacher_generations": 0 if generated is None else int(generated.shape[0]),
+               "train_data": [str(spec) for spec in ctx.train_data] or "the calibration text", "train_windows": int(train.shape[0])}
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "metrics": metrics}
     line = (f"{student_params:,} parameters; student {shape}, ppl {before['perplexity']:.1f} → {after['perplexity']:.1f} after "
             f"{config.steps} {config.loss} steps (teacher {teacher_figures['perplexity']:.1f})")

@@ -20,7 +20,7 @@ from compress.eval import decoder, encoder
 from compress.eval.gate import gate_json
 from compress.models.loading import load_encoder, load_tokenizer
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
-from compress.report.figures import DOMAIN_QUALITY, PERPLEXITY_BY_STAGE
+from compress.report.figures import DOMAIN_QUALITY, PERPLEXITY_BY_STAGE, PROMPT_ANSWERS
 
 log = logging.getLogger(__name__)
 
@@ -31,13 +31,14 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     teacher = ctx.first_artifact(HF_MODEL)
     exported_from = ctx.last_artifact(HF_MODEL)
     metrics = decoder.measure(onnx_dir, Path(teacher.path) if teacher else None, ctx.evaluation, config, ctx.progress,
-                              Path(exported_from.path) if exported_from else None, ctx.unseen_domains)
+                              Path(exported_from.path) if exported_from else None, ctx.unseen_domains, ctx.prompts)
     if "onnx_pattern_24_fraction" in source.meta.get("metrics", {}):
         metrics["onnx_pattern_24_fraction"] = source.meta["metrics"]["onnx_pattern_24_fraction"]
     if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
         log.info("host greedy reference for the on-device check: %d prompts, %d new tokens", len(ctx.evaluation), config.device_new_tokens)
         atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE,
-                          decoder.device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.evaluation, config))
+                          decoder.device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.evaluation, config,
+                                                   metrics.get("prompts")))
     precision = source.meta.get("precision", "fp32")
     model_config = read_json(onnx_dir / "config.json")
     deployment = decoder.deployment_meta(source.meta)
@@ -61,8 +62,13 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     lat = metrics["host_latency"]
     line += f"; host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms"
     figures = {PERPLEXITY_BY_STAGE: {name: value for name, value in measured.items() if name is not None and value is not None}}
+    if metrics.get("prompts"):
+        figures[PROMPT_ANSWERS] = metrics["prompts"]
+        log.info("app prompts: %d, identical answers %.0f%%, answer prefix agreement %.0f%%, first token %.0f%%",
+                 metrics["prompts"]["prompts"], 100 * metrics["prompts"]["identical_answers"],
+                 100 * metrics["prompts"]["answer_prefix_agreement"], 100 * metrics["prompts"]["first_token_agreement"])
     if metrics.get("domains"):
-        figures[DOMAIN_QUALITY] = {key: metrics.get(key) for key in ("domains", "mixed", "worst_domain", "unseen_domains")}
+        figures[DOMAIN_QUALITY] = {key: metrics.get(key) for key in ("domains", "mixed", "worst_domain", "unseen_domains", "window_prefix")}
     return StageResult(Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate}), line, figures)
 
 

@@ -1,0 +1,183 @@
+"""The app's own prompts as a gate: greedy answers of the deployed model against the teacher's on the same prompts.
+
+A prompt file is JSON lines, ``{"prompt": ..., "expect": optional regex, "id": optional}``. Each prompt is rendered
+as the app sends it (a user turn in the model's chat template, the generation prompt added; raw text led by the window
+prefix for a model without one), both models answer greedily, and the comparison gives: the share of identical
+answers, the mean fraction of the teacher's answer the deployed model matches before it first differs, the share whose
+first token matches, and, for prompts with ``expect``, how often each model's answer matches it (case-insensitive
+regular expression). ``prompts=`` names the file; chat models get the shipped set by default.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from compress.catalog import TEXT, catalog_dir
+from compress.core.data_files import DataSpec, opened_rows
+from compress.core.errors import UsageError
+from compress.core.text import has_chat_template, window_prefix
+from compress.eval.gate import Check, lower_bound_check, upper_bound_check
+
+log = logging.getLogger(__name__)
+
+DEFAULT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_evaluation.jsonl"
+PROMPTS_OFF = "off"
+Generate = Callable[[list[int], int], list[int]]
+
+
+@dataclass(frozen=True)
+class PromptCase:
+    """One prompt of the app, what a right answer contains (a regex) when the file says, and its id."""
+
+    id: str
+    prompt: str
+    expect: str | None = None
+
+
+def load_prompts(path: Path) -> list[PromptCase]:
+    """Read and check a prompt file; every problem names the file and the row."""
+    path = Path(path)
+    if path.suffix.lower() not in (".jsonl", ".json"):
+        raise UsageError(f"prompts={path}: expected a JSON-lines file of {{\"prompt\": ..., \"expect\": ...}}")
+    cases, seen = [], set()
+    with opened_rows(DataSpec(path), "prompts") as rows:
+        if "prompt" not in (rows.column_names or []):
+            raise UsageError(f"prompts {path}: no 'prompt' field (fields: {', '.join(rows.column_names or [])})")
+        for number, row in enumerate(rows, start=1):
+            cases.append(_case(row, number, path))
+            if cases[-1].id in seen:
+                raise UsageError(f"prompts {path} row {number}: id {cases[-1].id!r} appears twice")
+            seen.add(cases[-1].id)
+    if not cases:
+        raise UsageError(f"prompts {path} has no rows")
+    return cases
+
+
+def _case(row: dict[str, Any], number: int, path: Path) -> PromptCase:
+    where = f"prompts {path} row {number}"
+    prompt, expect = row.get("prompt"), row.get("expect")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise UsageError(f"{where}: 'prompt' must be non-empty text")
+    if expect is not None:
+        if not isinstance(expect, str) or not expect:
+            raise UsageError(f"{where}: 'expect' must be text (a regular expression)")
+        try:
+            re.compile(expect)
+        except re.error as exc:
+            raise UsageError(f"{where}: 'expect' is not a regular expression ({exc})") from exc
+    return PromptCase(str(row.get("id") or number), prompt, expect)
+
+
+def resolve_prompts(value: str | None, tokenizer) -> tuple[list[PromptCase], str]:
+    """The prompts a validation uses and why: ``prompts=FILE``; ``off``; or the shipped set for a model with a chat template."""
+    if value == PROMPTS_OFF:
+        return [], "prompts=off"
+    if value:
+        return load_prompts(Path(value)), str(value)
+    if has_chat_template(tokenizer):
+        return load_prompts(DEFAULT_PROMPTS), "the shipped assistant prompts (the model has a chat template)"
+    return [], "none: the model has no chat template and no prompts= file was given"
+
+
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """A prompt as the app sends it: a user turn in the chat template with the generation prompt, else the prefixed text."""
+    if has_chat_template(tokenizer):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False).input_ids
+    return window_prefix(tokenizer) + tokenizer(prompt, add_special_tokens=False).input_ids
+
+
+def torch_greedy(model, eos_ids: Sequence[int]) -> Generate:
+    """Greedy decoding of a torch causal LM with its KV cache, stopping after an end-of-sequence token as the ONNX decoder does."""
+    stop = set(eos_ids)
+
+    @torch.no_grad()
+    def generate(ids: list[int], new_tokens: int) -> list[int]:
+        out = model(torch.tensor([ids]), use_cache=True)
+        answer: list[int] = []
+        for _ in range(new_tokens):
+            token = int(out.logits[0, -1].argmax())
+            answer.append(token)
+            if token in stop:
+                break
+            out = model(torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+        return answer
+
+    return generate
+
+
+def answer_pair(teacher: list[int], model: list[int]) -> dict[str, Any]:
+    """How far the deployed answer follows the teacher's: the first differing position and the matched fraction."""
+    diverges = next((i for i, (a, b) in enumerate(zip(teacher, model, strict=False)) if a != b), min(len(teacher), len(model)))
+    identical = teacher == model
+    return {"identical": identical, "first_divergence": None if identical else diverges,
+            "prefix_fraction": 1.0 if identical else diverges / max(1, len(teacher)),
+            "first_token_match": bool(teacher and model and teacher[0] == model[0])}
+
+
+def _passes(expect: str | None, text: str) -> bool | None:
+    return None if expect is None else re.search(expect, text, re.IGNORECASE) is not None
+
+
+def compare_prompts(cases: list[PromptCase], tokenizer, teacher: Generate, deployed: Generate, new_tokens: int,
+                    progress: bool = True, source: str = "") -> dict[str, Any]:
+    """Answer every prompt with both models and compare: one row per prompt (worst first) and the summary the gate reads."""
+    rows = []
+    for order, case in enumerate(tqdm(cases, desc="app prompts", disable=not progress, leave=False)):
+        ids = prompt_ids(tokenizer, case.prompt)
+        teacher_ids, model_ids = teacher(ids, new_tokens), deployed(ids, new_tokens)
+        pair = answer_pair(teacher_ids, model_ids)
+        teacher_text = tokenizer.decode(teacher_ids, skip_special_tokens=True)
+        model_text = tokenizer.decode(model_ids, skip_special_tokens=True)
+        common = "" if pair["identical"] else tokenizer.decode(teacher_ids[:pair["first_divergence"]], skip_special_tokens=True)
+        rows.append({"id": case.id, "order": order, "prompt": case.prompt, "expect": case.expect, "prompt_ids": ids, **pair,
+                     "teacher_ids": teacher_ids, "model_ids": model_ids, "teacher_answer": teacher_text,
+                     "model_answer": model_text, "common_prefix": common,
+                     "teacher_passes": _passes(case.expect, teacher_text), "model_passes": _passes(case.expect, model_text)})
+    rows.sort(key=lambda r: (r["prefix_fraction"], r["id"]))
+    return {"source": source, "new_tokens": new_tokens, "rows": rows, **summary(rows)}
+
+
+def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The shares the gate checks, from the per-prompt rows."""
+    count = len(rows)
+    expected = [r for r in rows if r["expect"] is not None]
+    return {
+        "prompts": count,
+        "identical_answers": sum(r["identical"] for r in rows) / count,
+        "answer_prefix_agreement": sum(r["prefix_fraction"] for r in rows) / count,
+        "first_token_agreement": sum(r["first_token_match"] for r in rows) / count,
+        "prompts_with_expect": len(expected),
+        "expect_pass_teacher": sum(r["teacher_passes"] for r in expected) / len(expected) if expected else None,
+        "expect_pass_model": sum(r["model_passes"] for r in expected) / len(expected) if expected else None,
+    }
+
+
+def prompt_checks(measured: dict[str, Any] | None, budgets) -> list[Check]:
+    """The gate's checks on the app prompts (none when no prompts were evaluated)."""
+    if not measured:
+        return []
+    where = f"{measured['prompts']} app prompts ({measured['source']}), greedy {measured['new_tokens']} tokens vs the teacher"
+    checks = [
+        lower_bound_check("answer_prefix_agreement", measured["answer_prefix_agreement"], budgets.min_answer_prefix_agreement,
+                          "measured", "", f"mean share of the teacher's answer matched before the first difference; {where}"),
+        lower_bound_check("first_token_agreement", measured["first_token_agreement"], budgets.min_first_token_agreement,
+                          "measured", "", f"share of answers whose first token is the teacher's; {where}"),
+        lower_bound_check("identical_answers", measured["identical_answers"], budgets.min_identical_answers, "measured", "",
+                          f"share of answers identical to the teacher's; {where}"),
+    ]
+    if measured.get("expect_pass_teacher") is not None:
+        drop = 100.0 * (measured["expect_pass_teacher"] - measured["expect_pass_model"])
+        checks.append(upper_bound_check(
+            "expect_pass_drop_pct", drop, budgets.max_expect_pass_drop_pct, "measured", "points",
+            f"answers matching 'expect': teacher {100 * measured['expect_pass_teacher']:.0f}%, model "
+            f"{100 * measured['expect_pass_model']:.0f}% of {measured['prompts_with_expect']}"))
+    return checks
