@@ -49,8 +49,8 @@ def run_row(name: str) -> dict:
     validate = stages["validate"]["metrics"]
     step = stages.get("sparsify") or stages.get("prune_heads") or stages["distill"]
     metrics = step["metrics"]
-    return {"row": name, "ppl": validate["perplexity_onnx"], "teacher": validate["perplexity_teacher"],
-            "ratio": validate["perplexity_onnx"] / validate["perplexity_teacher"],
+    return {"row": name, "ppl": validate["perplexity_model"], "teacher": validate["perplexity_teacher"],
+            "ratio": validate["perplexity_model"] / validate["perplexity_teacher"],
             "nonzero_parameters": metrics.get("nonzero_parameters", metrics["parameters"]), "parameters": metrics["parameters"],
             "pattern_24": stages["export_onnx"]["metrics"].get("onnx_pattern_24_fraction"),
             "onnx_mb": validate["model_size_bytes"] / 1e6, "seconds": step["duration_s"]}

@@ -40,7 +40,7 @@ from compress.core.records import FileRecords, file_problem, folder_problems, re
 log = logging.getLogger(__name__)
 
 # Raised whenever a stage's files change shape, so a stage an older layout wrote is recomputed rather than reused.
-ARTIFACT_LAYOUT = 2
+ARTIFACT_LAYOUT = 3
 LOCK_FILE = ".compress.lock"
 MANIFEST_FILE = "manifest.json"
 RUN_LOG = "run.log"

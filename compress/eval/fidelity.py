@@ -74,15 +74,33 @@ class Tally:
 def compare_on_domains(model: LogitsFn, reference: LogitsFn, domains: Sequence[tuple[str, torch.Tensor]],
                        progress: bool = True) -> dict[str, dict[str, float | int]]:
     """Figures per domain plus ``"mixed"`` (all domains' tokens pooled), from ``(name, windows[n, seq])`` pairs."""
+    rows = [row for _, windows in domains for row in windows]
+
+    def pair(index: int) -> tuple[np.ndarray, np.ndarray]:
+        ids = rows[index].numpy()[None, :]
+        return np.asarray(model(ids))[0], np.asarray(reference(ids))[0]
+
+    return compare_window_pairs(pair, domains, progress)
+
+
+WindowPair = Callable[[int], tuple[np.ndarray, np.ndarray]]
+
+
+def compare_window_pairs(pair: WindowPair, domains: Sequence[tuple[str, torch.Tensor]],
+                         progress: bool = True) -> dict[str, dict[str, float | int]]:
+    """:func:`compare_on_domains` with the logits given by window: ``pair(i)`` is ``(model, reference)`` logits ``(seq, vocab)``
+    of the ``i``-th window, counting through the domains' windows in order."""
     results: dict[str, dict[str, float | int]] = {}
     mixed = Tally()
     total = sum(int(w.shape[0]) for _, w in domains)
     bar = tqdm(total=total, desc="multi-domain eval", unit="window", disable=not progress, leave=False)
+    index = 0
     for name, windows in domains:
         tally = Tally()
         for row in windows:
-            ids = row.numpy()[None, :]
-            tally.add_window(np.asarray(model(ids))[0], np.asarray(reference(ids))[0], ids[0])
+            model_logits, reference_logits = pair(index)
+            tally.add_window(model_logits, reference_logits, row.numpy())
+            index += 1
             bar.update(1)
         results[name] = tally.figures()
         mixed.merge(tally)

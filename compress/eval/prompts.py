@@ -127,23 +127,35 @@ def _passes(expect: str | None, text: str) -> bool | None:
     return None if expect is None else re.search(expect, text, re.IGNORECASE) is not None
 
 
-def compare_prompts(cases: list[PromptCase], tokenizer, teacher: Generate, deployed: Generate, new_tokens: int,
-                    progress: bool = True, source: str = "") -> dict[str, Any]:
-    """Answer every prompt with both models and compare: one row per prompt (worst first) and the summary the gate reads."""
+def answer_prompts(cases: list[PromptCase], tokenizer, generate: Generate, new_tokens: int, progress: bool = True,
+                   desc: str = "answers") -> list[list[int]]:
+    """One model's greedy answer (token ids) to every prompt."""
+    return [generate(prompt_ids(tokenizer, case.prompt), new_tokens)
+            for case in tqdm(cases, desc=f"app prompts ({desc})", disable=not progress, leave=False)]
+
+
+def compare_answers(cases: list[PromptCase], tokenizer, teacher: list[list[int]], deployed: list[list[int]], new_tokens: int,
+                    source: str = "") -> dict[str, Any]:
+    """Compare the two models' answers: one row per prompt (worst first) and the summary the gate reads."""
     rows = []
-    for order, case in enumerate(tqdm(cases, desc="app prompts", disable=not progress, leave=False)):
-        ids = prompt_ids(tokenizer, case.prompt)
-        teacher_ids, model_ids = teacher(ids, new_tokens), deployed(ids, new_tokens)
+    for order, (case, teacher_ids, model_ids) in enumerate(zip(cases, teacher, deployed, strict=True)):
         pair = answer_pair(teacher_ids, model_ids)
         teacher_text = tokenizer.decode(teacher_ids, skip_special_tokens=True)
         model_text = tokenizer.decode(model_ids, skip_special_tokens=True)
         common = "" if pair["identical"] else tokenizer.decode(teacher_ids[:pair["first_divergence"]], skip_special_tokens=True)
-        rows.append({"id": case.id, "order": order, "prompt": case.prompt, "expect": case.expect, "prompt_ids": ids, **pair,
-                     "teacher_ids": teacher_ids, "model_ids": model_ids, "teacher_answer": teacher_text,
-                     "model_answer": model_text, "common_prefix": common,
+        rows.append({"id": case.id, "order": order, "prompt": case.prompt, "expect": case.expect,
+                     "prompt_ids": prompt_ids(tokenizer, case.prompt), **pair, "teacher_ids": teacher_ids, "model_ids": model_ids,
+                     "teacher_answer": teacher_text, "model_answer": model_text, "common_prefix": common,
                      "teacher_passes": _passes(case.expect, teacher_text), "model_passes": _passes(case.expect, model_text)})
-    rows.sort(key=lambda r: (r["prefix_fraction"], r["id"]))
+    rows.sort(key=lambda r: (r["prefix_fraction"], r["order"]))
     return {"source": source, "new_tokens": new_tokens, "rows": rows, **summary(rows)}
+
+
+def compare_prompts(cases: list[PromptCase], tokenizer, teacher: Generate, deployed: Generate, new_tokens: int,
+                    progress: bool = True, source: str = "") -> dict[str, Any]:
+    """Answer every prompt with both models and compare them (:func:`compare_answers`)."""
+    return compare_answers(cases, tokenizer, answer_prompts(cases, tokenizer, teacher, new_tokens, progress, "teacher"),
+                           answer_prompts(cases, tokenizer, deployed, new_tokens, progress, "deployed"), new_tokens, source)
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

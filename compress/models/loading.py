@@ -98,10 +98,15 @@ def save_model_folder(model, tokenizer, source: Path, out: Path, state_dict: dic
     """Save a transformed model (``state_dict``: only these of its tensors) beside its tokenizer and the source's
     generation files."""
     model.save_pretrained(out, state_dict=state_dict)
+    save_side_files(tokenizer, source, out)
+
+
+def save_side_files(tokenizer, source: Path, out: Path) -> None:
+    """The tokenizer and the source's generation files beside a model written to ``out``."""
     tokenizer.save_pretrained(out)
     for extra in ("generation_config.json", "chat_template.jinja"):
-        if (Path(source) / extra).is_file() and not (out / extra).exists():
-            shutil.copy2(Path(source) / extra, out / extra)
+        if (Path(source) / extra).is_file() and not (Path(out) / extra).exists():
+            shutil.copy2(Path(source) / extra, Path(out) / extra)
 
 
 def count_parameters(model) -> int:

@@ -39,10 +39,11 @@ from compress.eval.prompts import PROMPTS_OFF, load_prompts
 from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind, supported_model_types
 from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
 from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
-from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, get_stage
+from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, all_stages, get_stage
 
 log = logging.getLogger("compress")
 
+OFF = "off"
 RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "train_data", "prompts", "eval_labels", "power", "seed",
             "trust_remote_code", "device")
 # What recipe=default means for each kind of model.
@@ -72,6 +73,7 @@ class RunOptions:
     trust_remote_code: bool = False
     device: str = "auto"
     overrides: dict[str, str] = field(default_factory=dict)
+    off: tuple[str, ...] = ()  # ``STAGE=off``: optional stages of the recipe left out
     require_measured: bool = False
     progress: bool = True
     dry_run: bool = False
@@ -82,13 +84,19 @@ class RunOptions:
         """Split ``key=value`` pairs into run keys and stage/budget overrides."""
         run_values: dict[str, Any] = {}
         overrides: dict[str, str] = {}
+        off: list[str] = []
         for key, value in pairs.items():
             if key in RUN_KEYS:
                 run_values[key] = value
             elif "." in key:
                 overrides[key] = value
+            elif key in all_stages():
+                if value != OFF:
+                    raise UsageError(f"{key}={value}: a stage takes only {key}={OFF} (its options are {key}.OPTION=VALUE)")
+                off.append(key)
             else:
-                raise UsageError(f"unknown override key {key!r} (run keys: {', '.join(RUN_KEYS)}; or stage.option, budgets.key)")
+                raise UsageError(f"unknown override key {key!r} (run keys: {', '.join(RUN_KEYS)}; or stage.option, budgets.key, "
+                                 "STAGE=off)")
         if "target" not in run_values:
             raise UsageError("missing target=NAME (see `compress ls targets`)")
         if "out" in run_values:
@@ -99,7 +107,7 @@ class RunOptions:
                 if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
                     raise UsageError(f"{key}={run_values[key]!r}: expected {kind.__name__}")
                 run_values[key] = value
-        return cls(**run_values, overrides=overrides, **flags)
+        return cls(**run_values, overrides=overrides, off=tuple(off), **flags)
 
 
 @dataclass
@@ -217,6 +225,21 @@ def _stage_options(recipe: Recipe, overrides: dict[str, str]
     return options, explicit, budget_overrides
 
 
+def without_stages(recipe: Recipe, off: tuple[str, ...]) -> Recipe:
+    """``recipe`` with the optional stages ``off`` names left out (``export_onnx=off``: the bundle ships, not the ONNX)."""
+    names = [spec.name for spec in recipe.stages]
+    for name in off:
+        if name not in names:
+            raise UsageError(f"{name}={OFF}: stage {name} is not in recipe {recipe.name!r} (stages: {', '.join(names)})")
+        if not get_stage(name).optional:
+            optional = [n for n in names if get_stage(n).optional]
+            raise UsageError(f"{name}={OFF}: stage {name} cannot be left out of recipe {recipe.name!r}"
+                             + (f" (optional: {', '.join(optional)})" if optional else " (it has no optional stage)"))
+    if not off:
+        return recipe
+    return recipe.model_copy(update={"stages": [spec for spec in recipe.stages if spec.name not in off]})
+
+
 def default_out_dir(options: RunOptions, target: Target, recipe: Recipe) -> Path:
     """``runs/<target>-<recipe>-<model>``: the same command always means the same folder, so reruns resume."""
     model_name = Path(options.model).stem if options.model not in ("", DEFAULT_MODEL) else DEFAULT_MODEL
@@ -227,7 +250,7 @@ def build_plan(options: RunOptions) -> Plan:
     """Resolve and check everything before any work; every problem is a :class:`UsageError`."""
     target = load_target(options.target)
     model = resolve_model(options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code)
-    recipe = load_recipe(_default_recipe(target, model) if options.recipe == "default" else options.recipe)
+    recipe = without_stages(load_recipe(_default_recipe(target, model) if options.recipe == "default" else options.recipe), options.off)
     stage_options, explicit, budget_overrides = _stage_options(recipe, options.overrides)
     if budget_overrides:
         target = apply_budget_overrides(target, budget_overrides)

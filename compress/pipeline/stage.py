@@ -152,6 +152,7 @@ class StageDef:
     output_kind: str
     variants: dict[str, StageVariant]
     uses_target: bool = False  # its result depends on the target (its fingerprint includes it)
+    optional: bool = False  # ``STAGE=off`` may leave it out of a recipe (nothing later needs what only it makes)
 
     @property
     def model_kinds(self) -> tuple[str, ...]:

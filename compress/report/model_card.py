@@ -36,7 +36,7 @@ def render_model_card(report: dict[str, Any]) -> str:
     if data.get("unseen_domains"):
         lines.append(f"- evaluation domains no calibration or training text came from: {', '.join(data['unseen_domains'])}")
     lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-    for key in ("perplexity_teacher", "perplexity_torch_quantized", "perplexity_onnx", "perplexity_increase_pct",
+    for key in ("perplexity_teacher", "perplexity_model", "perplexity_onnx", "perplexity_torch_quantized", "perplexity_increase_pct",
                 "perplexity_increase_pct_mixed", "top1_agreement", "mean_kl", "model_size_bytes"):
         if validate.get(key) is not None:
             lines.append(f"| {key} | {validate[key]:.4g} |")

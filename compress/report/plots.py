@@ -82,7 +82,7 @@ def plot_pareto(report: dict[str, Any], path: Path) -> Path:
     if reference is not None and validate.get("perplexity_teacher"):
         points.append(("teacher (fp16)", reference["decode_latency_ms"], validate["perplexity_teacher"]))
     final = predictions["chosen"]
-    points.append((f"final ({final['precision']})", final["decode_latency_ms"], validate.get("perplexity_onnx")))
+    points.append((f"final ({final['precision']})", final["decode_latency_ms"], validate.get("perplexity_model")))
     for label, latency, ppl in points:
         if ppl is None:
             continue

@@ -14,7 +14,11 @@ receives, then for each block in order:
    it freed.
 
 Only the hidden states entering the current block are held (``windows x tokens x hidden``), so peak
-memory grows with the calibration set and one block, not with depth.
+memory grows with the calibration set and one block, not with depth. Where the blocks come from is
+the caller's choice: :class:`HeldBlocks` for a model held in memory (each block moves to the
+device and back), :class:`StreamedBlocks` for one built empty (:func:`compress.models.weights.empty_causal_lm`)
+whose blocks are read from its checkpoint when their turn comes and released after, so that the
+model is never in memory at all.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from tqdm import tqdm
 
 from compress.algorithms.stats import InputStats
 from compress.models.families import decoder_blocks
+from compress.models.weights import CheckpointReader, materialize, module_prefix, release, set_parameter
 
 log = logging.getLogger(__name__)
 
@@ -204,23 +209,66 @@ def onloaded(block: torch.nn.Module, device: torch.device | str | None, dtype: t
             block.to(device=home, dtype=home_dtype)
 
 
+class HeldBlocks:
+    """Blocks of a model held in memory: each is moved to the compute device and dtype while visited, then back."""
+
+    def onloaded(self, index: int, block: torch.nn.Module, device: torch.device | str | None,
+                 dtype: torch.dtype | None) -> contextlib.AbstractContextManager:
+        return onloaded(block, device, dtype)
+
+
+class StreamedBlocks:
+    """Blocks read from the model's checkpoint when visited, straight onto the compute device and dtype, and released
+    after (the model was built empty: its blocks hold no memory between visits).
+
+    ``extra(block_prefix)`` gives, by full name, the tensors of parameters the checkpoint does not hold as such (a
+    quantized linear's weight, rebuilt from its levels).
+    """
+
+    def __init__(self, model: torch.nn.Module, reader: CheckpointReader,
+                 extra: Callable[[str], dict[str, torch.Tensor]] | None = None) -> None:
+        self.prefix = module_prefix(model, decoder_blocks(model))
+        self.reader = reader
+        self.extra = extra
+
+    @contextlib.contextmanager
+    def onloaded(self, index: int, block: torch.nn.Module, device: torch.device | str | None,
+                 dtype: torch.dtype | None) -> Iterator[None]:
+        prefix = f"{self.prefix}.{index}"
+        extra = self.extra(prefix) if self.extra else {}
+        local = {name.removeprefix(prefix + "."): tensor for name, tensor in extra.items()}
+        materialize(block, prefix, self.reader, device=device, dtype=dtype, skip=frozenset(local))
+        for name, tensor in local.items():
+            set_parameter(block, name, tensor.to(device=device, dtype=dtype))
+        try:
+            yield
+        finally:
+            release(block)
+
+
 def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[BlockVisitor], *, device: torch.device | str | None = None,
-                progress: bool = False, desc: str = "blocks", compute_dtype: torch.dtype | None = torch.float32) -> None:
+                progress: bool = False, desc: str = "blocks", compute_dtype: torch.dtype | None = torch.float32,
+                blocks: HeldBlocks | StreamedBlocks | None = None) -> None:
     """Drive ``model``'s decoder blocks once, in order, through ``visitors`` (see the module docstring).
 
     ``device`` is where each block and its inputs are computed (None: where the model is); between
     blocks the hidden states stay there too. ``compute_dtype`` is what each block computes in while
     it is visited (a model held in bf16 is computed on in float32 one block at a time, and each block
-    returns to bf16 after; None: the model's own dtype).
+    returns to bf16 after; None: the model's own dtype). ``blocks``: where the blocks come from
+    (:class:`HeldBlocks` by default).
     """
+    home = blocks or HeldBlocks()
     propagate = any(v.needs_inputs for v in visitors)
-    inputs = capture_first_block_inputs(model, calibration).to(device, compute_dtype) if propagate else BlockInputs([], {})
-    blocks = decoder_blocks(model)
+    inputs = BlockInputs([], {})
+    if propagate:
+        with _embeddings_in(model, compute_dtype):
+            inputs = capture_first_block_inputs(model, calibration).to(device, compute_dtype)
+    layers = decoder_blocks(model)
     started = time.perf_counter()
-    for index in tqdm(range(len(blocks)), desc=desc, unit="layer", disable=not progress, leave=False):
-        _log_progress(desc, index, len(blocks), started)
-        block = blocks[index]
-        with onloaded(block, device, compute_dtype):
+    for index in tqdm(range(len(layers)), desc=desc, unit="layer", disable=not progress, leave=False):
+        _log_progress(desc, index, len(layers), started)
+        block = layers[index]
+        with home.onloaded(index, block, device, compute_dtype):
             for visitor in visitors:
                 visitor.visit(index, block, inputs)
             if not propagate:
@@ -235,6 +283,20 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
                 visitor.after(index, block, inputs, outputs)
         inputs = BlockInputs(outputs, inputs.kwargs)
         release_freed_memory()
+
+
+@contextlib.contextmanager
+def _embeddings_in(model, dtype: torch.dtype | None) -> Iterator[None]:
+    """The input embeddings' output cast to ``dtype`` for the duration: what enters the first block, and the rotary tables
+    computed in its dtype, are then the float32 model's, not rounded to the 16 bits the model is held in."""
+    if dtype is None:
+        yield
+        return
+    handle = model.get_input_embeddings().register_forward_hook(lambda _module, _args, output: output.to(dtype))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def _log_progress(desc: str, index: int, total: int, started: float) -> None:

@@ -79,4 +79,5 @@ def test_baseline_onnx_matches_torch_teacher(tmp_path):
     assert parity["greedy_match"] and parity["max_abs_logit_diff"] < 1e-3
     assert "Paris" in parity["greedy_text_onnx"]
     metrics = stages["validate"]["metrics"]
-    assert abs(metrics["perplexity_onnx"] / metrics["perplexity_teacher"] - 1) < 0.005
+    assert metrics["perplexity_model"] == metrics["perplexity_teacher"]  # the float export is the teacher itself
+    assert metrics["onnx_parity"]["windows"] == 6 and metrics["onnx_parity"]["difference_pct"] < 0.5

@@ -185,7 +185,7 @@ def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
     assert stages["export_onnx"]["metrics"]["quantized_linears"] == shape["num_layers"] * 7
     student = json.loads((out / "02_distill" / "model" / "config.json").read_text())
     assert (student["num_hidden_layers"], student["intermediate_size"]) == (shape["num_layers"], shape["intermediate_size"])
-    assert stages["validate"]["metrics"]["perplexity_onnx"] > 0
+    assert stages["validate"]["metrics"]["perplexity_model"] > 0 and stages["validate"]["metrics"]["perplexity_onnx"] > 0
     distill = stages["distill"]["metrics"]
     assert distill["teacher_generations"] == 2 and distill["unseen_domains"] == ["learned", "government", "religion"]
     assert distill["train_data"] == [str(corpus)] and distill["train_windows"] == 12 + 2  # packed windows + generations

@@ -36,7 +36,9 @@ def test_run_writes_report_and_stage_records(tiny_run):
     assert report["artifacts"]["onnx"] == "02_export_onnx/onnx"
     assert report["gate"]["verdict"] in ("PASS", "FAIL", "NOT_MEASURED")
     names = {c["name"]: c for c in report["gate"]["checks"]}
-    assert set(names) == {"perplexity_increase_pct", "top1_agreement", "mean_kl", "decode_latency_ms", "ttft_ms", "memory_gb"}
+    # The tiny tokenizer has no chat template, so no app prompts; the ONNX is checked against torch on a sample.
+    assert set(names) == {"perplexity_increase_pct", "top1_agreement", "mean_kl", "decode_latency_ms", "ttft_ms", "memory_gb",
+                          "onnx_vs_torch_quantized_pct"}
     assert names["perplexity_increase_pct"]["source"] == "measured"
     assert names["top1_agreement"]["bound"] == "lower" and names["mean_kl"]["bound"] == "upper"
     validate = next(s for s in report["stages"] if s["name"] == "validate")["metrics"]
@@ -89,7 +91,10 @@ def test_validate_measures_identical_perplexity_for_baseline(tiny_run):
     _, out = tiny_run
     metrics = json.loads((out / "03_validate" / "validation.json").read_text())["metrics"]
     assert metrics["perplexity_teacher"] > 1
-    assert abs(metrics["perplexity_onnx"] / metrics["perplexity_teacher"] - 1) < 1e-4
+    assert metrics["perplexity_model"] == metrics["perplexity_teacher"]  # a float export is the teacher itself
+    parity = metrics["onnx_parity"]  # ONNX Runtime on the first window of each domain
+    assert parity["windows"] == 6 and parity["tokens"] == 6 * 63 and parity["top1_agreement"] == 1.0
+    assert parity["difference_pct"] < 1e-2 and metrics["onnx_vs_torch_quantized_pct"] == parity["difference_pct"]
     lat = metrics["host_latency"]
     assert lat["decode"]["p50_ms"] <= lat["decode"]["p90_ms"] <= lat["decode"]["p99_ms"]
     assert lat["ttft_ms"] > 0 and lat["tokens_per_s"] > 0

@@ -39,6 +39,7 @@ from compress.backends.edgellm.env import edgellm_python
 from compress.backends.onnx.qdq import _nvfp4_activation
 from compress.cli.main import main
 from compress.core.errors import StageError
+from compress.models.weights import CheckpointReader
 from compress.transforms.quantize.config import QuantizeConfig
 from compress.transforms.quantize.decoder import _search_global_scale
 from compress.transforms.quantize.saved import dequantized_weight, load_quantization
@@ -302,9 +303,10 @@ def test_fp8_bundle_holds_our_fp8_values_fp16_scales_and_kv_cache_scales(runs):
     hf_quant = json.loads((run / "04_export_edgellm" / "checkpoint" / "hf_quant_config.json").read_text())["quantization"]
     assert hf_quant["kv_cache_quant_algo"] == "FP8"
     assert _stage_metrics(run, "export_onnx")["kv_cache_qdq_pairs"] == 4
-    with safe_open(str(run / "04_export_edgellm" / "checkpoint" / "model.safetensors"), framework="pt") as checkpoint:
-        assert checkpoint.get_tensor("model.layers.0.mlp.up_proj.weight").dtype == torch.float8_e4m3fn
-        assert checkpoint.get_tensor("model.layers.0.mlp.up_proj.input_scale").shape == ()
+    checkpoint = CheckpointReader(run / "04_export_edgellm" / "checkpoint")
+    up = checkpoint.read(["model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.input_scale"])
+    assert up["model.layers.0.mlp.up_proj.weight"].dtype == torch.float8_e4m3fn
+    assert up["model.layers.0.mlp.up_proj.input_scale"].shape == ()
     ours = run / "03_export_onnx" / "onnx" / "model.onnx"
     assert "FLOAT8E4M3FN" in _initializer_types(ours)
     report = json.loads((run / "report.json").read_text())

@@ -8,6 +8,7 @@ every decoder linear it loaded as a plain float linear, its weight (``<name>.flo
 """
 
 import json
+import os
 import sys
 
 import torch
@@ -19,23 +20,32 @@ from tensorrt_edgellm.config import _parse_quant
 from tensorrt_edgellm.models.linear import FP16Linear, INT8SQLinear, ModelOptAWQPrepackedLinear
 
 
+def raw_tensor(checkpoint: str, name: str) -> torch.Tensor:
+    """A tensor as the checkpoint stores it, from its one file or the shard its index names."""
+    file = "model.safetensors"
+    if os.path.exists(f"{checkpoint}/model.safetensors.index.json"):
+        with open(f"{checkpoint}/model.safetensors.index.json") as handle:
+            file = json.load(handle)["weight_map"][name]
+    with safe_open(f"{checkpoint}/{file}", framework="pt") as raw:
+        return raw.get_tensor(name)
+
+
 def main(checkpoint: str, out: str) -> None:
     with open(f"{checkpoint}/config.json") as handle:
         config = json.load(handle)
     quant = _parse_quant(checkpoint, config)
     model = AutoModel.from_pretrained(checkpoint)
     dumped = {}
-    with safe_open(f"{checkpoint}/model.safetensors", framework="pt") as raw:
-        for name, module in model.named_modules():
-            if isinstance(module, (INT8SQLinear, ModelOptAWQPrepackedLinear)):
-                for key, value in module.named_buffers():
-                    dumped[f"{name}.loaded.{key}"] = value.contiguous()
-                if isinstance(module, ModelOptAWQPrepackedLinear):
-                    nibbles = _unpack_awq_prepacked(raw.get_tensor(f"{name}.weight"), module.out_features)
-                    dumped[f"{name}.integers"] = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
-                    dumped[f"{name}.group_size"] = torch.tensor(module.group_size)
-            elif isinstance(module, FP16Linear) and ".layers." in name:
-                dumped[f"{name}.float.weight"] = module.weight.detach().contiguous()
+    for name, module in model.named_modules():
+        if isinstance(module, (INT8SQLinear, ModelOptAWQPrepackedLinear)):
+            for key, value in module.named_buffers():
+                dumped[f"{name}.loaded.{key}"] = value.contiguous()
+            if isinstance(module, ModelOptAWQPrepackedLinear):
+                nibbles = _unpack_awq_prepacked(raw_tensor(checkpoint, f"{name}.weight"), module.out_features)
+                dumped[f"{name}.integers"] = torch.where(nibbles > 7, nibbles - 16, nibbles).to(torch.int8)
+                dumped[f"{name}.group_size"] = torch.tensor(module.group_size)
+        elif isinstance(module, FP16Linear) and ".layers." in name:
+            dumped[f"{name}.float.weight"] = module.weight.detach().contiguous()
     save_file(dumped, out, metadata={"quant_type": quant.quant_type, "group_size": str(quant.group_size),
                                      "excluded": ",".join(quant.excluded)})
 

@@ -27,15 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from compress.backends.edgellm.checkpoint import NVFP4_WEIGHT_ONLY, WEIGHTS_FILE, grid_values, write_unified_checkpoint
+from compress.backends.edgellm.checkpoint import NVFP4_WEIGHT_ONLY, grid_values, write_unified_checkpoint
 from compress.backends.edgellm.contracts import check_kernel_nodes
 from compress.backends.edgellm.env import EDGELLM_VERSION, edgellm_python
 from compress.core.errors import StageError
 from compress.core.files import path_size, read_json
 from compress.models.families import Family, family_of, is_decoder_linear, part_rows
+from compress.models.weights import CheckpointReader
 from compress.transforms.quantize.saved import kv_cache_scales, load_quantization
 
 log = logging.getLogger(__name__)
@@ -55,24 +55,24 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
     config = read_json(Path(quantized_dir) / "config.json")
     family = family_of(config)
     numbers: dict[str, torch.Tensor] = {}
-    with safe_open(str(Path(quantized_dir) / WEIGHTS_FILE), framework="pt") as source:
-        stored = set(source.keys())
-        for name, quant in linears.items():
-            values = grid_values(name, quant, meta)
-            per_row, scalars = _linear_numbers(weight_format, values, quant)
-            if f"{name}.bias" in stored:
-                per_row["bias"] = source.get_tensor(f"{name}.bias").half()
-            for part_name, rows in _parts(family, config, name):
-                numbers.update({f"{part_name}.{kind}": tensor[rows].contiguous() for kind, tensor in per_row.items()})
-                numbers.update({f"{part_name}.{kind}": tensor for kind, tensor in scalars.items()})
-        for layer, scales in (kv_cache_scales(meta) or {}).items():
-            numbers[f"model.layers.{layer}.self_attn.kv_scales"] = torch.tensor(scales, dtype=torch.float32)
-        for key in stored:
-            module = key.rsplit(".", 1)[0]
-            if key.endswith(".weight") and module not in linears and is_decoder_linear(module, family):
-                weight = source.get_tensor(key).half()
-                numbers.update({f"{part_name}.float_weight": weight[rows].contiguous()
-                                for part_name, rows in _parts(family, config, module)})
+    source = CheckpointReader(quantized_dir)
+    stored = set(source.names())
+    for name, quant in linears.items():
+        values = grid_values(name, quant, meta)
+        per_row, scalars = _linear_numbers(weight_format, values, quant)
+        if f"{name}.bias" in stored:
+            per_row["bias"] = source.read([f"{name}.bias"])[f"{name}.bias"].half()
+        for part_name, rows in _parts(family, config, name):
+            numbers.update({f"{part_name}.{kind}": tensor[rows].contiguous() for kind, tensor in per_row.items()})
+            numbers.update({f"{part_name}.{kind}": tensor for kind, tensor in scalars.items()})
+    for layer, scales in (kv_cache_scales(meta) or {}).items():
+        numbers[f"model.layers.{layer}.self_attn.kv_scales"] = torch.tensor(scales, dtype=torch.float32)
+    for key in stored:
+        module = key.rsplit(".", 1)[0]
+        if key.endswith(".weight") and module not in linears and is_decoder_linear(module, family):
+            weight = source.read([key])[key].half()
+            numbers.update({f"{part_name}.float_weight": weight[rows].contiguous()
+                            for part_name, rows in _parts(family, config, module)})
     return numbers
 
 

@@ -36,18 +36,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from compress.algorithms.formats import PRECISIONS, e2m1_codes, pack_fp4
 from compress.core.errors import UsageError
 from compress.core.versions import __version__
 from compress.models.families import family_of, is_decoder_linear
-from compress.transforms.quantize.saved import LinearQuant, kv_cache_scales, level_values, load_quantization
+from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
+from compress.transforms.quantize.saved import LinearQuant, kv_cache_scales, level_values, load_quantization, quantization_meta
 
 NVFP4_WEIGHT_ONLY = PRECISIONS["nvfp4_a16"].quant_algo
 HF_QUANT_CONFIG = "hf_quant_config.json"
-WEIGHTS_FILE = "model.safetensors"
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 
@@ -127,50 +126,62 @@ def _linear_tensors(name: str, quant: LinearQuant, meta: dict[str, Any]) -> dict
 
 
 def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummary:
-    """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``."""
+    """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``, one
+    shard per decoder block (and one for the rest) named by ``model.safetensors.index.json``: one block's tensors in memory
+    at a time."""
     quantized_dir, out = Path(quantized_dir), Path(out)
-    loaded = load_quantization(quantized_dir)
-    if loaded is None:
+    meta = quantization_meta(quantized_dir)
+    if meta is None:
         raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
-    meta, linears = loaded
     bits, group, weight_format = meta["weight_bits"], meta.get("group_size"), meta.get("format", "int")
     if bits == 8 and meta.get("activations") == "float":
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
-    if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
-        raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
-                         "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
-    quant_algo = quant_algorithm(meta)
-    tensors: dict[str, torch.Tensor] = {}
-    quantized_bytes = fp16_bytes = 0
-    family = family_of(json.loads((quantized_dir / "config.json").read_text(encoding="utf-8")))
+    config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
+    family = family_of(config)
+    source = CheckpointReader(quantized_dir)
+    kv_scales = kv_cache_scales(meta)
+    layers = int(config["num_hidden_layers"])
+    prefixes = [f"model.layers.{layer}." for layer in range(layers)]
+    totals = {"quantized": 0, "fp16": 0, "bytes": 0}
+    weight_map: dict[str, str] = {}
     float_linears: list[str] = []
-    for name, quant in linears.items():
-        written = _linear_tensors(name, quant, meta)
-        quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
-        fp16_bytes += quant.levels.numel() * 2
-        tensors.update(written)
-    with safe_open(str(quantized_dir / WEIGHTS_FILE), framework="pt") as source:
-        for key in list(source.keys()):
+    out.mkdir(parents=True, exist_ok=True)
+    for number, prefix in enumerate([*prefixes, None], start=1):
+        _, linears = load_quantization(quantized_dir, prefix) if prefix else (meta, {})
+        if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
+            raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
+                             "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
+        tensors: dict[str, torch.Tensor] = {}
+        for name, quant in linears.items():
+            written = _linear_tensors(name, quant, meta)
+            totals["quantized"] += sum(t.numel() * t.element_size() for t in written.values())
+            totals["fp16"] += quant.levels.numel() * 2
+            tensors.update(written)
+        keys = [k for k in source.names() if (k.startswith(prefix) if prefix else not any(k.startswith(p) for p in prefixes))]
+        for key, tensor in source.read(keys).items():
             module = key.rsplit(".", 1)[0]
-            tensor = source.get_tensor(key)
             tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
             if key.endswith(".weight") and is_decoder_linear(module, family) and module not in linears:
                 float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
-                quantized_bytes += tensor.numel() * 2
-                fp16_bytes += tensor.numel() * 2
-    kv_scales = kv_cache_scales(meta)
-    for layer, (k_scale, v_scale) in (kv_scales or {}).items():
-        tensors[f"model.layers.{layer}.self_attn.k_proj.k_scale"] = torch.tensor(k_scale, dtype=torch.float32)
-        tensors[f"model.layers.{layer}.self_attn.v_proj.v_scale"] = torch.tensor(v_scale, dtype=torch.float32)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": "pt"})
+                totals["quantized"] += tensor.numel() * 2
+                totals["fp16"] += tensor.numel() * 2
+        if prefix and kv_scales:
+            layer = number - 1
+            tensors[f"{prefix}self_attn.k_proj.k_scale"] = torch.tensor(kv_scales[layer][0], dtype=torch.float32)
+            tensors[f"{prefix}self_attn.v_proj.v_scale"] = torch.tensor(kv_scales[layer][1], dtype=torch.float32)
+        shard = f"model-{number:05d}-of-{layers + 1:05d}.safetensors"
+        save_file(tensors, str(out / shard), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, shard))
+        totals["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": totals["bytes"]}, "weight_map": weight_map},
+                                                    indent=2) + "\n")
+    quant_algo = quant_algorithm(meta)
     quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
                    "exclude_modules": ["lm_head", *sorted(float_linears)]}
     if bits == 4:
         quant_block["group_size"] = group
     (out / HF_QUANT_CONFIG).write_text(json.dumps(
         {"producer": {"name": "compress", "version": __version__}, "quantization": quant_block}, indent=2) + "\n")
-    config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
     config["torch_dtype"] = "float16"
     config.pop("dtype", None)
     config["quantization_config"] = {"quant_method": "modelopt", **quant_block}
@@ -178,7 +189,8 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     for name in _COPIED:
         if (quantized_dir / name).is_file():
             shutil.copy2(quantized_dir / name, out / name)
-    return CheckpointSummary(quant_algo, group if bits == 4 else None, len(linears), quantized_bytes, fp16_bytes, len(float_linears))
+    return CheckpointSummary(quant_algo, group if bits == 4 else None, len(meta["linears"]), totals["quantized"], totals["fp16"],
+                             len(float_linears))
 
 
 def quant_algorithm(meta: dict[str, Any]) -> str:

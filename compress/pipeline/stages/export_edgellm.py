@@ -1,10 +1,11 @@
 """``export_edgellm``: the quantized model as a TensorRT Edge-LLM deploy bundle, proven to hold the measured numbers.
 
-Runs after ``export_onnx`` and reads the quantized Hugging Face folder the ONNX was exported from,
-so the portable Q/DQ ONNX (measured by ``validate`` in ONNX Runtime) and the bundle carry the
-same integers and scales: writes the unified checkpoint, runs NVIDIA's ``tensorrt-edgellm-export``
-on it, and checks the chain of custody (see :mod:`compress.backends.edgellm.bundle`). What Edge-LLM cannot
-express is refused when the plan is checked, before any work.
+Reads the quantized Hugging Face folder (after ``export_onnx``, the one the ONNX was exported from,
+so the portable Q/DQ ONNX and the bundle carry the same integers and scales; or straight after
+``quantize`` when the recipe leaves the ONNX out, ``export_onnx=off``): writes the unified
+checkpoint, runs NVIDIA's ``tensorrt-edgellm-export`` on it, and checks the chain of custody (see
+:mod:`compress.backends.edgellm.bundle`). What Edge-LLM cannot express is refused when the plan is
+checked, before any work.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx: RunCo
 STAGE = register(StageDef(
     name="export_edgellm",
     summary=f"unified quantized checkpoint -> TensorRT Edge-LLM {EDGELLM_VERSION} bundle, with a chain-of-custody check",
-    input_kind=ONNX,
+    input_kind=(ONNX, HF_MODEL),  # after the portable ONNX, or straight from the quantized checkpoint (export_onnx=off)
     output_kind=EDGELLM_BUNDLE,
     variants={DECODER: StageVariant(ExportEdgeLLMConfig, run_export_edgellm, check_plan=check_plan)},
 ))

@@ -123,5 +123,6 @@ STAGE = register(StageDef(
     summary="export a decoder with KV cache (Q/DQ where quantized) or an encoder to ONNX and check it in ONNX Runtime",
     input_kind=HF_MODEL,
     output_kind=ONNX,
+    optional=True,  # the portable artifact: a recipe whose Edge-LLM bundle ships may leave it out (export_onnx=off)
     variants={DECODER: StageVariant(ExportOnnxConfig, run_export), ENCODER: StageVariant(ExportEncoderConfig, run_export_encoder)},
 ), aliases={"export_encoder": ENCODER})

@@ -13,15 +13,15 @@ import logging
 from compress.core.artifact import HF_MODEL, Artifact
 from compress.core.config import Target
 from compress.core.errors import UsageError
+from compress.core.files import read_json
 from compress.core.text import calibration_batches, calibration_windows
 from compress.models.families import linear_parameter_fraction, linear_shapes
-from compress.models.loading import load_causal_lm, load_encoder, load_tokenizer, save_model_folder
+from compress.models.loading import load_encoder, load_tokenizer, save_side_files
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import LAYER_SQNR, QUANTIZATION
 from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, QuantizeConfig, algorithm_name, describe_scheme
-from compress.transforms.quantize.decoder import check_group_size, quantize_model
+from compress.transforms.quantize.decoder import check_group_size, quantize_folder
 from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder, save_encoder_quantization, summary
-from compress.transforms.quantize.saved import model_state_without_quantized, save_quantization
 
 log = logging.getLogger(__name__)
 
@@ -53,13 +53,13 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     if config.rotation_limit() and source.meta.get("sparse_24"):
         log.warning("hadamard_block ignored: rotating down_proj inputs would break the model's 2:4 sparsity")
         config = config.model_copy(update={"hadamard_block": 0})
-    model = load_causal_lm(source.path, own_dtype=True)  # each block computes in float32 while the walker holds it
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
-    result = quantize_model(model, windows, config, progress=ctx.progress, device=ctx.device)
     out = ctx.stage_dir / "model"
-    save_model_folder(model, tokenizer, source.path, out, model_state_without_quantized(model, result.linears))
-    save_quantization(result, out)
-    _log_findings(result, config, model.config.num_hidden_layers)
+    result = quantize_folder(source.path, out, windows, config, progress=ctx.progress, device=ctx.device,
+                             trust_remote_code=ctx.trust_remote_code)
+    save_side_files(tokenizer, source.path, out)
+    model_config = read_json(out / "config.json")
+    _log_findings(result, config, model_config["num_hidden_layers"])
     bits, _, group = config.scheme()
     activation = config.activation_format()
     precision = config.precision()
@@ -76,7 +76,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "precision": precision.name,
-        "float_linear_fraction": linear_parameter_fraction(model.config.to_dict(), config.float_linears),
+        "float_linear_fraction": linear_parameter_fraction(model_config, config.float_linears),
         "quantization": {"method": config.method, "format": config.weight_format(), "weight_bits": bits, "group_size": group,
                          "activations": activation.name if activation else "float", "kv_cache": config.kv_cache},
         "metrics": metrics,

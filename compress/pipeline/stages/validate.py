@@ -14,7 +14,7 @@ from pathlib import Path
 
 from compress.backends.onnx.runtime import OnnxDecoder
 from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, HF_MODEL, ONNX, REPORT, Artifact
-from compress.core.files import atomic_write_json, read_json
+from compress.core.files import atomic_write_json, path_size, read_json
 from compress.core.rundir import DEVICE_REFERENCE, VALIDATION
 from compress.eval import decoder, encoder
 from compress.eval.gate import gate_json
@@ -26,22 +26,22 @@ log = logging.getLogger(__name__)
 
 
 def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunContext) -> StageResult:
-    source = ctx.last_artifact(ONNX) or source
-    onnx_dir = Path(source.path)
+    onnx = ctx.last_artifact(ONNX)
     teacher = ctx.first_artifact(HF_MODEL)
     exported_from = ctx.last_artifact(HF_MODEL)
-    metrics = decoder.measure(onnx_dir, Path(teacher.path) if teacher else None, ctx.evaluation, config, ctx.progress,
-                              Path(exported_from.path) if exported_from else None, ctx.unseen_domains, ctx.prompts)
-    if "onnx_pattern_24_fraction" in source.meta.get("metrics", {}):
-        metrics["onnx_pattern_24_fraction"] = source.meta["metrics"]["onnx_pattern_24_fraction"]
+    model_dir = Path(exported_from.path)
+    onnx_dir = Path(onnx.path) if onnx is not None else None
+    metrics = decoder.measure(model_dir, Path(teacher.path) if teacher else None, ctx.evaluation, config, ctx.progress, onnx_dir,
+                              ctx.unseen_domains, ctx.prompts, ctx.device)
+    metrics["model_size_bytes"] = _deployed_size(ctx, onnx_dir)
+    if onnx is not None and "onnx_pattern_24_fraction" in onnx.meta.get("metrics", {}):
+        metrics["onnx_pattern_24_fraction"] = onnx.meta["metrics"]["onnx_pattern_24_fraction"]
     if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
-        log.info("host greedy reference for the on-device check: %d prompts, %d new tokens", len(ctx.evaluation), config.device_new_tokens)
-        atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE,
-                          decoder.device_reference(OnnxDecoder(onnx_dir), load_tokenizer(onnx_dir), ctx.evaluation, config,
-                                                   metrics.get("prompts")))
-    precision = source.meta.get("precision", "fp32")
-    model_config = read_json(onnx_dir / "config.json")
-    deployment = decoder.deployment_meta(source.meta)
+        _write_device_reference(ctx, config, model_dir, onnx_dir, metrics)
+    meta = exported_from.meta
+    precision = meta.get("precision", "fp32")
+    model_config = read_json(model_dir / "config.json")
+    deployment = decoder.deployment_meta(meta)
     predictions = decoder.target_predictions(model_config, precision, ctx.target, ctx.power_mode, deployment)
     gate = gate_json(decoder.gate_checks(metrics, predictions, ctx.target, ctx.require_measured))
     out = ctx.stage_dir / VALIDATION
@@ -55,12 +55,13 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
         log.info("worst domain %s: %+.2f%%; mixed text: top-1 agreement %.1f%%, KL %.4f", metrics["worst_domain"],
                  metrics["perplexity_increase_pct"], 100 * metrics["top1_agreement"], metrics["mean_kl"])
     log.info("gate: %s", gate["verdict"])
-    measured = {ctx.stage_of(teacher): metrics.get("perplexity_teacher"), ctx.stage_of(source): metrics.get("perplexity_onnx")}
-    if metrics.get("perplexity_torch_quantized") is not None:
-        measured[ctx.stage_of(exported_from)] = metrics["perplexity_torch_quantized"]
-    line = f"ppl {metrics['perplexity_onnx']:.3f} (teacher {_fmt(metrics.get('perplexity_teacher'))})"
+    measured = {ctx.stage_of(teacher): metrics.get("perplexity_teacher"), ctx.stage_of(exported_from): metrics.get("perplexity_model")}
+    line = f"ppl {metrics['perplexity_model']:.3f} (teacher {_fmt(metrics.get('perplexity_teacher'))})"
+    if metrics.get("onnx_parity"):
+        line += f"; ONNX Runtime within {metrics['onnx_parity']['difference_pct']:.3f}% on {metrics['onnx_parity']['windows']} windows"
     lat = metrics["host_latency"]
-    line += f"; host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms"
+    if lat:
+        line += f"; host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms"
     figures = {PERPLEXITY_BY_STAGE: {name: value for name, value in measured.items() if name is not None and value is not None}}
     if metrics.get("prompts"):
         figures[PROMPT_ANSWERS] = metrics["prompts"]
@@ -70,6 +71,26 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     if metrics.get("domains"):
         figures[DOMAIN_QUALITY] = {key: metrics.get(key) for key in ("domains", "mixed", "worst_domain", "unseen_domains", "window_prefix")}
     return StageResult(Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate}), line, figures)
+
+
+def _deployed_size(ctx: RunContext, onnx_dir: Path | None) -> int:
+    """Bytes of what ships: the Edge-LLM bundle where there is one, else the portable ONNX."""
+    bundle = ctx.last_artifact(EDGELLM_BUNDLE)
+    return path_size(Path(bundle.path)) if bundle is not None else path_size(onnx_dir)
+
+
+def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, model_dir: Path, onnx_dir: Path | None,
+                            metrics: dict) -> None:
+    """The host's greedy answers that ``validate --on-device`` compares the device's with."""
+    tokenizer = load_tokenizer(model_dir)
+    log.info("host greedy reference for the on-device check: %d domains and the app prompts, %d new tokens", len(ctx.evaluation),
+             config.device_new_tokens)
+    decoder_ = OnnxDecoder(onnx_dir) if onnx_dir is not None else None
+    host = ("our Q/DQ ONNX in ONNX Runtime (the numbers the bundle holds)" if decoder_ is not None
+            else "the quantized checkpoint in torch (the numbers the bundle holds)")
+    with decoder.deployed_generator(model_dir, decoder_, decoder.model_eos_ids(model_dir, tokenizer)) as generate:
+        reference = decoder.device_reference(generate, tokenizer, ctx.evaluation, config, metrics.get("prompts"), host)
+    atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE, reference)
 
 
 def _fmt(value: float | None) -> str:

@@ -32,6 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -41,10 +42,11 @@ from compress.algorithms.quant import activation_scale, awq_search_clip, awq_sea
 from compress.algorithms.rotation import rotate
 from compress.algorithms.stats import InputStats
 from compress.core.errors import UsageError
-from compress.models.families import ActivationPoint, Family, attention_geometry, family_of, linear_shapes, part_rows
+from compress.models.families import ActivationPoint, Family, attention_geometry, decoder_blocks, family_of, linear_shapes, part_rows
+from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.config import QuantizeConfig
-from compress.transforms.quantize.saved import LinearQuant, QuantResult, attach_activation_quant, grid_levels
-from compress.transforms.walk import BlockInputs, BlockVisitor, collect_input_stats, walk_blocks
+from compress.transforms.quantize.saved import LinearQuant, QuantizedCheckpointWriter, QuantResult, attach_activation_quant, grid_levels
+from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, collect_input_stats, walk_blocks
 
 log = logging.getLogger(__name__)
 
@@ -391,32 +393,42 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
 class _Quantizer(BlockVisitor):
     """The walker's visitor that quantizes each block in place and records its scales."""
 
-    def __init__(self, model, config: QuantizeConfig, result: QuantResult) -> None:
+    def __init__(self, model, config: QuantizeConfig, result: QuantResult, writer: QuantizedCheckpointWriter | None = None) -> None:
         self.model_config = model.config
         self.config = config
         self.result = result
+        self.writer = writer
+        self.prefix = module_prefix(model, decoder_blocks(model))
         self.fp8_cache = config.kv_cache == "fp8"
         self.block_linears: dict[str, LinearQuant] = {}
+        self.quantized: dict[str, LinearQuant] = {}
 
     def visit(self, index: int, block, inputs: BlockInputs) -> None:
         amax = kv_cache.record_amax(block) if self.fp8_cache else None
-        quantized = quantize_block(block, inputs, self.config, self.model_config, f"model.layers.{index}")
+        quantized = quantize_block(block, inputs, self.config, self.model_config, f"{self.prefix}.{index}")
         if amax is not None:
             kv_cache.stop_recording(block)
             self.result.kv_scales[index] = (kv_cache.kv_scale(amax[0]), kv_cache.kv_scale(amax[1]))
             kv_cache.set_block_scales(block, self.result.kv_scales[index])
         self.result.linears.update(quantized)
-        self.block_linears = {name.split(f"model.layers.{index}.", 1)[1]: q for name, q in quantized.items()}
+        self.quantized = quantized
+        self.block_linears = {name.split(f"{self.prefix}.{index}.", 1)[1]: q for name, q in quantized.items()}
         log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
 
     def propagation_hooks(self, index: int, block) -> list:
         # The next block sees this one's outputs as the deployed graph computes them: inputs quantized.
         return attach_activation_quant(block, self.block_linears) if self.config.scheme()[1] else []
 
+    def after(self, index: int, block, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
+        if self.writer is not None:
+            self.writer.add_block(index, f"{self.prefix}.{index}", block, self.quantized)
+
 
 def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
-                   device: torch.device | str | None = None) -> QuantResult:
-    """Quantize every decoder block of ``model`` in place, block by block through the shared walker.
+                   device: torch.device | str | None = None, blocks: HeldBlocks | StreamedBlocks | None = None,
+                   writer: QuantizedCheckpointWriter | None = None) -> QuantResult:
+    """Quantize every decoder block of ``model`` in place, block by block through the shared walker (``blocks``: where
+    they come from; ``writer``: where each goes once quantized, its levels then let go).
 
     With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
     are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
@@ -428,10 +440,32 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
     if fp8_cache:
         kv_cache.route_attention(model)
     try:
-        walk_blocks(model, windows, [_Quantizer(model, config, result)], device=device, progress=progress,
-                    desc=f"quantize {config.method}")
+        walk_blocks(model, windows, [_Quantizer(model, config, result, writer)], device=device, progress=progress,
+                    desc=f"quantize {config.method}", blocks=blocks)
     finally:
         if fp8_cache:
             kv_cache.restore_attention(model)
     result.seconds = time.perf_counter() - started
+    return result
+
+
+def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
+                    device: torch.device | str | None = None, trust_remote_code: bool = False) -> QuantResult:
+    """Quantize the Hugging Face checkpoint ``source`` into the quantized checkpoint ``out`` (its tensors and config; the
+    caller adds the tokenizer), one decoder block in memory at a time.
+
+    The model is built empty; its embeddings are read to capture the calibration windows' hidden states,
+    then each block is read from ``source``, quantized on ``device`` in float32, written to ``out`` in the
+    checkpoint's own dtype and released. The tensors outside the blocks are copied as stored.
+    """
+    model = empty_causal_lm(source, trust_remote_code)
+    check_group_size(config, linear_shapes(model.config.to_dict()))
+    reader = CheckpointReader(source)
+    embeddings = model.get_input_embeddings()
+    materialize(embeddings, module_prefix(model, embeddings), reader)
+    writer = QuantizedCheckpointWriter(out, len(decoder_blocks(model)), embeddings.weight.dtype)
+    result = quantize_model(model, windows, config, progress, device, blocks=StreamedBlocks(model, reader), writer=writer)
+    in_blocks = module_prefix(model, decoder_blocks(model)) + "."
+    writer.finish(reader.read(name for name in reader.names() if not name.startswith(in_blocks)), result)
+    model.config.save_pretrained(out)
     return result

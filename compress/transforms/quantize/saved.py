@@ -1,19 +1,23 @@
 """A quantization on disk: the quantized checkpoint the quantize stage writes, and reading it back.
 
 The quantize stage writes a Hugging Face folder whose quantized linears are stored as their grid
-values and scales, never as a float copy:
+values and scales, never as a float copy, one shard per decoder block as the quantizer finishes it
+(:class:`QuantizedCheckpointWriter`), so no more than one block's worth is ever held:
 
-* ``quantized_weights.safetensors``: per quantized linear ``<name>.weight_levels`` (int8 for the
-  integer grids, FP8 E4M3 for the FP8 and E2M1 values, which E4M3 holds exactly; in the basis the
-  input is quantized in) and ``<name>.weight_scale``;
+* ``quantized_weights-NNNNN-of-NNNNN.safetensors`` (named by ``quantized_weights.safetensors.index.json``):
+  per quantized linear ``<name>.weight_levels`` (int8 for the integer grids, FP8 E4M3 for the FP8
+  and E2M1 values, which E4M3 holds exactly; in the basis the input is quantized in) and
+  ``<name>.weight_scale``;
 * ``quantization.json``: method, precision, per-linear input scales, rotations, NVFP4 global
   scales, FP8 KV-cache scales;
-* ``model.safetensors``: every other tensor (embeddings, norms, linears left float) in the
-  checkpoint's own dtype, without the quantized linears' weights.
+* ``model-NNNNN-of-NNNNN.safetensors`` (named by the standard ``model.safetensors.index.json``):
+  every other tensor (embeddings, norms, linears left float) in the checkpoint's own dtype,
+  without the quantized linears' weights.
 
 Every later reader (ONNX export, the Edge-LLM checkpoint and its custody check, validation's torch
 reference) goes through this module: :func:`load_quantized_causal_lm` rebuilds the float model
-with each quantized weight computed from its levels exactly as the quantizer computed it.
+with each quantized weight computed from its levels exactly as the quantizer computed it, and
+:func:`load_quantization` reads the levels of all linears or of one block's.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from compress.algorithms import kv_cache
 from compress.algorithms.formats import ACTIVATION_FORMATS, Fp8Grid, IntGrid, Nvfp4Grid, WeightGrid, expand_scales, levels_on_grid
@@ -34,10 +38,12 @@ from compress.algorithms.rotation import rotate
 from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, read_json
 from compress.models.loading import load_causal_lm
+from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
 from compress.transforms.quantize.config import QuantizeConfig
 
 QUANT_CONFIG_FILE = "quantization.json"
 QUANT_WEIGHTS_FILE = "quantized_weights.safetensors"
+QUANT_WEIGHTS_INDEX = "quantized_weights.safetensors.index.json"
 # The compact dtype each weight format's grid values are stored in (exact: int8 holds INT8/INT4, E4M3 holds E4M3 and E2M1).
 LEVEL_DTYPES = {"int": torch.int8, "fp8": torch.float8_e4m3fn, "nvfp4": torch.float8_e4m3fn}
 ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-per-tensor",
@@ -110,14 +116,66 @@ def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
     return handles
 
 
-def save_quantization(result: QuantResult, folder: Path) -> None:
-    """Write ``quantization.json`` and each quantized linear's levels and scales beside a saved model."""
+def _shard(stem: str, number: int, total: int) -> str:
+    return f"{stem}-{number:05d}-of-{total:05d}.safetensors"
+
+
+class QuantizedCheckpointWriter:
+    """Writes the quantized checkpoint into ``folder`` one decoder block at a time (see the module docstring).
+
+    :meth:`add_block` takes a block as the quantizer leaves it (its quantized linears computing with their
+    dequantized levels, its norms holding the folded migration scales) and writes its float tensors in the
+    checkpoint's own ``dtype`` and its quantized linears' levels and scales, then lets the levels go;
+    :meth:`finish` writes the tensors outside the blocks, the two indexes and ``quantization.json``.
+    """
+
+    def __init__(self, folder: Path, blocks: int, dtype: torch.dtype) -> None:
+        self.folder = Path(folder)
+        self.blocks = blocks
+        self.dtype = dtype
+        self.model_map: dict[str, str] = {}
+        self.level_map: dict[str, str] = {}
+        self.sizes = {"model": 0, "levels": 0}
+        self.folder.mkdir(parents=True, exist_ok=True)
+
+    def add_block(self, index: int, prefix: str, block: torch.nn.Module, linears: dict[str, LinearQuant]) -> None:
+        """Write block ``index`` (state-dict names under ``prefix``) and its quantized ``linears`` (full names)."""
+        left_out = _weight_names(linears)
+        state = {f"{prefix}.{key}": value for key, value in block.state_dict().items()}
+        self._write("model", _shard("model", index + 1, self.blocks + 1), {
+            key: _stored(value, self.dtype) for key, value in state.items() if key not in left_out}, self.model_map)
+        levels: dict[str, torch.Tensor] = {}
+        for name, quant in linears.items():
+            levels[f"{name}.weight_scale"] = quant.weight_scales.detach().float().cpu().contiguous()
+            levels[f"{name}.weight_levels"] = quant.levels.cpu().contiguous()
+            quant.levels = None  # on disk now; nothing holds a second copy of the model's levels
+        if levels:
+            self._write("levels", _shard("quantized_weights", index + 1, self.blocks), levels, self.level_map)
+
+    def finish(self, rest: dict[str, torch.Tensor], result: QuantResult) -> None:
+        """Write ``rest`` (every tensor outside the blocks, as stored), the indexes and ``quantization.json``."""
+        self._write("model", _shard("model", self.blocks + 1, self.blocks + 1), rest, self.model_map)
+        atomic_write_json(self.folder / SAFETENSORS_INDEX, {"metadata": {"total_size": self.sizes["model"]},
+                                                            "weight_map": self.model_map})
+        atomic_write_json(self.folder / QUANT_WEIGHTS_INDEX, {"metadata": {"total_size": self.sizes["levels"]},
+                                                              "weight_map": self.level_map})
+        atomic_write_json(self.folder / QUANT_CONFIG_FILE, _quantization_json(result))
+
+    def _write(self, kind: str, file: str, tensors: dict[str, torch.Tensor], weight_map: dict[str, str]) -> None:
+        save_file(tensors, str(self.folder / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        self.sizes[kind] += sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor as the checkpoint stores it: on the CPU, floats in the checkpoint's dtype."""
+    return value.detach().to("cpu", dtype=dtype if value.is_floating_point() else None).contiguous()
+
+
+def _quantization_json(result: QuantResult) -> dict[str, Any]:
     bits, _, group = result.config.scheme()
-    tensors = {f"{name}.weight_scale": q.weight_scales.contiguous().float() for name, q in result.linears.items()}
-    tensors.update({f"{name}.weight_levels": q.levels.contiguous() for name, q in result.linears.items() if q.levels is not None})
-    save_file(tensors, str(folder / QUANT_WEIGHTS_FILE))
     activation = result.config.activation_format()
-    atomic_write_json(folder / QUANT_CONFIG_FILE, {
+    return {
         "method": result.config.method,
         "precision": result.config.precision().name,
         "config": result.config.model_dump(mode="json"),
@@ -129,24 +187,36 @@ def save_quantization(result: QuantResult, folder: Path) -> None:
         "linears": {name: {"input_scale": q.input_scale, "input_format": q.input_format, "sqnr_db": q.sqnr_db,
                            "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale}
                     for name, q in result.linears.items()},
-    })
+    }
 
 
-def load_quantization(folder: Path) -> tuple[dict[str, Any], dict[str, LinearQuant]] | None:
-    """Read what :func:`save_quantization` wrote, or None for a float model."""
+def quantization_meta(folder: Path) -> dict[str, Any] | None:
+    """``quantization.json`` of a quantized folder (every linear's settings, no tensors), or None for a float model."""
+    path = Path(folder) / QUANT_CONFIG_FILE
+    return read_json(path) if path.is_file() else None
+
+
+def load_quantization(folder: Path, prefix: str | None = None) -> tuple[dict[str, Any], dict[str, LinearQuant]] | None:
+    """Read what :class:`QuantizedCheckpointWriter` wrote (``prefix``: only the linears under it, e.g. one block's), or None
+    for a float model."""
     folder = Path(folder)
-    if not (folder / QUANT_CONFIG_FILE).is_file():
+    meta = quantization_meta(folder)
+    if meta is None:
         return None
-    meta = read_json(folder / QUANT_CONFIG_FILE)
-    stored = load_file(str(folder / QUANT_WEIGHTS_FILE))
+    names = [name for name in meta["linears"] if prefix is None or name.startswith(prefix)]
+    try:
+        reader = CheckpointReader(folder, QUANT_WEIGHTS_FILE, QUANT_WEIGHTS_INDEX)
+    except UsageError as exc:
+        raise UsageError(f"{folder} holds quantization.json but no levels ({exc}); rerun the quantize stage") from exc
+    missing = [name for name in names if f"{name}.weight_levels" not in reader]
+    if missing:
+        raise UsageError(f"{folder} holds no levels for {', '.join(missing[:3])}; it was written by another version of compress: "
+                         "rerun the quantize stage")
+    stored = reader.read(key for name in names for key in (f"{name}.weight_scale", f"{name}.weight_levels"))
     linears = {name: LinearQuant(stored[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
                                  info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"),
-                                 stored.get(f"{name}.weight_levels"))
-               for name, info in meta["linears"].items()}
-    missing = [name for name, quant in linears.items() if quant.levels is None]
-    if missing:
-        raise UsageError(f"{folder / QUANT_WEIGHTS_FILE} holds no levels for {', '.join(missing[:3])}; it was written by another "
-                         "version of compress: rerun the quantize stage")
+                                 stored[f"{name}.weight_levels"])
+               for name, info in meta["linears"].items() if name in set(names)}
     return meta, linears
 
 

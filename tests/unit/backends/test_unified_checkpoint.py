@@ -14,6 +14,7 @@ from compress.algorithms.formats import expand_scales
 from compress.backends.edgellm.checkpoint import grid_values, pack_int4, unpack_int4, write_unified_checkpoint
 from compress.backends.edgellm.env import edgellm_python
 from compress.core.errors import UsageError
+from compress.models.weights import CheckpointReader
 from compress.transforms.quantize.saved import LinearQuant, load_quantization, load_quantized_causal_lm
 from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress
 
@@ -79,10 +80,10 @@ def test_int4_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wi
     summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
     assert summary.quant_algo == "W4A16_AWQ" and summary.group_size == 32
     assert summary.quantized_bytes / summary.fp16_bytes == pytest.approx(0.25 + 4 / (32 * 2), rel=1e-9)  # nibbles + fp32 scales
-    with safe_open(str(tmp_path / "ckpt" / "model.safetensors"), framework="pt") as written:
-        weight = written.get_tensor("model.layers.0.self_attn.q_proj.weight")
-        assert weight.dtype == torch.uint8 and tuple(weight.shape) == (64, 128)
-        assert written.get_tensor("model.norm.weight").dtype == torch.float16
+    written = CheckpointReader(tmp_path / "ckpt").read(["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
+    weight = written["model.layers.0.self_attn.q_proj.weight"]
+    assert weight.dtype == torch.uint8 and tuple(weight.shape) == (64, 128)
+    assert written["model.norm.weight"].dtype == torch.float16
     loaded, meta = _probe(tmp_path / "ckpt", tmp_path)
     assert meta["quant_type"] == "int4_awq_modelopt" and meta["group_size"] == "32"
     integers, linears, _ = _our_integers(quantized)
@@ -147,10 +148,10 @@ def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wi
     excluded = json.loads((checkpoint / "hf_quant_config.json").read_text())["quantization"]["exclude_modules"]
     assert excluded == ["lm_head", "model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
     loaded, _ = _probe(checkpoint, tmp_path)
-    with safe_open(str(quantized / "model.safetensors"), framework="pt") as ours:
-        for layer in (0, 1):
-            name = f"model.layers.{layer}.mlp.down_proj"
-            assert torch.equal(loaded[f"{name}.float.weight"].half(), ours.get_tensor(f"{name}.weight").half()), name
+    ours = CheckpointReader(quantized)
+    for layer in (0, 1):
+        name = f"model.layers.{layer}.mlp.down_proj"
+        assert torch.equal(loaded[f"{name}.float.weight"].half(), ours.read([f"{name}.weight"])[f"{name}.weight"].half()), name
 
 
 def test_a_rotation_of_an_input_left_float_is_a_configuration_error(capsys):

@@ -8,13 +8,8 @@ import torch
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer, save_model_folder
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
-from compress.transforms.quantize.decoder import quantize_model
-from compress.transforms.quantize.saved import (
-    held_quantized_causal_lm,
-    load_quantized_causal_lm,
-    model_state_without_quantized,
-    save_quantization,
-)
+from compress.transforms.quantize.decoder import quantize_folder
+from compress.transforms.quantize.saved import held_quantized_causal_lm, load_quantized_causal_lm
 
 
 @pytest.fixture(scope="module")
@@ -39,13 +34,12 @@ def test_a_bf16_model_computes_exactly_what_its_float32_copy_does(tiny_llama, id
 
 
 def test_a_quantized_folder_held_as_levels_computes_what_its_rebuilt_float_model_does(tiny_llama, ids, tmp_path):
-    model = load_causal_lm(tiny_llama).to(torch.bfloat16)
+    bf16 = tmp_path / "bf16"
+    save_model_folder(load_causal_lm(tiny_llama).to(torch.bfloat16), load_tokenizer(tiny_llama), tiny_llama, bf16)
     config = QUANTIZE_CONFIG.validate_python({"method": "int4", "calib_windows": 2, "calib_window": 40, "min_calib_tokens": 1,
                                               "sample_tokens": 64, "group_size": 32})
-    result = quantize_model(model, ids, config, progress=False)
     folder = tmp_path / "quantized"
-    save_model_folder(model, load_tokenizer(tiny_llama), tiny_llama, folder, model_state_without_quantized(model, result.linears))
-    save_quantization(result, folder)
+    result = quantize_folder(bf16, folder, ids, config, progress=False)
     held, rebuilt = held_quantized_causal_lm(folder)
     assert set(rebuilt) == {f"{name}.weight" for name in result.linears}
     assert all(held.get_submodule(name).weight.numel() == 0 for name in result.linears)  # nothing but the levels

@@ -1,0 +1,131 @@
+"""A model's logits over evaluation windows, computed block by block from its checkpoint on the compute device.
+
+Validation compares the deployed numbers with the teacher's on every evaluation window. Holding
+both models (and, before, a float32 copy of each) is what made validation the largest stage; here
+neither model is ever held. Each is built empty, its blocks are read from its folder one at a time
+by the shared walker (:mod:`compress.transforms.walk`), onto the device in float32, and run over
+all windows at once; only the hidden states between blocks (windows x tokens x hidden) and, at the
+end, the final norm and LM head stay. A quantized folder's linears are rebuilt from their levels
+exactly as the quantizer computed with them, their inputs (and an FP8 KV cache) quantized as the
+deployed graph quantizes them: the numbers the Edge-LLM bundle is proven to hold.
+
+The block-by-block pass computes what the model's own forward pass computes on each window (the
+same operations on the same inputs), so the figures do not depend on which way they were taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from compress.algorithms import kv_cache
+from compress.models.families import decoder_blocks
+from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
+from compress.transforms.quantize.saved import (
+    LinearQuant,
+    attach_activation_quant,
+    dequantized_weight,
+    kv_cache_scales,
+    load_quantization,
+    quantization_meta,
+)
+from compress.transforms.walk import BlockInputs, BlockVisitor, StreamedBlocks, walk_blocks
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class WindowLogits:
+    """A model's final hidden states over a list of windows, and the head that turns one window's into logits."""
+
+    hidden: list[torch.Tensor]  # per window, (1, tokens, hidden) float32, after the final norm
+    head_weight: torch.Tensor  # (vocab, hidden) as stored; computed with in float32, one window at a time
+    head_bias: torch.Tensor | None
+    softcap: float | None
+
+    def __len__(self) -> int:
+        return len(self.hidden)
+
+    def logits(self, index: int) -> np.ndarray:
+        """Window ``index``'s ``(tokens, vocab)`` logits in float32."""
+        with torch.no_grad():
+            bias = None if self.head_bias is None else self.head_bias.float()
+            logits = torch.nn.functional.linear(self.hidden[index][0], self.head_weight.float(), bias)
+            if self.softcap:
+                logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits.cpu().numpy()
+
+
+class _Deployed(BlockVisitor):
+    """Gives each block of a quantized folder its linears rebuilt from their levels and quantizes their inputs while the
+    block computes; keeps the last block's outputs."""
+
+    def __init__(self, folder: Path | None, prefix: str, last: int) -> None:
+        self.folder = folder
+        self.prefix = prefix
+        self.last = last
+        self.block_linears: dict[str, LinearQuant] = {}
+        self.outputs: list[torch.Tensor] = []
+
+    def weights(self, block_prefix: str) -> dict[str, torch.Tensor]:
+        """The rebuilt float32 weights of the quantized linears under ``block_prefix`` (full names)."""
+        if self.folder is None:
+            return {}
+        meta, linears = load_quantization(self.folder, block_prefix + ".")
+        self.block_linears = {name.removeprefix(block_prefix + "."): quant for name, quant in linears.items()}
+        return {f"{name}.weight": dequantized_weight(meta, quant) for name, quant in linears.items()}
+
+    def propagation_hooks(self, index: int, block) -> list:
+        return attach_activation_quant(block, self.block_linears)
+
+    def after(self, index: int, block, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
+        if index == self.last:
+            self.outputs = outputs
+
+
+def window_logits(folder: Path, windows: torch.Tensor, device: torch.device | str = "cpu", progress: bool = False,
+                  desc: str = "evaluate", trust_remote_code: bool = False) -> WindowLogits:
+    """The model in ``folder`` (float, or quantized by the quantize stage) over ``windows`` ``(n, tokens)``, block by block."""
+    model = empty_causal_lm(folder, trust_remote_code)
+    reader = CheckpointReader(folder)
+    embeddings = model.get_input_embeddings()
+    materialize(embeddings, module_prefix(model, embeddings), reader)
+    blocks = decoder_blocks(model)
+    meta = quantization_meta(folder)
+    visitor = _Deployed(folder if meta is not None else None, module_prefix(model, blocks), len(blocks) - 1)
+    with _kv_cache_simulated(model, meta):
+        walk_blocks(model, windows, [visitor], device=device, progress=progress, desc=desc,
+                    blocks=StreamedBlocks(model, reader, extra=visitor.weights))
+    norm = model.model.norm
+    materialize(norm, module_prefix(model, norm), reader, device=device, dtype=torch.float32)
+    with torch.no_grad():
+        hidden = [norm(h) for h in visitor.outputs]
+    head = model.get_output_embeddings()
+    head_name = module_prefix(model, head)
+    if f"{head_name}.weight" in reader:
+        head_tensors = reader.read(name for name in (f"{head_name}.weight", f"{head_name}.bias") if name in reader)
+        weight, bias = head_tensors[f"{head_name}.weight"], head_tensors.get(f"{head_name}.bias")
+    else:  # tied: the LM head reads the embedding table
+        weight, bias = embeddings.weight.detach(), None
+    return WindowLogits(hidden, weight.to(device), None if bias is None else bias.to(device),
+                        getattr(model.config, "final_logit_softcapping", None))
+
+
+@contextlib.contextmanager
+def _kv_cache_simulated(model, meta: dict | None) -> Iterator[None]:
+    """An FP8 KV cache rounded as the deployed graph rounds it, for the duration."""
+    scales = kv_cache_scales(meta) if meta else None
+    if not scales:
+        yield
+        return
+    kv_cache.attach_kv_cache_quant(model, scales)
+    try:
+        yield
+    finally:
+        kv_cache.restore_attention(model)
