@@ -14,6 +14,7 @@ and runs go to ``bench_runs/scale/``.
     .venv/bin/python bench/scale_table.py                          # estimates for every shape (a minute)
     .venv/bin/python bench/scale_table.py --measure qwen3-0.6b      # and one measured run (about 20 min on 2 cores)
     .venv/bin/python bench/scale_table.py --measure qwen3-0.6b --recipe edgellm-int8
+    .venv/bin/python bench/scale_table.py --measure qwen3-1.7b --with export_onnx=off   # the bundle without the ONNX
 """
 
 from __future__ import annotations
@@ -79,9 +80,9 @@ def build(name: str, weights: bool) -> Path:
     return folder
 
 
-def estimate(folder: Path, recipe: str) -> list[dict]:
+def estimate(folder: Path, recipe: str, extra: list[str]) -> list[dict]:
     proc = subprocess.run([*COMPRESS, "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}",
-                           f"out={RUNS / 'plan-only'}", "--dry-run"], cwd=REPO, capture_output=True, text=True,
+                           f"out={RUNS / 'plan-only'}", "--dry-run", *extra], cwd=REPO, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
         return [{"stage": "refused", "reason": proc.stderr.strip().splitlines()[-1]}]
@@ -92,12 +93,12 @@ def estimate(folder: Path, recipe: str) -> list[dict]:
     return rows
 
 
-def measure(folder: Path, name: str, recipe: str) -> dict:
+def measure(folder: Path, name: str, recipe: str, extra: list[str]) -> dict:
     out = RUNS / f"{name}-{recipe}"
     if out.exists():
         shutil.rmtree(out)  # this script's own earlier run: a measurement computes every stage afresh
     command = ["/usr/bin/time", "-v", *COMPRESS, "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}", f"out={out}",
-               "--no-progress"]
+               "--no-progress", *extra]
     print("$", " ".join(command), flush=True)
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
     peak_kb = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
@@ -105,12 +106,14 @@ def measure(folder: Path, name: str, recipe: str) -> dict:
     stages = {}
     for record in sorted(out.glob("0*/stage.json")):
         data = json.loads(record.read_text())
-        stages[data["stage"]] = {"s": data["duration_s"], "peak_gb": round(data["peak_rss_mb"] / 1024, 2)}
+        child = data.get("peak_subprocess_rss_mb")
+        stages[data["stage"]] = {"s": data["duration_s"], "peak_gb": round(data["peak_rss_mb"] / 1024, 2),
+                                 "subprocess_gb": round(child / 1024, 2) if child else None}
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     # compress resets the kernel's high-water mark at each stage (to record each stage's peak), which also lowers what
     # /usr/bin/time reads at exit; the run's peak is the larger of that and every stage's own.
-    stage_peak = max((s["peak_gb"] for s in stages.values()), default=0.0)
+    stage_peak = max((max(s["peak_gb"], s["subprocess_gb"] or 0.0) for s in stages.values()), default=0.0)
     time_peak = int(peak_kb.group(1)) / 1024**2 if peak_kb else 0.0
     return {"exit": proc.returncode, "peak_rss_gb": max(time_peak, stage_peak) or None,
             "wall": wall.group(1) if wall else None, "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
@@ -122,6 +125,8 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s != "llama-3.1-8b"], choices=list(SHAPES))
     parser.add_argument("--measure", nargs="*", default=[], choices=list(SHAPES))
     parser.add_argument("--recipe", default="default")
+    parser.add_argument("--with", dest="extra", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="more words for compress run (export_onnx=off, quantize.calib_windows=16, ...)")
     args = parser.parse_args()
     print("| shape | parameters | stage | estimated peak GB | estimated disk GB | estimated min |\n|---|---|---|---|---|---|")
     for name in args.shapes:
@@ -130,20 +135,20 @@ def main() -> None:
         from compress.pipeline.resources import parameter_count
 
         params = parameter_count(json.loads((folder / "config.json").read_text()))
-        for row in estimate(folder, args.recipe):
+        for row in estimate(folder, args.recipe, args.extra):
             if "reason" in row:
                 print(f"| {name} | {params / 1e9:.2f}B | refused: {row['reason']} | | | |")
                 continue
             print(f"| {name} | {params / 1e9:.2f}B | {row['stage']} | {row['peak_host_gb']} | {row['disk_gb']} | {row['minutes']} |")
     for name in args.measure:
-        result = measure(build(name, weights=True), name, args.recipe)
-        print(f"\n{name}, recipe={args.recipe}: exit {result['exit']}, wall {result['wall']}, peak RSS "
+        result = measure(build(name, weights=True), name, args.recipe, args.extra)
+        print(f"\n{name}, recipe={args.recipe} {' '.join(args.extra)}: exit {result['exit']}, wall {result['wall']}, peak RSS "
               f"{result['peak_rss_gb']:.2f} GB ({result['peak_rss_gb'] * 1.073741824 / result['checkpoint_gb']:.1f}x the "
               f"{result['checkpoint_gb']:.2f} GB bf16 checkpoint), run directory {result['run_dir_gb']:.2f} GB "
               f"({result['run_dir_gb'] / result['checkpoint_gb']:.1f}x)" + (f"; error: {result['error']}" if result["error"] else ""))
-        print("| stage | wall s | peak GB |\n|---|---|---|")
+        print("| stage | wall s | peak GB (compress) | peak GB (a program it ran) |\n|---|---|---|---|")
         for stage, row in result["stages"].items():
-            print(f"| {stage} | {row['s']:.1f} | {row['peak_gb']} |")
+            print(f"| {stage} | {row['s']:.1f} | {row['peak_gb']} | {row['subprocess_gb'] or '—'} |")
 
 
 if __name__ == "__main__":

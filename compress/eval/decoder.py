@@ -43,7 +43,16 @@ from compress.eval.latency import measure_decoder_latency
 from compress.eval.layerwise import WindowLogits, window_logits
 from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
 from compress.eval.perplexity import window_nll
-from compress.eval.prompts import Generate, answer_prompts, compare_answers, prompt_checks, resolve_prompts, torch_greedy
+from compress.eval.prompts import (
+    PROMPT_BATCH,
+    BatchGenerate,
+    answer_prompts,
+    compare_answers,
+    one_at_a_time,
+    prompt_checks,
+    resolve_prompts,
+    torch_greedy_batched,
+)
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer
 from compress.transforms.quantize.saved import attach_quantization, held_quantized_causal_lm, load_quantization
@@ -69,7 +78,7 @@ class ValidateConfig(StrictModel):
     prompt_new_tokens: PositiveInt = 32  # greedy answer length to each app prompt (prompts=)
 
 
-def device_reference(generate: Generate, tokenizer, evaluation: list[TextSource], config: ValidateConfig,
+def device_reference(generate: BatchGenerate, tokenizer, evaluation: list[TextSource], config: ValidateConfig,
                      answers: dict[str, Any] | None = None, host: str = "") -> dict[str, Any]:
     """Greedy continuations by the host model (``generate``, the deployed numbers), for ``validate --on-device`` to compare
     with: one prompt per evaluation domain, then the app prompts (their measured answers, cut to length: a greedy
@@ -77,21 +86,26 @@ def device_reference(generate: Generate, tokenizer, evaluation: list[TextSource]
 
     The prompts are stored as text decoded from their token ids, so the device's tokenizer reads the same tokens.
     """
-    prompts, expected = [], []
+    prompts: list[dict[str, Any]] = []
+    expected: list[list[int] | None] = []
     prefix = window_prefix(tokenizer)
     for source in usable_sources(tokenizer, evaluation):
         ids = source_ids(tokenizer, source, eval_skip(source), max_tokens=config.device_prompt_tokens).tolist()
         text = tokenizer.decode(prefix + ids, skip_special_tokens=False)
-        prompt_ids = tokenizer(text, add_special_tokens=False).input_ids
-        prompts.append({"domain": source.domain, "text": text, "prompt_ids": prompt_ids})
-        expected.append(generate(prompt_ids, config.device_new_tokens))
+        prompts.append({"domain": source.domain, "text": text, "prompt_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        expected.append(None)
     for row in sorted((answers or {}).get("rows", []), key=lambda r: r["order"]):
         prompts.append({"domain": f"prompt {row['id']}", "text": tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
                         "prompt_ids": row["prompt_ids"]})
         answer = row["model_ids"]
         # Greedy decoding stops early only at an end token: a shorter answer than asked for is complete.
         complete = len(answer) < answers["new_tokens"] or len(answer) >= config.device_new_tokens
-        expected.append(answer[: config.device_new_tokens] if complete else generate(row["prompt_ids"], config.device_new_tokens))
+        expected.append(answer[: config.device_new_tokens] if complete else None)
+    missing = [index for index, ids in enumerate(expected) if ids is None]
+    for start in range(0, len(missing), PROMPT_BATCH):
+        chunk = missing[start:start + PROMPT_BATCH]
+        for index, ids in zip(chunk, generate([prompts[i]["prompt_ids"] for i in chunk], config.device_new_tokens), strict=True):
+            expected[index] = ids
     return {"max_new_tokens": config.device_new_tokens, "prompts": prompts, "host_output_ids": expected, "host": host}
 
 
@@ -202,12 +216,18 @@ def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir:
     teacher = load_causal_lm(teacher_dir, own_dtype=True)
     eos = model_eos_ids(model_dir, tokenizer)
     with computed_in_float32(teacher):
-        answers = answer_prompts(cases, tokenizer, torch_greedy(teacher, eos), config.prompt_new_tokens, progress, "teacher")
+        answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)),
+                                 config.prompt_new_tokens, progress, "teacher")
     del teacher
     release_freed_memory()
-    with deployed_generator(model_dir, decoder, eos) as generate:
+    with deployed_generator(model_dir, decoder, eos, pad_id_of(tokenizer, eos)) as generate:
         deployed = answer_prompts(cases, tokenizer, generate, config.prompt_new_tokens, progress, "deployed")
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
+
+
+def pad_id_of(tokenizer, eos: list[int]) -> int:
+    """What pads a batch of prompts (masked out: any id would do, the tokenizer's own where it has one)."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos[0] if eos else 0)
 
 
 def model_eos_ids(folder: Path, tokenizer) -> list[int]:
@@ -223,11 +243,11 @@ def model_eos_ids(folder: Path, tokenizer) -> list[int]:
 
 
 @contextlib.contextmanager
-def deployed_generator(model_dir: Path, decoder: OnnxDecoder | None, eos: list[int]) -> Iterator[Generate]:
+def deployed_generator(model_dir: Path, decoder: OnnxDecoder | None, eos: list[int], pad_id: int) -> Iterator[BatchGenerate]:
     """Greedy decoding of the deployed numbers: the ONNX graph in ONNX Runtime where there is one, else the quantized
     checkpoint in torch (its linears rebuilt from their levels while each block computes)."""
     if decoder is not None:
-        yield decoder.greedy
+        yield one_at_a_time(decoder.greedy)
         return
     loaded = load_quantization(model_dir)
     if loaded is None:
@@ -236,7 +256,7 @@ def deployed_generator(model_dir: Path, decoder: OnnxDecoder | None, eos: list[i
         model, rebuilt = held_quantized_causal_lm(model_dir)
         attach_quantization(model, *loaded)
     with computed_in_float32(model, rebuilt):
-        yield torch_greedy(model, eos)
+        yield torch_greedy_batched(model, eos, pad_id)
     del model
     release_freed_memory()
 

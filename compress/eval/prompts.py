@@ -30,7 +30,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_evaluation.jsonl"
 PROMPTS_OFF = "off"
-Generate = Callable[[list[int], int], list[int]]
+Generate = Callable[[list[int], int], list[int]]  # one prompt's ids, new tokens -> the greedy answer's ids
+BatchGenerate = Callable[[list[list[int]], int], list[list[int]]]  # the same for a list of prompts at once
+PROMPT_BATCH = 16  # prompts decoded together by a batched generator (one pass over the weights per token for all of them)
 
 
 @dataclass(frozen=True)
@@ -114,6 +116,37 @@ def torch_greedy(model, eos_ids: Sequence[int]) -> Generate:
     return generate
 
 
+def one_at_a_time(generate: Generate) -> BatchGenerate:
+    """A single-prompt generator (ONNX Runtime's decoder) as a batch generator."""
+    return lambda prompts, new_tokens: [generate(ids, new_tokens) for ids in prompts]
+
+
+def torch_greedy_batched(model, eos_ids: Sequence[int], pad_id: int) -> BatchGenerate:
+    """Greedy decoding of a torch causal LM over many prompts at once (left-padded, masked), each answer cut after its
+    first end-of-sequence token.
+
+    A model computed part by part (held in 16 bits, or as quantized levels) pays for each pass over its weights once per
+    token for the whole batch instead of once per token per prompt; the answers are the one-prompt answers up to float
+    summation order.
+    """
+    stop = set(eos_ids)
+
+    @torch.no_grad()
+    def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+        width = max(len(ids) for ids in prompts)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                             eos_token_id=sorted(stop) or None, pad_token_id=pad_id)
+        answers = []
+        for row in out[:, width:].tolist():
+            cut = next((i + 1 for i, token in enumerate(row) if token in stop), len(row))
+            answers.append(row[:cut])
+        return answers
+
+    return generate
+
+
 def answer_pair(teacher: list[int], model: list[int]) -> dict[str, Any]:
     """How far the deployed answer follows the teacher's: the first differing position and the matched fraction."""
     diverges = next((i for i, (a, b) in enumerate(zip(teacher, model, strict=False)) if a != b), min(len(teacher), len(model)))
@@ -127,11 +160,14 @@ def _passes(expect: str | None, text: str) -> bool | None:
     return None if expect is None else re.search(expect, text, re.IGNORECASE) is not None
 
 
-def answer_prompts(cases: list[PromptCase], tokenizer, generate: Generate, new_tokens: int, progress: bool = True,
+def answer_prompts(cases: list[PromptCase], tokenizer, generate: BatchGenerate, new_tokens: int, progress: bool = True,
                    desc: str = "answers") -> list[list[int]]:
-    """One model's greedy answer (token ids) to every prompt."""
-    return [generate(prompt_ids(tokenizer, case.prompt), new_tokens)
-            for case in tqdm(cases, desc=f"app prompts ({desc})", disable=not progress, leave=False)]
+    """One model's greedy answer (token ids) to every prompt, :data:`PROMPT_BATCH` prompts at a time."""
+    ids = [prompt_ids(tokenizer, case.prompt) for case in cases]
+    answers: list[list[int]] = []
+    for start in tqdm(range(0, len(ids), PROMPT_BATCH), desc=f"app prompts ({desc})", disable=not progress, leave=False):
+        answers += generate(ids[start:start + PROMPT_BATCH], new_tokens)
+    return answers
 
 
 def compare_answers(cases: list[PromptCase], tokenizer, teacher: list[list[int]], deployed: list[list[int]], new_tokens: int,
@@ -154,8 +190,9 @@ def compare_answers(cases: list[PromptCase], tokenizer, teacher: list[list[int]]
 def compare_prompts(cases: list[PromptCase], tokenizer, teacher: Generate, deployed: Generate, new_tokens: int,
                     progress: bool = True, source: str = "") -> dict[str, Any]:
     """Answer every prompt with both models and compare them (:func:`compare_answers`)."""
-    return compare_answers(cases, tokenizer, answer_prompts(cases, tokenizer, teacher, new_tokens, progress, "teacher"),
-                           answer_prompts(cases, tokenizer, deployed, new_tokens, progress, "deployed"), new_tokens, source)
+    return compare_answers(cases, tokenizer, answer_prompts(cases, tokenizer, one_at_a_time(teacher), new_tokens, progress, "teacher"),
+                           answer_prompts(cases, tokenizer, one_at_a_time(deployed), new_tokens, progress, "deployed"), new_tokens,
+                           source)
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

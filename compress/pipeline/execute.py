@@ -90,6 +90,19 @@ def _peak_rss_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def _children_peak_rss_mb() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+
+
+def _stage_children_peak(before: float) -> float | None:
+    """The largest resident size of a program the stage ran (NVIDIA's exporter, the custody check), where one of them grew
+    past every earlier one's (the kernel keeps only the maximum over all children)."""
+    after = _children_peak_rss_mb()
+    return round(after, 1) if after > before else None
+
+
 def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
            earlier: dict[str, Any] | None) -> tuple[Artifact, dict[str, Any]] | None:
     """The finished output of ``planned`` if it may stand: same fingerprint, made from this very input, and its folder
@@ -118,6 +131,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         ctx.stage_name = planned.dirname
         ctx.fingerprint = planned.fingerprint
         _reset_peak_rss()
+        children_before = _children_peak_rss_mb()
         started = time.perf_counter()
         result = planned.variant.run(previous, planned.config, ctx)
         artifact = result.artifact
@@ -139,6 +153,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "device": ctx.device,
             "duration_s": round(duration, 3),
             "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "peak_subprocess_rss_mb": _stage_children_peak(children_before),
             "metrics": artifact.meta.get("metrics", {}),
             "summary": result.summary,
             "figures": result.figures,

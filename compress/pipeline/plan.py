@@ -258,7 +258,8 @@ def build_plan(options: RunOptions) -> Plan:
     config = model_config(model)
     if config is not None:
         _check_model_config(config, model)
-    planned = _check_stage_chain(recipe, stage_options, explicit, target, model_kind(config or {}), model.spec, config)
+    planned = _check_stage_chain(recipe, stage_options, explicit, target, model_kind(config or {}), model.spec, config,
+                                 options.off)
     out_dir = options.out or default_out_dir(options, target, recipe)
     if options.eval_labels is not None and not Path(options.eval_labels).is_file():
         raise UsageError(f"eval_labels={options.eval_labels}: no such file")
@@ -330,9 +331,10 @@ def _default_recipe(target: Target, model: ModelSource) -> str:
 
 
 def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]], explicit: dict[str, set[str]], target: Target,
-                       kind: str, model_spec: str, config: dict | None) -> list[PlannedStage]:
+                       kind: str, model_spec: str, config: dict | None, off: tuple[str, ...] = ()) -> list[PlannedStage]:
     """Every stage exists, appears once, takes what the step before gives, works on this kind of model, and has valid
-    options the target can run."""
+    options the target can run (``off``: the stages the command line left out, named when the chain breaks)."""
+    label = f"recipe {recipe.name}" + (f" with {', '.join(f'{name}={OFF}' for name in off)}" if off else "")
     planned: list[PlannedStage] = []
     previous_kind = SOURCE
     seen: set[str] = set()
@@ -343,7 +345,7 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
         seen.add(spec.name)
         if not stage.accepts(previous_kind):
             raise UsageError(
-                f"recipe {recipe.name}: stage {spec.name} takes {_kinds(stage.input_kind)} but the step before it gives {previous_kind}"
+                f"{label}: stage {spec.name} takes {_kinds(stage.input_kind)} but the step before it gives {previous_kind}"
             )
         variant = stage.variant(kind)
         if variant is None:

@@ -115,3 +115,47 @@ def test_a_bf16_checkpoint_is_quantized_into_integers_and_scales_with_no_float_c
     assert quantized < 0.85 * checkpoint  # int8 linears and bf16 embeddings, against all of it in bf16
     assert json.loads((out / "03_export_onnx" / "stage.json").read_text())["metrics"]["parity"]["greedy_match"]
     assert json.loads((out / "04_export_edgellm" / "stage.json").read_text())["metrics"]["custody"]["mismatches"] == 0
+
+
+ONNX_SMOKE = [option for option in TINY_SMOKE if not option.startswith("export_onnx.")]
+
+
+def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tmp_path):
+    """export_onnx=off: the bundle is made straight from the quantized checkpoint, validation measures the deployed numbers
+    in torch (no ONNX Runtime parity, no host latency), and the device reference comes from the same numbers."""
+    from tests.conftest import QUANTIZE_SMALL, build_tiny_llama
+
+    model = build_tiny_llama(tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True)
+    out = tmp_path / "run"
+    code = main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={model}", f"out={out}", "export_onnx=off",
+                 "--no-progress", *QUANTIZE_SMALL, *ONNX_SMOKE, "validate.prompt_new_tokens=8"])
+    report = json.loads((out / "report.json").read_text())
+    assert code == report["exit_code"]
+    assert [s["name"] for s in report["stages"]] == ["load", "quantize", "export_edgellm", "build_engine", "validate"]
+    assert report["artifacts"]["onnx"] is None
+    bundle = json.loads((out / "03_export_edgellm" / "stage.json").read_text())["metrics"]
+    assert bundle["custody"]["mismatches"] == 0 and bundle["custody"]["tensors_compared"] > 0
+    metrics = json.loads((out / "05_validate" / "validation.json").read_text())["metrics"]
+    assert metrics["onnx_parity"] is None and metrics["host_latency"] is None
+    assert metrics["perplexity_model"] > 0 and 0.5 < metrics["top1_agreement"] <= 1.0
+    assert metrics["model_size_bytes"] == sum(p.stat().st_size for p in (out / "03_export_edgellm" / "bundle").rglob("*") if p.is_file())
+    names = {c["name"] for c in report["gate"]["checks"]}
+    assert "onnx_vs_torch_quantized_pct" not in names and "answer_prefix_agreement" in names
+    reference = json.loads((out / "05_validate" / "device_reference.json").read_text())
+    assert reference["host"].startswith("the quantized checkpoint in torch")
+    answers = {row["id"]: row["model_ids"] for row in metrics["prompts"]["rows"]}
+    for prompt, expected in zip(reference["prompts"][6:], reference["host_output_ids"][6:], strict=True):
+        ids = answers[prompt["domain"].removeprefix("prompt ")]
+        common = min(len(ids), len(expected))  # the measured answer (8 tokens), continued to the device's 24 where it did not end
+        assert expected[:common] == ids[:common] and len(expected) == (len(ids) if len(ids) < 8 else 24)
+
+
+@pytest.mark.parametrize(("words", "needle"), [
+    (["export_onnx=off", "recipe=int8"], "recipe int8 with export_onnx=off: stage validate takes"),
+    (["validate=off"], "stage validate cannot be left out of recipe 'default' (optional: export_onnx)"),
+    (["sparsify=off"], "stage sparsify is not in recipe 'default'"),
+    (["export_onnx=on"], "export_onnx=on: a stage takes only export_onnx=off"),
+])
+def test_only_an_optional_stage_of_the_recipe_is_left_out(capsys, tmp_path, words, needle):
+    assert main(["run", "target=jetson-orin", *words, f"out={tmp_path / 'run'}", "--dry-run"]) == 2
+    assert needle in capsys.readouterr().err

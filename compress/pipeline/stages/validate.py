@@ -88,7 +88,8 @@ def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, mod
     decoder_ = OnnxDecoder(onnx_dir) if onnx_dir is not None else None
     host = ("our Q/DQ ONNX in ONNX Runtime (the numbers the bundle holds)" if decoder_ is not None
             else "the quantized checkpoint in torch (the numbers the bundle holds)")
-    with decoder.deployed_generator(model_dir, decoder_, decoder.model_eos_ids(model_dir, tokenizer)) as generate:
+    eos = decoder.model_eos_ids(model_dir, tokenizer)
+    with decoder.deployed_generator(model_dir, decoder_, eos, decoder.pad_id_of(tokenizer, eos)) as generate:
         reference = decoder.device_reference(generate, tokenizer, ctx.evaluation, config, metrics.get("prompts"), host)
     atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE, reference)
 

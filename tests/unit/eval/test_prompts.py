@@ -122,3 +122,18 @@ def test_expectations_are_checked_on_both_answers():
     assert measured["expect_pass_teacher"] == 1.0 and measured["expect_pass_model"] == 0.5
     drop = next(c for c in prompt_checks(measured, load_target("jetson-orin").budgets) if c.name == "expect_pass_drop_pct")
     assert drop.value == 50.0 and drop.verdict == FAIL
+
+
+def test_prompts_decoded_together_get_the_answers_they_get_alone(chat_llama):
+    """Left-padded and masked, a batch of prompts of different lengths answers as each prompt does on its own (a model held
+    in bf16 and computed in float32, as validation holds the teacher)."""
+    from compress.eval.prompts import torch_greedy_batched
+    from compress.models.compute import computed_in_float32
+
+    model, tokenizer = load_causal_lm(chat_llama).to(torch.bfloat16), load_tokenizer(chat_llama)
+    prompts = [prompt_ids(tokenizer, text) for text in ("Hi.", "Tell me about the weather on the coast today.", "Count to ten.")]
+    eos = [tokenizer.eos_token_id]
+    with computed_in_float32(model):
+        alone = [torch_greedy(model, eos)(ids, 10) for ids in prompts]
+        together = torch_greedy_batched(model, eos, tokenizer.pad_token_id)(prompts, 10)
+    assert together == alone
