@@ -272,12 +272,13 @@ def build_plan(options: RunOptions) -> Plan:
         check_disjoint(train_data.sample, evaluation, evaluated_tokens)
     if options.prompts and options.prompts != PROMPTS_OFF:
         load_prompts(Path(options.prompts))
-    estimates = _estimates(planned, model, config)
-    problem = fit_problem(estimates, Machine.here(out_dir), model.spec)
+    device = resolve_device(options.device)
+    estimates = _estimates(planned, model, config, device)
+    problem = fit_problem(estimates, Machine.here(out_dir, device), model.spec)
     if problem and not options.dry_run:
         raise UsageError(problem)  # before the model's files are hashed: a model too large to run is not read
     plan = Plan(options, target, power_mode, recipe, model, calibration, evaluation, planned, out_dir, train_data,
-                model_sha256(model), resolve_device(options.device), estimates, problem)
+                model_sha256(model), device, estimates, problem)
     check_run_dir(out_dir, plan.identity, options.force)
     _check_plan_rules(planned, target, model, config)
     _assign_fingerprints(plan)
@@ -293,12 +294,12 @@ def _training_data(options: RunOptions, planned: list[PlannedStage]) -> Training
     return TrainingData.read(split_paths(options.train_data, ()))
 
 
-def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None) -> list[StageEstimate]:
+def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None, device: str) -> list[StageEstimate]:
     """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later, nor for a
     decoder family compress does not describe, which the plan's rules refuse naming it)."""
     if config is None or (model_kind(config) == DECODER and config.get("model_type") not in supported_model_types()):
         return []
-    return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config))
+    return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config), device)
 
 
 def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:

@@ -29,9 +29,11 @@ REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this f
 # copy holds) plus copies of the checkpoint's bytes (what a stage holding the model in its own dtype, one part in float32
 # at a time, holds); measured on the embedded SmolLM2 (float32) and a Qwen3-0.6B-shape bf16 checkpoint (default recipe,
 # 2 cores; `bench/scale_table.py`), fitted to the larger of the two. A stage in neither table: two fp32 copies.
-HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_onnx": 4.0, "export_edgellm": 2.4, "build_engine": 0.5,
-                    "validate": 1.6}
-HOST_CHECKPOINT_COPIES = {"load": 0.5, "quantize": 2.0, "sparsify": 2.0, "validate": 2.0}
+HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_onnx": 4.0, "export_edgellm": 2.4, "build_engine": 0.5}
+HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "validate": 1.2}
+# The stages that stream a model block by block (models/weights.py) hold one block in float32 and its work (statistics,
+# Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
+STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
 
 # Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes).
 DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": 2.2,
@@ -45,16 +47,17 @@ FIXED_SECONDS = {"export_onnx": 15.0, "export_edgellm": 30.0}
 
 @dataclass(frozen=True)
 class StageEstimate:
-    """What one stage is expected to need."""
+    """What one stage is expected to need (``device_bytes``: on a CUDA device, for the stages that compute there)."""
 
     stage: str
     host_bytes: float
     disk_bytes: float
     seconds: float
+    device_bytes: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "peak_host_gb": round(self.host_bytes / GB, 2), "disk_gb": round(self.disk_bytes / GB, 2),
-                "minutes": round(self.seconds / 60, 1)}
+                "minutes": round(self.seconds / 60, 1), "peak_device_gb": round(self.device_bytes / GB, 2)}
 
 
 def parameter_count(config: dict[str, Any]) -> int:
@@ -77,25 +80,43 @@ def _tokens_read(stage: str, config: Any) -> int:
     return 0
 
 
-def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any], checkpoint_bytes: float) -> list[StageEstimate]:
-    """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take ``checkpoint_bytes``."""
+def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any], checkpoint_bytes: float,
+                    device: str = "cpu") -> list[StageEstimate]:
+    """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take ``checkpoint_bytes``;
+    ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live there)."""
     params = parameter_count(model_config)
     fp32 = 4.0 * params
+    shape = ModelShape.from_config(model_config) if model_kind(model_config) == "decoder" else None
     hidden = int(model_config.get("hidden_size") or (model_config.get("text_config") or {}).get("hidden_size") or 0)
+    per_param = checkpoint_bytes / max(params, 1)
+    on_device = device.startswith("cuda")
     estimates = []
     for name, config in stages:
         base = name.removesuffix("_encoder")
         tokens = _tokens_read(base, config)
-        known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES
+        known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES
         host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32
                 + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes)
+        work = 0.0  # what the block-by-block work holds: blocks, hidden states, heads; on the device where there is one
         if base in ("quantize", "sparsify"):
-            host += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
-        per_param = DISK_BYTES_PER_PARAM.get(base, 4.0)
-        disk = _disk_bytes(base, model_config, params, checkpoint_bytes) if per_param is None else per_param * params
+            work += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
+        if base in STREAMED_BLOCK_COPIES and shape is not None:
+            block = 4.0 * (shape.decoder_linear_params() / shape.num_layers + 2 * hidden)
+            work += STREAMED_BLOCK_COPIES[base] * block
+            embeddings = per_param * shape.vocab_size * hidden
+            host += embeddings  # read in the checkpoint's dtype for the first block's inputs
+            if base == "validate":  # both models' hidden states over every window, and the LM head in float32 per window
+                work += 2 * 4 * tokens * hidden + 4 * shape.vocab_size * hidden
+        if on_device:
+            device_bytes = work
+        else:
+            host += work
+            device_bytes = 0.0
+        disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
+        disk = _disk_bytes(base, model_config, params, checkpoint_bytes) if disk_rate is None else disk_rate * params
         seconds = (SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
                    + FIXED_SECONDS.get(base, 0.0))
-        estimates.append(StageEstimate(name, host, disk, seconds))
+        estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
     return estimates
 
 
@@ -117,13 +138,24 @@ class Machine:
     available_bytes: float
     swap_bytes: float
     free_disk_bytes: float
+    device_memory_bytes: float = 0.0  # of the CUDA device the run computes on (0: none)
+    device: str = "cpu"
 
     @classmethod
-    def here(cls, out_dir: Path) -> Machine:
+    def here(cls, out_dir: Path, device: str = "cpu") -> Machine:
         info = _meminfo()
         existing = next((p for p in [Path(out_dir), *Path(out_dir).absolute().parents] if p.exists()), Path("."))
         return cls(info.get("MemTotal", 0.0), info.get("MemAvailable", 0.0), info.get("SwapTotal", 0.0),
-                   float(shutil.disk_usage(existing).free))
+                   float(shutil.disk_usage(existing).free), _device_memory(device), device)
+
+
+def _device_memory(device: str) -> float:
+    """Total memory of a CUDA device (0 for the CPU)."""
+    if not device.startswith("cuda"):
+        return 0.0
+    import torch
+
+    return float(torch.cuda.get_device_properties(torch.device(device)).total_memory)
 
 
 def _meminfo() -> dict[str, float]:
@@ -141,6 +173,18 @@ def _meminfo() -> dict[str, float]:
     return values
 
 
+def _way_out(stage: str) -> str:
+    """What a user can change when ``stage`` would not fit."""
+    base = stage.removesuffix("_encoder")
+    if base == "export_onnx":
+        return "leave the portable ONNX out with export_onnx=off (an Edge-LLM bundle ships without it), or use a larger machine"
+    if base in ("quantize", "sparsify"):
+        return f"compute on a GPU with device=cuda, give a smaller calibration budget ({base}.calib_windows=N), or use a larger machine"
+    if base == "distill":
+        return "distill on a GPU machine (device=cuda, distill.processes=N), or a smaller teacher"
+    return "run it on a larger machine or a smaller model"
+
+
 def fit_problem(estimates: list[StageEstimate], machine: Machine, model_spec: str) -> str | None:
     """Why a run cannot fit ``machine``: its largest stage needs clearly more memory than the machine has, or the run
     directory more disk than is free; None when it fits."""
@@ -151,8 +195,13 @@ def fit_problem(estimates: list[StageEstimate], machine: Machine, model_spec: st
     if machine.memory_bytes and largest.host_bytes > ceiling:
         return (f"model={model_spec}: {largest.stage} would need about {largest.host_bytes / GB:.1f} GB of memory "
                 f"(estimated from the model's size), this machine has {machine.memory_bytes / GB:.1f} GB"
-                f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; run it on a larger "
-                "machine or a smaller model (`--dry-run` prints every stage's estimate)")
+                f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; {_way_out(largest.stage)} "
+                "(`--dry-run` prints every stage's estimate)")
+    on_device = max(estimates, key=lambda e: e.device_bytes)
+    if machine.device_memory_bytes and on_device.device_bytes > machine.device_memory_bytes:
+        return (f"model={model_spec}: {on_device.stage} would need about {on_device.device_bytes / GB:.1f} GB on {machine.device}, "
+                f"which has {machine.device_memory_bytes / GB:.1f} GB; use a smaller calibration budget "
+                f"({on_device.stage}.calib_windows) or device=cpu")
     disk = sum(e.disk_bytes for e in estimates)
     if disk > machine.free_disk_bytes * REFUSE_MARGIN:
         return (f"model={model_spec}: the run directory would take about {disk / GB:.1f} GB, its file system has "
