@@ -51,15 +51,14 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
     in FP16; per layer with an FP8 KV cache, its ``kv_scales`` (k, v). A fused linear (Phi-3's ``qkv_proj``) is listed
     as the parts Edge-LLM splits it into (``q_proj``, ``k_proj``, ``v_proj``), each with its rows."""
     meta, linears = load_quantization(quantized_dir)
-    weight_format = meta.get("format", "int")
     config = read_json(Path(quantized_dir) / "config.json")
     family = family_of(config)
     numbers: dict[str, torch.Tensor] = {}
     source = CheckpointReader(quantized_dir)
     stored = set(source.names())
     for name, quant in linears.items():
-        values = grid_values(name, quant, meta)
-        per_row, scalars = _linear_numbers(weight_format, values, quant)
+        values = grid_values(name, quant)
+        per_row, scalars = _linear_numbers(quant.format.weight_format, values, quant)
         if f"{name}.bias" in stored:
             per_row["bias"] = source.read([f"{name}.bias"])[f"{name}.bias"].half()
         for part_name, rows in _parts(family, config, name):

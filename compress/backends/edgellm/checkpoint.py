@@ -67,16 +67,16 @@ class CheckpointSummary:
                 "fp16_linear_bytes": self.fp16_bytes, "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}
 
 
-def grid_values(name: str, quant: LinearQuant, meta: dict[str, Any]) -> torch.Tensor:
+def grid_values(name: str, quant: LinearQuant) -> torch.Tensor:
     """The grid values the quantize stage stored for a linear: integers (int8), E4M3 values (FP8) or E2M1 values (NVFP4,
     float32); refuses a linear whose input is rotated online (the format has no slot for it)."""
     if quant.rotation:
         raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
                          "cannot express; quantize with quantize.hadamard_block=0")
     values = level_values(quant)
-    if meta.get("format", "int") != "int":
+    if quant.format.weight_format != "int":
         return values
-    bits = meta["weight_bits"]
+    bits = quant.format.weight_bits
     low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
     if not torch.equal(values, values.round()) or values.min() < low or values.max() > high:
         raise UsageError(f"{name}: its stored levels are not {bits}-bit integers; the quantized folder is damaged")
@@ -101,9 +101,9 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.where(values > 7, values - 16, values).to(torch.int8)
 
 
-def _linear_tensors(name: str, quant: LinearQuant, meta: dict[str, Any]) -> dict[str, torch.Tensor]:
-    values = grid_values(name, quant, meta)
-    weight_format, bits = meta.get("format", "int"), meta["weight_bits"]
+def _linear_tensors(name: str, quant: LinearQuant) -> dict[str, torch.Tensor]:
+    values = grid_values(name, quant)
+    weight_format, bits = quant.format.weight_format, quant.format.weight_bits
     if weight_format == "fp8":
         if quant.input_scale is None:
             raise UsageError(f"{name}: FP8 needs a calibrated input scale")
@@ -153,7 +153,7 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                              "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
         tensors: dict[str, torch.Tensor] = {}
         for name, quant in linears.items():
-            written = _linear_tensors(name, quant, meta)
+            written = _linear_tensors(name, quant)
             totals["quantized"] += sum(t.numel() * t.element_size() for t in written.values())
             totals["fp16"] += quant.levels.numel() * 2
             tensors.update(written)

@@ -62,12 +62,12 @@ def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = Fal
     return DecoderLayout(cfg.num_hidden_layers, [kv] * cfg.num_hidden_layers, head_dim, eos_token_ids, int8_activations, fp4_weights)
 
 
-def write_qdq(graph_model, model, quant_meta: dict, linears: dict) -> dict:
-    """Turn the float export ``graph_model`` (an ONNX ModelProto) into a Q/DQ graph using the quantize stage's scales."""
-    bits = int(quant_meta["weight_bits"])
+def write_qdq(graph_model, model, linears: dict) -> dict:
+    """Turn the float export ``graph_model`` (an ONNX ModelProto) into a Q/DQ graph using the quantize stage's scales, each
+    linear in its own format."""
     export = [
-        LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), bits, q.input_scale,
-                        q.rotation, weight_format=quant_meta.get("format", "int"), global_scale=q.global_scale,
+        LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), q.format.weight_bits,
+                        q.input_scale, q.rotation, weight_format=q.format.weight_format, global_scale=q.global_scale,
                         input_format=q.input_format)
         for name, q in linears.items()
     ]
@@ -170,8 +170,8 @@ def rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dic
     qdq_stats = {}
     if quantized:
         meta, linears = quantized
-        log.info("writing Q/DQ nodes (%s, %d-bit %s weights)", meta["method"], meta["weight_bits"], meta.get("format", "int"))
-        qdq_stats = write_qdq(graph_model, model, meta, linears)
+        log.info("writing Q/DQ nodes (%s: %s)", meta["method"], ", ".join(sorted({q.precision for q in linears.values()})))
+        qdq_stats = write_qdq(graph_model, model, linears)
         scales = kv_cache_scales(meta)
         if scales:
             qdq_stats["kv_cache_qdq_pairs"] = apply_kv_cache_qdq(graph_model, scales)
@@ -201,8 +201,9 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     model = load_quantized_causal_lm(source, trust_remote_code=trust_remote_code)
     tokenizer = load_tokenizer(source)
     quantized = load_quantization(source)
-    int8_activations = bool(quantized and quantized[0]["activations"].startswith("int8"))
-    fp4_weights = bool(quantized and quantized[0].get("format") == "nvfp4")
+    formats = [q.format for q in quantized[1].values()] if quantized else []
+    int8_activations = any(f.activations == "int8" for f in formats)
+    fp4_weights = any(f.weight_format == "nvfp4" for f in formats)
     out.mkdir(parents=True, exist_ok=True)
     layout = decoder_layout(model, eos_ids(model, tokenizer), int8_activations, fp4_weights)
     log.info("exporting %d layers to ONNX with the %s exporter (opset %d)", layout.num_layers, exporter, opset)

@@ -387,7 +387,7 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
         linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
     return LinearQuant(weight_scales.cpu(), input_scale, error, migration.ratio, migration.rotation,
                        global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8",
-                       levels=levels.cpu())
+                       levels=levels.cpu(), precision=config.precision().name, group_size=config.scheme()[2])
 
 
 class _Quantizer(BlockVisitor):

@@ -33,7 +33,17 @@ import torch
 from safetensors.torch import save_file
 
 from compress.algorithms import kv_cache
-from compress.algorithms.formats import ACTIVATION_FORMATS, Fp8Grid, IntGrid, Nvfp4Grid, WeightGrid, expand_scales, levels_on_grid
+from compress.algorithms.formats import (
+    ACTIVATION_FORMATS,
+    PRECISIONS,
+    Fp8Grid,
+    IntGrid,
+    Nvfp4Grid,
+    Precision,
+    WeightGrid,
+    expand_scales,
+    levels_on_grid,
+)
 from compress.algorithms.rotation import rotate
 from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, read_json
@@ -63,6 +73,13 @@ class LinearQuant:
     global_scale: float | None = None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
     input_format: str = "int8"  # how input_scale quantizes the input (a key of ACTIVATION_FORMATS)
     levels: torch.Tensor | None = None  # the weight's grid values (in the input's basis), as LEVEL_DTYPES stores them
+    precision: str = "int8"  # how this linear ships (a name of PRECISIONS): in a mixed-precision model, each its own
+    group_size: int | None = None  # inputs per weight scale (INT4, NVFP4); None: per output channel or per tensor
+
+    @property
+    def format(self) -> Precision:
+        """This linear's deployment precision."""
+        return PRECISIONS[self.precision]
 
 
 @dataclass
@@ -185,7 +202,8 @@ def _quantization_json(result: QuantResult) -> dict[str, Any]:
         "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float",
         "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}} if result.kv_scales else None,
         "linears": {name: {"input_scale": q.input_scale, "input_format": q.input_format, "sqnr_db": q.sqnr_db,
-                           "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale}
+                           "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale,
+                           "precision": q.precision, "group_size": q.group_size}
                     for name, q in result.linears.items()},
     }
 
@@ -215,7 +233,8 @@ def load_quantization(folder: Path, prefix: str | None = None) -> tuple[dict[str
     stored = reader.read(key for name in names for key in (f"{name}.weight_scale", f"{name}.weight_levels"))
     linears = {name: LinearQuant(stored[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
                                  info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"),
-                                 stored[f"{name}.weight_levels"])
+                                 stored[f"{name}.weight_levels"], info.get("precision", meta["precision"]),
+                                 info.get("group_size", meta.get("group_size")))
                for name, info in meta["linears"].items() if name in set(names)}
     return meta, linears
 
@@ -292,10 +311,11 @@ def attach_quantization(model, meta: dict[str, Any], linears: dict[str, LinearQu
 
 
 def stored_grid(meta: dict[str, Any], quant: LinearQuant) -> WeightGrid:
-    """The bound grid a saved linear's weight lies on (``meta`` as :func:`load_quantization` returns it)."""
-    weight_format = meta.get("format", "int")
+    """The bound grid a saved linear's weight lies on (each linear its own precision; ``meta`` as :func:`load_quantization`
+    returns it)."""
+    weight_format = quant.format.weight_format
     if weight_format == "nvfp4":
         return Nvfp4Grid(quant.global_scale)
     if weight_format == "fp8":
         return Fp8Grid(per_channel=quant.weight_scales.dim() == 1)
-    return IntGrid(meta["weight_bits"], meta.get("group_size"))
+    return IntGrid(quant.format.weight_bits, quant.group_size)

@@ -105,14 +105,13 @@ def test_int4_packing_round_trips_every_value():
 def test_rotated_or_damaged_levels_are_refused():
     scales = torch.full((4,), 0.5)
     levels = torch.tensor([[2, -3], [1, 0], [4, 127], [-128, 1]], dtype=torch.int8)
-    meta = {"format": "int", "weight_bits": 8}
-    assert torch.equal(grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels), meta), levels)
+    assert torch.equal(grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels, precision="int8")), levels)
     with pytest.raises(UsageError, match="not 4-bit integers"):
-        grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels), {**meta, "weight_bits": 4})
+        grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels, precision="int4", group_size=2))
     with pytest.raises(UsageError, match="not 8-bit integers"):
-        grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels.float() + 0.5), meta)
+        grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels.float() + 0.5, precision="int8"))
     with pytest.raises(UsageError, match="Hadamard-rotated online.*quantize.hadamard_block=0"):
-        grid_values("model.layers.3.mlp.down_proj", LinearQuant(scales, 0.1, 40.0, rotation=64, levels=levels), meta)
+        grid_values("model.layers.3.mlp.down_proj", LinearQuant(scales, 0.1, 40.0, rotation=64, levels=levels, precision="int8"))
 
 
 def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(tmp_path):

@@ -171,6 +171,10 @@ def _corpus(tmp_path, kind, rows):
         _jsonl(name, rows)
     elif kind == "txt":
         name.write_text("\n".join(r["text"] for r in rows), encoding="utf-8")
+    elif kind == "json":
+        name.write_text(json.dumps(rows), encoding="utf-8")
+    elif kind == "csv":
+        _table(rows).to_csv(str(name), index=False)
     elif kind == "parquet":
         _table(rows).to_parquet(str(name))
     else:
@@ -178,7 +182,7 @@ def _corpus(tmp_path, kind, rows):
     return parse_spec(str(name))
 
 
-@pytest.mark.parametrize("kind", ["jsonl", "parquet", "datasets"])
+@pytest.mark.parametrize("kind", ["jsonl", "json", "csv", "parquet", "datasets"])
 def test_training_data_is_packed_from_a_stream_in_every_format(tmp_path, kind):
     tokenizer = build_tokenizer()
     rows = [{"text": p} for p in PARAGRAPHS]
