@@ -255,8 +255,35 @@ class RtnConfig(_ActivationOptions, QuantizeConfig):
         return PRECISIONS["int8" if self.bits == 8 else "int4"]
 
 
+CandidateFormat = Literal["int8", "int4", "fp8", "nvfp4", "nvfp4_a16"]
+
+
+class AutoConfig(QuantizeConfig):
+    """``method: auto``: a format for each group of linears (q/k/v, o, gate/up, down of each block), chosen for the fastest
+    decode the target's latency model predicts while the accuracy predicted from measured sensitivities stays inside the
+    gate's budgets with a margin; then measured on held-out calibration windows and backed off until it holds (see
+    :mod:`compress.transforms.quantize.mixed`). Each format is quantized by its own method with its defaults."""
+
+    method: Literal["auto"] = "auto"
+    formats: list[CandidateFormat] | None = None  # None: every format the target's deployment runs
+    margin: float = Field(0.5, gt=0.0, le=1.0)  # the share of the gate's perplexity budget a plan may use
+    fisher_windows: PositiveInt = 4  # windows of the Fisher pass (the sensitivity's weights)
+    selection_windows: PositiveInt = 8  # held-out calibration windows each candidate plan is measured on
+    max_rounds: PositiveInt = 5  # plans measured before the search gives up on quantizing anything
+
+    def precision(self) -> Precision:
+        raise ValueError("method auto has no single precision: each linear has its own (see the quantization's plan)")
+
+    def scheme(self) -> tuple[int, bool, int | None]:
+        return 16, True, None  # at most: a plan may quantize some inputs
+
+    def shared_options(self) -> dict[str, Any]:
+        """The calibration options every candidate format's method takes from this config."""
+        return {key: getattr(self, key) for key in ("calib_windows", "calib_window", "min_calib_tokens", "sample_tokens")}
+
+
 METHODS: dict[str, type[QuantizeConfig]] = {cls.model_fields["method"].default: cls
-                                             for cls in (Int8Config, Fp8Config, Int4Config, Nvfp4Config, RtnConfig)}
+                                             for cls in (Int8Config, Fp8Config, Int4Config, Nvfp4Config, RtnConfig, AutoConfig)}
 
 
 def method_class(method: str) -> type[QuantizeConfig]:
@@ -275,7 +302,7 @@ def _method_of(value: Any) -> str:
 # One config class per method; ``method`` (int8 when absent) says which.
 AnyQuantizeConfig = Annotated[
     Annotated[Int8Config, Tag("int8")] | Annotated[Fp8Config, Tag("fp8")] | Annotated[Int4Config, Tag("int4")]
-    | Annotated[Nvfp4Config, Tag("nvfp4")] | Annotated[RtnConfig, Tag("rtn")],
+    | Annotated[Nvfp4Config, Tag("nvfp4")] | Annotated[RtnConfig, Tag("rtn")] | Annotated[AutoConfig, Tag("auto")],
     Discriminator(_method_of),
 ]
 QUANTIZE_CONFIG = TypeAdapter(AnyQuantizeConfig)
@@ -288,6 +315,8 @@ def options_of(method: str) -> set[str]:
 
 def describe_scheme(config: QuantizeConfig) -> str:
     """The number formats of weights, activations and KV cache, in words a report can show."""
+    if config.method == "auto":
+        return "a format per group of linears, chosen against the target (see the plan)"
     bits, acts, group = config.scheme()
     if config.method == "fp8":
         weights = f"FP8 E4M3 weights (one scale per {'output channel' if config.fp8_weight_scale == 'channel' else 'tensor'})"
@@ -308,4 +337,6 @@ def algorithm_name(config: QuantizeConfig) -> str:
         return config.algorithm + ("+global-scale-search" if config.method == "nvfp4" and config.nvfp4_scale_search else "")
     if config.method in ("int8", "fp8"):
         return "smoothquant+" + config.weight_algorithm
+    if config.method == "auto":
+        return "sensitivity search; smoothquant+gptq (8-bit), awq+gptq (4-bit)"
     return "rtn"

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +45,7 @@ from compress.core.errors import UsageError
 from compress.models.families import ActivationPoint, Family, attention_geometry, decoder_blocks, family_of, linear_shapes, part_rows
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.config import QuantizeConfig
+from compress.transforms.quantize.plan import MixedPlan
 from compress.transforms.quantize.saved import LinearQuant, QuantizedCheckpointWriter, QuantResult, attach_activation_quant, grid_levels
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, collect_input_stats, walk_blocks
 
@@ -307,11 +308,14 @@ def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputS
     return quantize_dequantize(weight, grid, clip)
 
 
-def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str) -> dict[str, LinearQuant]:
-    """Quantize one decoder block in place; returns per-linear scales and errors."""
+def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str,
+                   points: Collection[str] | None = None) -> dict[str, LinearQuant]:
+    """Quantize one decoder block in place (``points``: only the linears reading these inputs, by activation point name);
+    returns per-linear scales and errors."""
     activation = config.activation_format()
     family = family_of(model_config)
-    active = [p for p in family.points if not all(config.is_float(name) for name in p.consumers)]
+    active = [p for p in family.points if not all(config.is_float(name) for name in p.consumers)
+              and (points is None or p.name in points)]
     linears = _linears(block, family)
     points = {point.name: linears[point.consumers[0]] for point in active}
     per_window = max(1, config.sample_tokens // max(1, len(inputs.hidden)))
@@ -377,25 +381,30 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
     dequantized = grid.dequantize(levels.float(), expand_scales(weight_scales.float(), weight.shape[1]))
     activation = config.activation_format()
     x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
-    error = sqnr_db(samples @ weight.T, x_q @ dequantized.T)
+    reference, output = samples @ weight.T, x_q @ dequantized.T
+    error = sqnr_db(reference, output)
     if input_scale and config.float_activations_below_db is not None and error < config.float_activations_below_db:
         # Mixed-precision fallback: this linear keeps quantized weights but float inputs.
         input_scale = None
-        error = sqnr_db(samples @ weight.T, samples @ dequantized.T)
+        output = samples @ dequantized.T
+        error = sqnr_db(reference, output)
     with torch.no_grad():
         # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
         linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
     return LinearQuant(weight_scales.cpu(), input_scale, error, migration.ratio, migration.rotation,
                        global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8",
-                       levels=levels.cpu(), precision=config.precision().name, group_size=config.scheme()[2])
+                       levels=levels.cpu(), precision=config.precision().name, group_size=config.scheme()[2],
+                       output_mse=(output - reference).pow(2).mean(0).cpu())
 
 
 class _Quantizer(BlockVisitor):
     """The walker's visitor that quantizes each block in place and records its scales."""
 
-    def __init__(self, model, config: QuantizeConfig, result: QuantResult, writer: QuantizedCheckpointWriter | None = None) -> None:
+    def __init__(self, model, config: QuantizeConfig, result: QuantResult, writer: QuantizedCheckpointWriter | None = None,
+                 plan: MixedPlan | None = None) -> None:
         self.model_config = model.config
         self.config = config
+        self.plan = plan
         self.result = result
         self.writer = writer
         self.prefix = module_prefix(model, decoder_blocks(model))
@@ -405,7 +414,13 @@ class _Quantizer(BlockVisitor):
 
     def visit(self, index: int, block, inputs: BlockInputs) -> None:
         amax = kv_cache.record_amax(block) if self.fp8_cache else None
-        quantized = quantize_block(block, inputs, self.config, self.model_config, f"{self.prefix}.{index}")
+        prefix = f"{self.prefix}.{index}"
+        if self.plan is None:
+            quantized = quantize_block(block, inputs, self.config, self.model_config, prefix)
+        else:  # each format's points in turn, each with its own method: later points see the earlier ones quantized
+            quantized = {}
+            for name, points in self.plan.block(index).items():
+                quantized.update(quantize_block(block, inputs, self.plan.configs[name], self.model_config, prefix, points=points))
         if amax is not None:
             kv_cache.stop_recording(block)
             self.result.kv_scales[index] = (kv_cache.kv_scale(amax[0]), kv_cache.kv_scale(amax[1]))
@@ -417,7 +432,7 @@ class _Quantizer(BlockVisitor):
 
     def propagation_hooks(self, index: int, block) -> list:
         # The next block sees this one's outputs as the deployed graph computes them: inputs quantized.
-        return attach_activation_quant(block, self.block_linears) if self.config.scheme()[1] else []
+        return attach_activation_quant(block, self.block_linears)
 
     def after(self, index: int, block, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
         if self.writer is not None:
@@ -426,21 +441,23 @@ class _Quantizer(BlockVisitor):
 
 def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
                    device: torch.device | str | None = None, blocks: HeldBlocks | StreamedBlocks | None = None,
-                   writer: QuantizedCheckpointWriter | None = None) -> QuantResult:
+                   writer: QuantizedCheckpointWriter | None = None, plan: MixedPlan | None = None) -> QuantResult:
     """Quantize every decoder block of ``model`` in place, block by block through the shared walker (``blocks``: where
-    they come from; ``writer``: where each goes once quantized, its levels then let go).
+    they come from; ``writer``: where each goes once quantized, its levels then let go; ``plan``: each point's own format,
+    ``config`` then giving only the calibration and KV-cache options).
 
     With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
     are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
     """
-    check_group_size(config, linear_shapes(model.config.to_dict()))
+    if plan is None:
+        check_group_size(config, linear_shapes(model.config.to_dict()))
     started = time.perf_counter()
-    result = QuantResult(config, calibration_tokens=int(windows.numel()))
+    result = QuantResult(config, calibration_tokens=int(windows.numel()), plan=plan)
     fp8_cache = config.kv_cache == "fp8"
     if fp8_cache:
         kv_cache.route_attention(model)
     try:
-        walk_blocks(model, windows, [_Quantizer(model, config, result, writer)], device=device, progress=progress,
+        walk_blocks(model, windows, [_Quantizer(model, config, result, writer, plan)], device=device, progress=progress,
                     desc=f"quantize {config.method}", blocks=blocks)
     finally:
         if fp8_cache:
@@ -450,7 +467,8 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
 
 
 def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
-                    device: torch.device | str | None = None, trust_remote_code: bool = False) -> QuantResult:
+                    device: torch.device | str | None = None, trust_remote_code: bool = False,
+                    plan: MixedPlan | None = None) -> QuantResult:
     """Quantize the Hugging Face checkpoint ``source`` into the quantized checkpoint ``out`` (its tensors and config; the
     caller adds the tokenizer), one decoder block in memory at a time.
 
@@ -459,12 +477,14 @@ def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: Quan
     checkpoint's own dtype and released. The tensors outside the blocks are copied as stored.
     """
     model = empty_causal_lm(source, trust_remote_code)
-    check_group_size(config, linear_shapes(model.config.to_dict()))
+    if plan is None:
+        check_group_size(config, linear_shapes(model.config.to_dict()))
     reader = CheckpointReader(source)
     embeddings = model.get_input_embeddings()
     materialize(embeddings, module_prefix(model, embeddings), reader)
     writer = QuantizedCheckpointWriter(out, len(decoder_blocks(model)), embeddings.weight.dtype)
-    result = quantize_model(model, windows, config, progress, device, blocks=StreamedBlocks(model, reader), writer=writer)
+    result = quantize_model(model, windows, config, progress, device, blocks=StreamedBlocks(model, reader), writer=writer,
+                            plan=plan)
     in_blocks = module_prefix(model, decoder_blocks(model)) + "."
     writer.finish(reader.read(name for name in reader.names() if not name.startswith(in_blocks)), result)
     model.config.save_pretrained(out)

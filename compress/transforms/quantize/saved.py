@@ -59,6 +59,7 @@ LEVEL_DTYPES = {"int": torch.int8, "fp8": torch.float8_e4m3fn, "nvfp4": torch.fl
 ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-per-tensor",
                            "nvfp4": "nvfp4-dynamic-block16-static-global"}
 OUTLIER_MARGIN_DB = 10.0
+MIXED = "mixed"  # the precision of a quantization whose linears each have their own
 
 
 @dataclass
@@ -75,6 +76,7 @@ class LinearQuant:
     levels: torch.Tensor | None = None  # the weight's grid values (in the input's basis), as LEVEL_DTYPES stores them
     precision: str = "int8"  # how this linear ships (a name of PRECISIONS): in a mixed-precision model, each its own
     group_size: int | None = None  # inputs per weight scale (INT4, NVFP4); None: per output channel or per tensor
+    output_mse: torch.Tensor | None = None  # per output channel, on the calibration samples (what a sensitivity reads)
 
     @property
     def format(self) -> Precision:
@@ -91,6 +93,7 @@ class QuantResult:
     calibration_tokens: int = 0
     seconds: float = 0.0
     kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)  # per layer (k_scale, v_scale) of an FP8 KV cache
+    plan: Any = None  # a MixedPlan: each point's own format (its linears say theirs)
 
     def layer_errors(self) -> list[dict[str, Any]]:
         return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
@@ -101,10 +104,8 @@ class QuantResult:
         return [name for name, q in self.linears.items() if q.rotation]
 
     def float_input_linears(self) -> list[str]:
-        """Linears of a W8A8 result that keep float inputs (by ``float_activations`` or the SQNR fallback)."""
-        if not self.config.scheme()[1]:
-            return []
-        return [name for name, q in self.linears.items() if q.input_scale is None]
+        """Linears of a format that quantizes activations that keep float inputs (``float_activations``, the SQNR fallback)."""
+        return [name for name, q in self.linears.items() if q.input_scale is None and q.format.activations]
 
     def outliers(self) -> list[dict[str, Any]]:
         """Linears whose SQNR is more than 10 dB below the median."""
@@ -190,16 +191,18 @@ def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _quantization_json(result: QuantResult) -> dict[str, Any]:
-    bits, _, group = result.config.scheme()
-    activation = result.config.activation_format()
+    if result.plan is not None:
+        uniform = {"precision": MIXED, "format": MIXED, "weight_bits": None, "group_size": None, "activations": "per linear",
+                   "plan": result.plan.to_json()}
+    else:
+        bits, _, group = result.config.scheme()
+        activation = result.config.activation_format()
+        uniform = {"precision": result.config.precision().name, "format": result.config.weight_format(), "weight_bits": bits,
+                   "group_size": group, "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float"}
     return {
         "method": result.config.method,
-        "precision": result.config.precision().name,
         "config": result.config.model_dump(mode="json"),
-        "format": result.config.weight_format(),
-        "weight_bits": bits,
-        "group_size": group,
-        "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float",
+        **uniform,
         "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}} if result.kv_scales else None,
         "linears": {name: {"input_scale": q.input_scale, "input_format": q.input_format, "sqnr_db": q.sqnr_db,
                            "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale,

@@ -1,0 +1,198 @@
+"""Mixed precision: a format for each group of linears, chosen by measured sensitivity against a latency cost.
+
+The unit of choice is an activation point of a block (:class:`~compress.models.families.ActivationPoint`):
+the linears reading one input share its format, so q/k/v share one, gate/up share one, o_proj and
+down_proj have their own. That is also what a deployment needs: Edge-LLM fuses q/k/v and gate/up
+into one GEMM behind one activation quantizer, and Model Optimizer's export wants one format per
+fused group.
+
+* :class:`MixedPlan` says which format each point of each block ships in ("fp16" or a precision
+  name); :func:`compress.transforms.quantize.decoder.quantize_model` quantizes a block point by
+  point under it, each format with its own method (SmoothQuant + GPTQ for INT8 and FP8, AWQ + GPTQ
+  for INT4 and NVFP4).
+* :func:`output_fisher` measures how much each linear's output matters to the model's prediction:
+  the diagonal Fisher information of the next-token distribution per output channel, from one
+  backward pass over calibration windows with labels sampled from the model itself.
+* :func:`sensitivity` quantizes every block once per candidate format (on a copy, fed float inputs)
+  and turns each linear's output error into the KL divergence it adds, ``0.5 * sum_c F_c * mse_c``
+  per token, summed over the point's linears.
+* :func:`solve` picks the assignment of least cost (predicted decode milliseconds, which the
+  caller supplies) whose predicted KL stays within a budget: a multiple-choice knapsack, solved
+  exactly by dynamic programming over the budget in small steps (each KL rounded up, so the plan
+  is within budget in the true figures too).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compress.models.compute import computed_in_float32
+from compress.models.families import decoder_blocks, family_of
+from compress.models.weights import module_prefix
+from compress.transforms.quantize.config import QUANTIZE_CONFIG, QuantizeConfig
+from compress.transforms.quantize.decoder import quantize_block
+from compress.transforms.quantize.plan import FLOAT, MixedPlan
+from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, walk_blocks
+
+__all__ = ["FLOAT", "MixedPlan", "Choice", "SensitivityTable", "candidate_configs", "output_fisher", "sensitivity", "solve"]
+# Each candidate format's method and options (the shared calibration options are added by the caller).
+CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
+    "int8": {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0},
+    "int4": {"method": "int4", "group_size": 128, "algorithm": "awq+gptq"},
+    "fp8": {"method": "fp8", "alpha": "auto", "weight_algorithm": "gptq", "fp8_weight_scale": "tensor"},
+    "nvfp4": {"method": "nvfp4", "activations": "nvfp4"},
+    "nvfp4_a16": {"method": "nvfp4", "activations": "float"},
+}
+
+
+def candidate_configs(formats: Iterable[str], shared: dict[str, Any]) -> dict[str, QuantizeConfig]:
+    """The quantize config of each candidate format, with the ``shared`` calibration options."""
+    return {name: QUANTIZE_CONFIG.validate_python({**CANDIDATE_METHODS[name], **shared}) for name in formats}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """One way a point of a block may ship: its format, the KL it is predicted to add per token, and what it costs."""
+
+    format: str
+    kl: float
+    cost: float
+
+
+@dataclass
+class SensitivityTable:
+    """Per block and point, the predicted KL each candidate format adds (``FLOAT`` adds none)."""
+
+    kl: dict[tuple[int, str], dict[str, float]] = field(default_factory=dict)
+
+    def add(self, index: int, point: str, name: str, value: float) -> None:
+        self.kl.setdefault((index, point), {FLOAT: 0.0})[name] = value
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [{"block": index, "point": point, "kl": {name: round(value, 8) for name, value in values.items()}}
+                for (index, point), values in sorted(self.kl.items())]
+
+
+def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt: dict | None = None,
+                  seed: int = 0) -> dict[str, torch.Tensor]:
+    """The diagonal Fisher information of each named linear's output channels, per token.
+
+    One forward and backward pass per window of ``model`` (held in its own dtype, computed in float32
+    part by part), the loss being the log-likelihood of next tokens sampled from the model's own
+    distribution, so its squared gradient is an unbiased estimate of the Fisher information.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    sums = {name: None for name in linears}
+    tokens = 0
+    captured: dict[str, torch.Tensor] = {}
+    handles = []
+
+    def keep(name: str) -> Callable:
+        def hook(_module, _args, output):
+            output.retain_grad()
+            captured[name] = output
+        return hook
+
+    for name in linears:
+        handles.append(model.get_submodule(name).register_forward_hook(keep(name)))
+    try:
+        with computed_in_float32(model, rebuilt), torch.enable_grad():
+            for row in windows:
+                logits = model(row[None], use_cache=False).logits.float()[0, :-1]
+                log_probs = torch.log_softmax(logits, dim=-1)
+                labels = torch.multinomial(log_probs.detach().exp(), 1, generator=generator)[:, 0]
+                log_probs.gather(1, labels[:, None]).sum().backward()
+                for name in linears:
+                    squared = captured[name].grad[0].pow(2).sum(0).detach()
+                    sums[name] = squared if sums[name] is None else sums[name] + squared
+                tokens += logits.shape[0]
+                captured.clear()
+                model.zero_grad(set_to_none=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: total / tokens for name, total in sums.items()}
+
+
+class _Sensitivity(BlockVisitor):
+    """Quantizes a copy of each block once per candidate format and records the KL each point would add."""
+
+    def __init__(self, model, candidates: dict[str, QuantizeConfig], allowed: Callable[[int, str, str], bool],
+                 fisher: dict[str, torch.Tensor], table: SensitivityTable) -> None:
+        self.model_config = model.config
+        self.family = family_of(model.config)
+        self.prefix = module_prefix(model, decoder_blocks(model))
+        self.candidates = candidates
+        self.allowed = allowed
+        self.fisher = fisher
+        self.table = table
+
+    def visit(self, index: int, block, inputs: BlockInputs) -> None:
+        for name, config in self.candidates.items():
+            points = [p.name for p in self.family.points if self.allowed(index, p.name, name)]
+            if not points:
+                continue
+            trial = copy.deepcopy(block)
+            quantized = quantize_block(trial, inputs, config, self.model_config, f"{self.prefix}.{index}", points=points)
+            del trial
+            for point in points:
+                kl = 0.0
+                for linear in self.family.point(point).consumers:
+                    full = f"{self.prefix}.{index}.{linear}"
+                    quant = quantized.get(full)
+                    if quant is not None and quant.output_mse is not None:
+                        kl += 0.5 * float((self.fisher[full].to(quant.output_mse.device) * quant.output_mse).sum())
+                self.table.add(index, point, name, kl)
+
+
+def sensitivity(model, windows: torch.Tensor, candidates: dict[str, QuantizeConfig], allowed: Callable[[int, str, str], bool],
+                fisher: dict[str, torch.Tensor], device: torch.device | str | None = None, progress: bool = False,
+                blocks: HeldBlocks | StreamedBlocks | None = None) -> SensitivityTable:
+    """The predicted KL of every (block, point, candidate format) that ``allowed`` admits (see the module docstring)."""
+    table = SensitivityTable()
+    for index, _ in enumerate(decoder_blocks(model)):
+        for point in family_of(model.config).points:
+            table.kl.setdefault((index, point.name), {FLOAT: 0.0})
+    walk_blocks(model, windows, [_Sensitivity(model, candidates, allowed, fisher, table)], device=device, progress=progress,
+                desc="sensitivity", blocks=blocks)
+    return table
+
+
+KL_STEPS = 2000  # the budget's resolution in the knapsack
+
+
+def solve(choices: dict[tuple[int, str], list[Choice]], budget: float) -> dict[tuple[int, str], Choice]:
+    """The choice per group of least total cost whose summed KL stays within ``budget`` (exact over the KL rounded up to
+    ``budget / KL_STEPS``); every group must offer a choice of zero KL (its float format), so a solution exists."""
+    if budget <= 0:
+        return {group: min((c for c in options if c.kl == 0), key=lambda c: c.cost) for group, options in choices.items()}
+    unit = budget / KL_STEPS
+    groups = list(choices)
+    # best[w] = (least cost with total weight exactly <= w so far); keep back-pointers per group.
+    best = [0.0] * (KL_STEPS + 1)
+    picks: list[list[int]] = []
+    for group in groups:
+        options = choices[group]
+        weights = [math.ceil(c.kl / unit - 1e-9) if c.kl > 0 else 0 for c in options]
+        new = [math.inf] * (KL_STEPS + 1)
+        pick = [-1] * (KL_STEPS + 1)
+        for w in range(KL_STEPS + 1):
+            for k, (option, weight) in enumerate(zip(options, weights, strict=True)):
+                if weight <= w and best[w - weight] + option.cost < new[w]:
+                    new[w] = best[w - weight] + option.cost
+                    pick[w] = k
+        best = new
+        picks.append(pick)
+    chosen: dict[tuple[int, str], Choice] = {}
+    w = min(range(KL_STEPS + 1), key=lambda i: (best[i], i))
+    for group, pick in zip(reversed(groups), reversed(picks), strict=True):
+        option = choices[group][pick[w]]
+        chosen[group] = option
+        w -= math.ceil(option.kl / unit - 1e-9) if option.kl > 0 else 0
+    return {group: chosen[group] for group in groups}

@@ -1,0 +1,111 @@
+"""Mixed precision: a format per group of linears, their sensitivities, and the exact choice under a budget."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+import torch
+
+from compress.eval.layerwise import window_logits
+from compress.models.compute import computed_in_float32
+from compress.models.families import family_of
+from compress.models.loading import load_causal_lm
+from compress.transforms.quantize.config import QUANTIZE_CONFIG
+from compress.transforms.quantize.decoder import quantize_folder
+from compress.transforms.quantize.mixed import (
+    FLOAT,
+    Choice,
+    MixedPlan,
+    candidate_configs,
+    output_fisher,
+    sensitivity,
+    solve,
+)
+from compress.transforms.quantize.saved import MIXED, attach_quantization, held_quantized_causal_lm, load_quantization
+from tests.conftest import build_tiny_llama
+
+SHARED = {"calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1, "sample_tokens": 64}
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    """Every linear input a multiple of 128, so INT4 in groups of 128 is a candidate everywhere."""
+    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256)
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(2))
+
+
+def test_a_plan_quantizes_each_group_in_its_own_format_and_validation_computes_it(wide, windows, tmp_path):
+    configs = candidate_configs(["int8", "int4"], SHARED)
+    plan = MixedPlan({0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
+                      1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}}, configs)
+    config = QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED})
+    quantize_folder(wide, tmp_path / "q", windows, config, progress=False, plan=plan)
+    meta, linears = load_quantization(tmp_path / "q")
+    assert meta["precision"] == MIXED and meta["plan"] == plan.to_json()
+    family = family_of(load_causal_lm(wide).config)
+    expected = {}
+    for index, points in plan.formats.items():
+        for point, name in points.items():
+            for linear in family.point(point).consumers:
+                if name != FLOAT:
+                    expected[f"model.layers.{index}.{linear}"] = name
+    assert {name: q.precision for name, q in linears.items()} == expected
+    assert all(q.group_size == 128 for q in linears.values() if q.precision == "int4")
+    assert all(q.input_scale is not None for q in linears.values() if q.precision == "int8")  # W8A8: inputs quantized
+    assert all(q.input_scale is None for q in linears.values() if q.precision == "int4")  # weight-only
+    model, rebuilt = held_quantized_causal_lm(tmp_path / "q")
+    attach_quantization(model, *load_quantization(tmp_path / "q"))
+    with computed_in_float32(model, rebuilt), torch.no_grad():
+        reference = [model(row[None]).logits[0] for row in windows]
+    measured = window_logits(tmp_path / "q", windows)
+    for index, logits in enumerate(reference):
+        torch.testing.assert_close(torch.from_numpy(measured.logits(index)), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows):
+    model = load_causal_lm(wide)
+    family = family_of(model.config)
+    linears = [f"model.layers.{i}.{name}" for i in range(2) for name in family.linears()]
+    fisher = output_fisher(model, windows[:2], linears)
+    assert set(fisher) == set(linears) and all(f.shape == (model.get_submodule(n).out_features,) for n, f in fisher.items())
+    assert all(float(f.sum()) > 0 for f in fisher.values())
+    configs = candidate_configs(["int8", "int4"], SHARED)
+    table = sensitivity(model, windows, configs, lambda index, point, name: not (name == "int4" and point == "attn_out"), fisher)
+    assert set(table.kl) == {(i, p.name) for i in range(2) for p in family.points}
+    for (_, point), values in table.kl.items():
+        assert values[FLOAT] == 0.0 and values["int8"] > 0
+        assert ("int4" in values) == (point != "attn_out")  # a format the caller does not allow is not measured
+    assert sum(v["int4"] for v in table.kl.values() if "int4" in v) > sum(v["int8"] for v in table.kl.values())  # 4 bits cost more
+    for parameter in model.parameters():  # the model itself is left float: every trial ran on a copy
+        assert parameter.dtype == torch.float32
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, load_causal_lm(wide).model.layers[0].mlp.down_proj.weight)
+
+
+def test_the_solver_finds_the_exact_optimum_of_a_small_table():
+    """Against every assignment of a synthetic table (KL in thousandths, so the budget's steps hold them exactly)."""
+    rng = random.Random(7)
+    choices = {}
+    for group in range(6):
+        options = [Choice(FLOAT, 0.0, 10.0)]
+        options += [Choice(name, rng.randint(1, 20) / 1000, rng.uniform(2.0, 9.0)) for name in ("int8", "int4")]
+        choices[(group, "p")] = options
+    for budget in (0.0, 0.01, 0.02, 0.04, 0.1):
+        chosen = solve(choices, budget)
+        assert sum(c.kl for c in chosen.values()) <= budget + 1e-12
+        best = min(sum(c.cost for c in combo) for combo in itertools.product(*choices.values())
+                   if sum(c.kl for c in combo) <= budget + 1e-12)
+        assert sum(c.cost for c in chosen.values()) == pytest.approx(best, abs=1e-9), budget
+
+
+def test_a_budget_of_zero_keeps_everything_float_and_a_large_one_takes_the_cheapest():
+    choices = {(0, "a"): [Choice(FLOAT, 0.0, 4.0), Choice("int8", 0.01, 2.0), Choice("int4", 0.05, 1.0)],
+               (1, "a"): [Choice(FLOAT, 0.0, 4.0), Choice("int8", 0.02, 2.0)]}
+    assert {c.format for c in solve(choices, 0.0).values()} == {FLOAT}
+    assert [c.format for c in solve(choices, 1.0).values()] == ["int4", "int8"]
+    assert {g: c.format for g, c in solve(choices, 0.031).items()} == {(0, "a"): "int8", (1, "a"): "int8"}
