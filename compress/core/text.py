@@ -275,9 +275,7 @@ def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n
         usable = ids.numel() // body
         if usable == 0:
             continue
-        stride = max(1, usable // per_source)
-        picks = list(range(0, usable, stride))[:per_source]
-        chunks.extend(ids[p * body:(p + 1) * body] for p in picks)
+        chunks.extend(ids[p * body:(p + 1) * body] for p in _calibration_picks(usable, per_source))
     windows = _windowed(prefix, torch.stack(chunks[:n_windows])) if chunks else torch.empty(0, window, dtype=torch.long)
     have = windows.numel()
     if windows.shape[0] < n_windows or have < min_tokens:
@@ -286,6 +284,32 @@ def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n
             f"need {max(min_tokens, n_windows * window)} tokens"
         )
     return windows
+
+
+def _calibration_picks(usable: int, per_source: int) -> list[int]:
+    """Which of a source's ``usable`` whole windows calibration reads: ``per_source`` of them, evenly spaced."""
+    stride = max(1, usable // per_source)
+    return list(range(0, usable, stride))[:per_source]
+
+
+def held_out_windows(tokenizer, sources: Sequence[TextSource], window: int, calibration_count: int, per_domain: int
+                     ) -> list[tuple[str, torch.Tensor]]:
+    """Windows of the calibration sources that calibration (``calibration_count`` windows) does not read, by domain: the
+    window after each one it reads, up to ``per_domain`` per domain. What a search over quantization choices may
+    measure itself on without touching the evaluation text."""
+    sources = usable_sources(tokenizer, sources)
+    prefix = window_prefix(tokenizer)
+    body = window - len(prefix)
+    per_source = max(1, -(-calibration_count // len(sources)))
+    by_domain: dict[str, list[torch.Tensor]] = {}
+    for source in sources:
+        ids = source_ids(tokenizer, source)
+        usable = ids.numel() // body
+        read = set(_calibration_picks(usable, per_source))
+        free = [p + 1 for p in sorted(read) if p + 1 < usable and p + 1 not in read]
+        kept = by_domain.setdefault(source.domain, [])
+        kept.extend(ids[p * body:(p + 1) * body] for p in free[:max(0, per_domain - len(kept))])
+    return [(domain, _windowed(prefix, torch.stack(rows))) for domain, rows in by_domain.items() if rows]
 
 
 def usable_sources(tokenizer, sources: Sequence[TextSource]) -> list[TextSource]:

@@ -41,7 +41,14 @@ from compress.eval.fidelity import compare_window_pairs, worst_domain
 from compress.eval.gate import Check, lower_bound_check, require_measured, upper_bound_check
 from compress.eval.latency import measure_decoder_latency
 from compress.eval.layerwise import WindowLogits, window_logits
-from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, predict, predict_all_modes
+from compress.eval.perf_model import (
+    KV_CACHE_ELEMENT_BYTES,
+    ModelShape,
+    lowest_power_mode_meeting_budget,
+    predict,
+    predict_all_modes,
+    predict_mixed,
+)
 from compress.eval.perplexity import window_nll
 from compress.eval.prompts import (
     PROMPT_BATCH,
@@ -330,9 +337,13 @@ def target_predictions(model: dict[str, Any] | Path, precision: str, target: Tar
     meta = meta or {}
     quantization = meta.get("quantization") or {}
     shape = replace(ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.get("kv_cache", "fp16")])
-    options = {"float_fraction": meta.get("float_linear_fraction", 0.0), "group_size": quantization.get("group_size") or 128}
-    all_modes = predict_all_modes(target, shape, precision, **options)
-    chosen = predict(target, shape, precision, power_mode, **options).to_json()
+    if quantization.get("mix"):  # a mixed-precision plan: each precision's share of the linears
+        all_modes = [predict_mixed(target, shape, quantization["mix"], mode.name) for mode in target.power_modes]
+        chosen = predict_mixed(target, shape, quantization["mix"], power_mode).to_json()
+    else:
+        options = {"float_fraction": meta.get("float_linear_fraction", 0.0), "group_size": quantization.get("group_size") or 128}
+        all_modes = predict_all_modes(target, shape, precision, **options)
+        chosen = predict(target, shape, precision, power_mode, **options).to_json()
     lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)
     return {"target": target.name, "modes": [p.to_json() for p in all_modes], "chosen": chosen,
             "lowest_power_mode_meeting_latency_budget": lowest.power_mode if lowest else None,

@@ -443,6 +443,54 @@ def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | 
     )
 
 
+MIXED = "mixed"
+
+
+def linear_ms_per_param(target: Target, mode_name: str | None, precision: str, group_size: int = 128) -> float:
+    """Decode milliseconds one decoder-linear parameter at ``precision`` costs per token (its bytes, scales included, at
+    the mode's bandwidth and the precision's fitted efficiency; NVFP4 weight-only also writes and reads back its FP16
+    copy): what a mixed-precision search weighs each group of linears by."""
+    mode = target.power_mode(mode_name)
+    bits = 16 if precision == "fp16" else device_bits(precision)
+    scales = {"int4": 2 / group_size, "nvfp4": 1 / NVFP4_BLOCK, "nvfp4_a16": 1 / NVFP4_BLOCK}.get(precision, 0.0)
+    copy = 4.0 if precision == "nvfp4_a16" else 0.0
+    per_param = bits / 8 + scales + copy
+    return per_param / (mode_bandwidth_gbps(target, mode) * 1e9 * decode_fit_for(target, precision).efficiency) * 1000
+
+
+def _mix_precisions(mix: dict[str, float]) -> list[tuple[str, float]]:
+    return [(precision, fraction) for precision, fraction in sorted(mix.items()) if fraction > 0]
+
+
+def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode_name: str | None = None,
+                  prompt_len: int | None = None, context: int | None = None, group_size: int = 128) -> Prediction:
+    """:func:`predict` for decoder linears in several precisions: ``mix`` maps each precision (``fp16`` included) to the
+    share of the decoder-linear parameters it holds. Each share's bytes move at its precision's fitted efficiency; the
+    fixed per-layer cost and the KV cache's reads are those of the precision holding most parameters; prefill runs each
+    share's FLOPs at its precision's tensor-core rate."""
+    mode = target.power_mode(mode_name)
+    prompt_len = prompt_len or target.budgets.prompt_length
+    context = context or target.budgets.context_length
+    parts = _mix_precisions(mix)
+    dominant = max(parts, key=lambda part: part[1])[0]
+    fit = decode_fit_for(target, dominant)
+    bandwidth = mode_bandwidth_gbps(target, mode) * 1e9
+    linears = sum(linear_ms_per_param(target, mode.name, p, group_size) * fraction * shape.decoder_linear_params()
+                  for p, fraction in parts)
+    head = shape.lm_head_params() * 2 / (bandwidth * fit.efficiency) * 1000
+    kv = shape.kv_bytes_read(context) / (bandwidth * fit.efficiency) * 1000
+    latency_ms = linears + head + kv + _layer_units(target, mode, shape) * fit.per_layer_ms
+    ttft_ms = sum(fraction * prefill_ms(target, mode, shape, p, prompt_len) for p, fraction in parts)
+    stored = (shape.vocab_size * shape.hidden_size * 2 + (0 if shape.tie_word_embeddings else shape.lm_head_params() * 2)
+              + sum(fraction * _linear_bytes(shape, p, group_size) for p, fraction in parts))
+    return Prediction(
+        power_mode=mode.name, watts=mode.watts, precision=MIXED, decode_tokens_per_s=1000.0 / latency_ms,
+        decode_latency_ms=latency_ms, ttft_ms=ttft_ms + latency_ms,
+        memory_gb=(stored + shape.kv_bytes_read(context)) / 1e9 + RUNTIME_OVERHEAD_GB, joules_per_token=mode.watts * latency_ms / 1000,
+        bandwidth_gbps=mode_bandwidth_gbps(target, mode), efficiency=fit.efficiency, per_layer_ms=fit.per_layer_ms,
+    )
+
+
 def predict_all_modes(target: Target, shape: ModelShape, precision: str, **kwargs: Any) -> list[Prediction]:
     """One prediction per power mode, in the order the target lists them."""
     return [predict(target, shape, precision, mode.name, **kwargs) for mode in target.power_modes]

@@ -7,7 +7,9 @@ its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the spe
   ``W8A8_SQ_PER_CHANNEL``, ``W4A16_AWQ`` (with its ``group_size``), ``FP8``, ``NVFP4`` (W4A4) or
   ``W4A16_NVFP4`` (weight-only; ``group_size`` 16); ``lm_head`` and any decoder linear the quantize
   stage left float (``quantize.float_linears``) stay FP16 and are listed in ``exclude_modules``
-  (Edge-LLM also treats a linear with no ``weight_scale`` as FP16).
+  (Edge-LLM also treats a linear with no ``weight_scale`` as FP16). A mixed-precision plan
+  (``quantize.method=auto``) is ``MIXED_PRECISION`` with ``quantized_layers``: each quantized
+  linear by name with its own ``quant_algo`` (and ``group_size`` for INT4); a linear not listed is FP16.
 * W8A8 linear: ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out]``, ``input_scale``
   float32 ``[]`` (the QuantizeLinear scale, amax / 127), ``pre_quant_scale`` float16 ``[in]``.
 * W4A16 linear: ``weight`` uint8 ``[out / 2, in]``, two's-complement nibbles (even output rows in
@@ -43,10 +45,11 @@ from compress.core.errors import UsageError
 from compress.core.versions import __version__
 from compress.models.families import family_of, is_decoder_linear
 from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
-from compress.transforms.quantize.saved import LinearQuant, kv_cache_scales, level_values, load_quantization, quantization_meta
+from compress.transforms.quantize.saved import MIXED, LinearQuant, kv_cache_scales, level_values, load_quantization, quantization_meta
 
 NVFP4_WEIGHT_ONLY = PRECISIONS["nvfp4_a16"].quant_algo
 HF_QUANT_CONFIG = "hf_quant_config.json"
+MIXED_PRECISION = "MIXED_PRECISION"  # a plan's checkpoint: quantized_layers names each linear's own quant_algo
 _COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 
 
@@ -133,9 +136,11 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     meta = quantization_meta(quantized_dir)
     if meta is None:
         raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
+    mixed = meta["precision"] == MIXED
     bits, group, weight_format = meta["weight_bits"], meta.get("group_size"), meta.get("format", "int")
     if bits == 8 and meta.get("activations") == "float":
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
+    quantized_layers: dict[str, dict[str, Any]] = {}
     config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
     family = family_of(config)
     source = CheckpointReader(quantized_dir)
@@ -153,6 +158,9 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                              "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
         tensors: dict[str, torch.Tensor] = {}
         for name, quant in linears.items():
+            quantized_layers[name] = {"quant_algo": quant.format.quant_algo,
+                                      **({"group_size": quant.group_size} if quant.format.weight_format == "int" and quant.group_size
+                                         else {})}
             written = _linear_tensors(name, quant)
             totals["quantized"] += sum(t.numel() * t.element_size() for t in written.values())
             totals["fp16"] += quant.levels.numel() * 2
@@ -178,7 +186,9 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     quant_algo = quant_algorithm(meta)
     quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
                    "exclude_modules": ["lm_head", *sorted(float_linears)]}
-    if bits == 4:
+    if mixed:  # each quantized linear with its own algorithm; any linear not listed is FP16
+        quant_block["quantized_layers"] = quantized_layers
+    elif bits == 4:
         quant_block["group_size"] = group
     (out / HF_QUANT_CONFIG).write_text(json.dumps(
         {"producer": {"name": "compress", "version": __version__}, "quantization": quant_block}, indent=2) + "\n")
@@ -193,6 +203,7 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                              len(float_linears))
 
 
+
 def quant_algorithm(meta: dict[str, Any]) -> str:
-    """The unified checkpoint's ``quant_algo`` for a saved quantization's metadata."""
-    return PRECISIONS[meta["precision"]].quant_algo
+    """The unified checkpoint's ``quant_algo`` for a saved quantization's metadata (``MIXED_PRECISION`` for a plan)."""
+    return MIXED_PRECISION if meta["precision"] == MIXED else PRECISIONS[meta["precision"]].quant_algo

@@ -74,6 +74,9 @@ RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
                                                                        "compress deploys uniform stacks only"),
     KernelRule("model-type", f"decoder families {', '.join(SUPPORTED_MODEL_TYPES)}",
                f"{EXPORTER} models/default/modeling_default.py, and compress's tests of each through the exporter"),
+    KernelRule("mixed-precision", "a MIXED_PRECISION checkpoint lists each quantized linear with its quant_algo (and group_size); "
+               "W4A16_NVFP4 there is read as NVFP4 W4A4 except on Nemotron-H",
+               f"{EXPORTER} config.py _parse_mixed_precision and _algo_to_quant_type"),
     KernelRule("lm-head", f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); compress keeps it FP16",
                f"{EXPORTER} scripts/quantize.py --lm_head_quantization"),
 )}
@@ -120,8 +123,15 @@ def check_no_online_rotation(quantize) -> None:
                          f"{RULES['online-rotation']}; set quantize.hadamard_block=0 (SmoothQuant only)")
 
 
+# The formats a mixed-precision plan may give a group of linears in a bundle (W4A16_NVFP4 is read as W4A4 there).
+MIXED_FORMATS = ("int8", "int4", "fp8", "nvfp4")
+
+
 def check_quantization(quantize, model_config: dict[str, Any]) -> None:
     """Refuse a quantize configuration whose checkpoint the pinned Edge-LLM cannot read or its kernels cannot run."""
+    if quantize.method == "auto":
+        check_mixed_formats(quantize.formats or [])
+        return
     precision = quantize.precision()
     if getattr(quantize, "fp8_weight_scale", "tensor") == "channel":
         raise UsageError(f"export_edgellm: quantize.fp8_weight_scale=channel, and Edge-LLM takes {RULES['fp8-weight-scale']}; set "
@@ -148,6 +158,23 @@ def check_int4_shapes(quantize, model_config: dict[str, Any]) -> None:
                          f"in groups of {INT4_GROUP_SIZE}; keep those linears FP16 with "
                          f"quantize.float_linears=[{','.join(sorted({*quantize.float_linears, *illegal}))}] or end the recipe at "
                          "export_onnx")
+
+
+def check_mixed_formats(formats: list[str]) -> None:
+    """Refuse a candidate format a MIXED_PRECISION checkpoint would be misread in."""
+    wrong = [name for name in formats if name not in MIXED_FORMATS]
+    if wrong:
+        raise UsageError(f"export_edgellm: quantize.formats has {', '.join(wrong)}, and Edge-LLM {EDGELLM_VERSION} takes "
+                         f"{RULES['mixed-precision']}; choose among {', '.join(MIXED_FORMATS)}")
+
+
+def mixed_format_fits(name: str, shapes: list[tuple[int, int]]) -> bool:
+    """Whether a group of linears of these (out, in) shapes may ship in format ``name`` in a bundle."""
+    if name == "int4":
+        return all(int4_shape_ok(*shape) for shape in shapes)
+    if name in ("nvfp4", "nvfp4_a16"):
+        return all(k % 16 == 0 for _, k in shapes)
+    return True
 
 
 def int4_shape_ok(out_features: int, in_features: int) -> bool:

@@ -105,7 +105,9 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
 def check_plan(config: BuildEngineConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
     """Refuse, before any work, a generic TensorRT build of a graph the target's ONNX parser cannot read."""
     quantize = earlier.get("quantize")
-    if quantize is not None and quantize.precision().weight_format == "nvfp4" and "export_edgellm" not in earlier:
+    nvfp4 = quantize is not None and (quantize.method == "auto" and "nvfp4" in (quantize.formats or [])
+                                      or quantize.method != "auto" and quantize.precision().weight_format == "nvfp4")
+    if nvfp4 and "export_edgellm" not in earlier:
         check_parses_fp4(target)
 
 

@@ -13,12 +13,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from compress.algorithms.formats import PRECISIONS
 from compress.backends.edgellm import contracts
 from compress.backends.edgellm.bundle import export_bundle
 from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL, ONNX, Artifact
 from compress.core.config import StrictModel, Target
 from compress.core.errors import UsageError
+from compress.pipeline.auto_precision import candidate_formats
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,11 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
         return
     contracts.check_model_type(model_config)
     contracts.check_attention_shape(model_config)
-    contracts.check_precision_on_target(quantize.precision().edgellm if quantize is not None else "fp16", target)
+    if quantize is not None and quantize.method == "auto":  # a plan: every format it may choose
+        for name in candidate_formats(quantize, target):
+            contracts.check_precision_on_target(PRECISIONS[name].edgellm, target)
+    else:
+        contracts.check_precision_on_target(quantize.precision().edgellm if quantize is not None else "fp16", target)
     if quantize is not None:
         contracts.check_quantization(quantize, model_config)
 

@@ -25,13 +25,17 @@ fused group.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import shutil
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from compress.core.errors import StageError
 from compress.models.compute import computed_in_float32
 from compress.models.families import decoder_blocks, family_of
 from compress.models.weights import module_prefix
@@ -40,7 +44,8 @@ from compress.transforms.quantize.decoder import quantize_block
 from compress.transforms.quantize.plan import FLOAT, MixedPlan
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, walk_blocks
 
-__all__ = ["FLOAT", "MixedPlan", "Choice", "SensitivityTable", "candidate_configs", "output_fisher", "sensitivity", "solve"]
+__all__ = ["FLOAT", "Candidate", "Choice", "MixedPlan", "SensitivityTable", "candidate_configs", "choices_from", "output_fisher",
+           "search", "sensitivity", "solve"]
 # Each candidate format's method and options (the shared calibration options are added by the caller).
 CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
     "int8": {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0},
@@ -196,3 +201,68 @@ def solve(choices: dict[tuple[int, str], list[Choice]], budget: float) -> dict[t
         chosen[group] = option
         w -= math.ceil(option.kl / unit - 1e-9) if option.kl > 0 else 0
     return {group: chosen[group] for group in groups}
+
+
+@dataclass
+class Candidate:
+    """A plan the search quantized and measured."""
+
+    round: int
+    budget: float
+    plan: MixedPlan
+    predicted_kl: float
+    predicted_cost: float
+    measured: dict[str, Any]
+    passed: bool
+
+    def to_json(self) -> dict[str, Any]:
+        return {"round": self.round, "budget_kl": self.budget, "predicted_kl": self.predicted_kl,
+                "predicted_cost": self.predicted_cost, "formats": self.plan.counts(), "measured": self.measured,
+                "passed": self.passed, "plan": self.plan.to_json()}
+
+
+Measure = Callable[[Path], tuple[bool, dict[str, Any]]]  # a quantized folder -> (within the budgets?, its figures)
+Quantize = Callable[[MixedPlan, Path], Any]  # a plan, a folder to write it to -> the quantization result
+
+
+def choices_from(table: SensitivityTable, cost: Callable[[int, str, str], float]) -> dict[tuple[int, str], list[Choice]]:
+    """Every group's options: each measured format with its predicted KL and its cost."""
+    return {group: [Choice(name, kl, cost(group[0], group[1], name)) for name, kl in values.items()]
+            for group, values in table.kl.items()}
+
+
+def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], budget: float, rounds: int,
+           quantize: Quantize, measure: Measure, work: Path) -> tuple[Any, Path, list[Candidate]]:
+    """The fastest plan the measurement accepts: solve under ``budget``, quantize, measure; on a failure halve the budget
+    (the groups that spend most of it for least gain go back to a wider format first) and try again, at most ``rounds``
+    plans. Returns the accepted plan's quantization, its folder (under ``work``) and every candidate measured."""
+    candidates: list[Candidate] = []
+    seen: set[str] = set()
+    for attempt in range(rounds):
+        chosen = solve(choices, budget)
+        formats: dict[int, dict[str, str]] = {}
+        for (index, point), choice in chosen.items():
+            formats.setdefault(index, {})[point] = choice.format
+        plan = MixedPlan(formats, configs)
+        key = json.dumps(plan.to_json(), sort_keys=True)
+        if not plan.block_formats() or key in seen:
+            budget /= 2
+            if not plan.block_formats():
+                break
+            continue
+        seen.add(key)
+        folder = work / f"candidate-{attempt + 1}"
+        result = quantize(plan, folder)
+        passed, figures = measure(folder)
+        candidates.append(Candidate(attempt + 1, budget, plan, sum(c.kl for c in chosen.values()),
+                                    sum(c.cost for c in chosen.values()), figures, passed))
+        if passed:
+            return result, folder, candidates
+        shutil.rmtree(folder)
+        budget /= 2
+    raise StageError(f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
+                     f"{_describe(candidates[-1]) if candidates else 'nothing'}); use a uniform recipe or a larger margin")
+
+
+def _describe(candidate: Candidate) -> str:
+    return ", ".join(f"{count} groups {name}" for name, count in candidate.plan.counts().items())

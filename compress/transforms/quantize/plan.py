@@ -24,6 +24,10 @@ class MixedPlan:
                 by_format.setdefault(name, []).append(point)
         return by_format
 
+    def block_formats(self) -> set[str]:
+        """Every format a point is quantized in (none: the plan leaves the model float)."""
+        return {name for points in self.formats.values() for name in points.values() if name != FLOAT}
+
     def counts(self) -> dict[str, int]:
         """How many points ship in each format."""
         counts: dict[str, int] = {}

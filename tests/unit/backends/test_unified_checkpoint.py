@@ -158,3 +158,41 @@ def test_a_rotation_of_an_input_left_float_is_a_configuration_error(capsys):
 
     assert main(["run", "target=jetson-orin", "recipe=int8", "quantize.float_linears=[down_proj]", "--dry-run"]) == 2
     assert "hadamard_block rotates the down_proj input, which float_linears leaves unquantized" in capsys.readouterr().err
+
+
+def test_a_mixed_precision_plan_is_read_by_edgellm_linear_by_linear_and_exported_with_its_numbers(tiny_wide, tmp_path):
+    """quantize.method=auto's checkpoint: MIXED_PRECISION, each linear in its own format. Edge-LLM's own loader reads
+    INT8 linears as W8A8 with our integers, INT4 ones as packed W4A16 with our integers, the rest as FP16; the exported
+    bundle passes the custody check linear by linear."""
+    from compress.backends.edgellm.bundle import export_bundle
+    from compress.models.loading import load_tokenizer, save_side_files
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_folder
+    from compress.transforms.quantize.mixed import FLOAT, MixedPlan, candidate_configs
+
+    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
+    plan = MixedPlan({0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
+                      1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}},
+                     candidate_configs(["int8", "int4"], shared))
+    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(4))
+    quantized = tmp_path / "quantized"
+    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
+                    plan=plan)
+    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    quantization = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())["quantization"]
+    assert summary.quant_algo == quantization["quant_algo"] == "MIXED_PRECISION"
+    _, linears = load_quantization(quantized)
+    assert quantization["quantized_layers"] == {
+        name: {"quant_algo": "W8A8_SQ_PER_CHANNEL"} if q.precision == "int8" else {"quant_algo": "W4A16_AWQ", "group_size": 128}
+        for name, q in linears.items()}
+    loaded, _ = _probe(tmp_path / "ckpt", tmp_path)
+    integers, _, _ = _our_integers(quantized)
+    for name, quant in linears.items():
+        key = f"{name}.loaded.weight" if quant.precision == "int8" else f"{name}.integers"
+        assert torch.equal(loaded[key], integers[name]), name
+    floats = {"model.layers.0.self_attn.o_proj", "model.layers.1.mlp.gate_proj", "model.layers.1.mlp.up_proj"}
+    assert {key.removesuffix(".float.weight") for key in loaded if key.endswith(".float.weight")} == floats
+    metrics = export_bundle(quantized, tmp_path / "work")
+    assert metrics["checkpoint"]["quant_algo"] == "MIXED_PRECISION" and metrics["custody"]["mismatches"] == 0
+    assert metrics["custody"]["tensors_compared"] > len(linears)

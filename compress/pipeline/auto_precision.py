@@ -1,0 +1,194 @@
+"""``quantize.method=auto`` as the quantize stage runs it: the fastest mixed-precision plan the gate's budgets allow.
+
+The library pieces are in :mod:`compress.transforms.quantize.mixed`; this module supplies what they
+need from the run:
+
+* the candidate formats: those the target's deployment runs (its Edge-LLM precisions and GPU
+  formats), each group of linears admitting only the formats its shapes are legal in (INT4 in
+  groups of 128 where the kernels tile it, :mod:`compress.backends.edgellm.contracts`);
+* the cost of a group in a format: the decode milliseconds its bytes take at the target's power
+  mode, from the latency model (:func:`compress.eval.perf_model.linear_ms_per_param`);
+* the budget: ``margin`` times the per-token KL the gate's perplexity budget allows
+  (``ln(1 + max_ppl_increase_pct / 100)``), and no more than ``margin`` times its mean-KL budget;
+* the measurement: every candidate plan against the teacher, block by block on the compute device,
+  on calibration windows calibration did not read (:func:`compress.core.text.held_out_windows`),
+  never on the evaluation text the gate later judges. A plan is accepted when its worst domain's
+  perplexity change stays within ``margin`` of the gate's budget and its top-1 agreement and mean
+  KL within the gate's.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compress.algorithms.formats import PRECISIONS
+from compress.backends.edgellm import contracts
+from compress.core.config import Target
+from compress.core.files import read_json
+from compress.core.text import TextSource, held_out_windows
+from compress.eval.fidelity import compare_window_pairs, worst_domain
+from compress.eval.layerwise import window_logits
+from compress.eval.perf_model import ModelShape, linear_ms_per_param, predict_mixed
+from compress.models.families import decoder_blocks, family_of, linear_shapes
+from compress.models.loading import load_causal_lm
+from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
+from compress.transforms.quantize.config import AutoConfig
+from compress.transforms.quantize.decoder import quantize_folder
+from compress.transforms.quantize.mixed import (
+    FLOAT,
+    Candidate,
+    MixedPlan,
+    candidate_configs,
+    choices_from,
+    output_fisher,
+    search,
+    sensitivity,
+)
+from compress.transforms.walk import StreamedBlocks
+
+log = logging.getLogger(__name__)
+
+
+def candidate_formats(config: AutoConfig, target: Target) -> list[str]:
+    """The formats a plan may use on ``target``: the config's, else every one the target's deployment runs in a bundle."""
+    if config.formats:
+        return list(config.formats)
+    return [name for name in contracts.MIXED_FORMATS
+            if PRECISIONS[name].edgellm in target.edgellm.precisions and PRECISIONS[name].gpu_format in target.gpu.precisions]
+
+
+def point_shapes(model_config: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+    """Each activation point's linears as (out, in) shapes."""
+    shapes = linear_shapes(model_config)
+    family = family_of(model_config)
+    return {point.name: [shapes[name.rsplit(".", 1)[-1]] for name in point.consumers] for point in family.points}
+
+
+def mix_of(plan: MixedPlan, model_config: dict[str, Any]) -> dict[str, float]:
+    """The share of the decoder-linear parameters each precision holds (``fp16`` for the float groups)."""
+    params = {point: sum(out * inp for out, inp in shapes) for point, shapes in point_shapes(model_config).items()}
+    totals: dict[str, float] = {}
+    for index in range(int(model_config["num_hidden_layers"])):
+        for point, count in params.items():
+            name = plan.formats.get(index, {}).get(point, FLOAT)
+            totals[name] = totals.get(name, 0.0) + count
+    whole = sum(totals.values())
+    return {name: count / whole for name, count in sorted(totals.items())}
+
+
+def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torch.Tensor, calibration: list[TextSource], tokenizer,
+               config: AutoConfig, target: Target, power_mode: str, device: str, progress: bool,
+               trust_remote_code: bool = False) -> tuple[Any, dict[str, Any]]:
+    """Search, quantize the chosen plan into ``out``; returns its quantization and what the search found (for the report)."""
+    model_config = read_json(source / "config.json")
+    formats = candidate_formats(config, target)
+    shapes = point_shapes(model_config)
+    allowed = lambda index, point, name: name in formats and contracts.mixed_format_fits(name, shapes[point])  # noqa: E731
+    configs = candidate_configs(formats, config.shared_options())
+    log.info("auto precision: candidate formats %s on %s", ", ".join(formats), target.name)
+    fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code)
+    table = _sensitivities(source, windows, configs, allowed, fisher, device, progress, trust_remote_code)
+    ms_per_param = {name: linear_ms_per_param(target, power_mode, name) for name in [FLOAT, *formats]}
+    params = {point: sum(o * i for o, i in group) for point, group in shapes.items()}
+
+    def cost(index: int, point: str, name: str) -> float:
+        return params[point] * ms_per_param[name]
+
+    budget = config.margin * min(math.log1p(target.budgets.max_ppl_increase_pct / 100), target.budgets.max_mean_kl)
+    selection = held_out_windows(tokenizer, calibration, config.calib_window, config.calib_windows,
+                                 per_domain=max(1, -(-config.selection_windows // max(1, len({s.domain for s in calibration})))))
+    rows = torch.cat([w for _, w in selection])
+    log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
+             rows.shape[0], ", ".join(d for d, _ in selection), budget)
+    reference = window_logits(teacher, rows, device, progress, desc="teacher")
+    measure = _measurer(reference, selection, rows, target, config.margin, device, progress)
+
+    def quantize(plan: MixedPlan, folder: Path):
+        log.info("auto precision: quantizing a plan (%s)", ", ".join(f"{n} {c}" for n, c in plan.counts().items()))
+        return quantize_folder(source, folder, windows, config, progress=progress, device=device, trust_remote_code=trust_remote_code,
+                               plan=plan)
+
+    result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work)
+    shutil.move(str(folder), str(out))
+    shutil.rmtree(work, ignore_errors=True)
+    shape = ModelShape.from_config(model_config)
+    found = {
+        "formats": formats, "budget_kl": budget, "margin": config.margin,
+        "selection": {"windows": int(rows.shape[0]), "domains": [d for d, _ in selection]},
+        "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in candidates],
+        "references": _uniform_references(table, formats, model_config, target, power_mode, shape, allowed),
+        "sensitivity": table.to_json(), "plan": result.plan.to_json(), "mix": mix_of(result.plan, model_config),
+    }
+    return result, found
+
+
+def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], trust_remote_code: bool) -> dict[str, torch.Tensor]:
+    """The output Fisher information of every decoder linear, from the model held in its own dtype."""
+    model = load_causal_lm(source, trust_remote_code=trust_remote_code, own_dtype=True)
+    family = family_of(model_config)
+    prefix = module_prefix(model, decoder_blocks(model))
+    linears = [f"{prefix}.{index}.{name}" for index in range(len(decoder_blocks(model))) for name in family.linears()]
+    log.info("auto precision: output Fisher information of %d linears on %d windows", len(linears), windows.shape[0])
+    return output_fisher(model, windows, linears)
+
+
+def _sensitivities(source: Path, windows: torch.Tensor, configs, allowed, fisher, device: str, progress: bool,
+                   trust_remote_code: bool):
+    """Every block quantized once per candidate format (one block in memory at a time)."""
+    model = empty_causal_lm(source, trust_remote_code)
+    reader = CheckpointReader(source)
+    embeddings = model.get_input_embeddings()
+    materialize(embeddings, module_prefix(model, embeddings), reader)
+    return sensitivity(model, windows, configs, allowed, fisher, device, progress, blocks=StreamedBlocks(model, reader))
+
+
+def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.Tensor, target: Target, margin: float, device: str,
+              progress: bool):
+    """A plan's figures against the teacher on the held-out windows, and whether they are within the budgets."""
+    budgets = target.budgets
+
+    def measure(folder: Path) -> tuple[bool, dict[str, Any]]:
+        deployed = window_logits(folder, rows, device, progress, desc="candidate")
+        per_domain = compare_window_pairs(lambda i: (deployed.logits(i), reference.logits(i)), selection, progress=False)
+        mixed = per_domain.pop("mixed")
+        worst = worst_domain(per_domain)
+        figures = {"worst_domain": worst, "worst_increase_pct": per_domain[worst]["perplexity_increase_pct"],
+                   "top1_agreement": mixed["top1_agreement"], "mean_kl": mixed["mean_kl"]}
+        passed = (figures["worst_increase_pct"] <= margin * budgets.max_ppl_increase_pct
+                  and figures["top1_agreement"] >= budgets.min_top1_agreement and figures["mean_kl"] <= budgets.max_mean_kl)
+        log.info("auto precision: worst held-out domain %s %+.2f%% (limit %+.2f%%), top-1 %.1f%%, KL %.4f: %s", worst,
+                 figures["worst_increase_pct"], margin * budgets.max_ppl_increase_pct, 100 * figures["top1_agreement"],
+                 figures["mean_kl"], "accepted" if passed else "backing off")
+        return passed, figures
+
+    return measure
+
+
+def _candidate_json(candidate: Candidate, model_config, target: Target, power_mode: str, shape: ModelShape) -> dict[str, Any]:
+    prediction = predict_mixed(target, shape, mix_of(candidate.plan, model_config), power_mode)
+    return {**candidate.to_json(), "predicted_decode_ms": prediction.decode_latency_ms,
+            "predicted_tokens_per_s": prediction.decode_tokens_per_s, "mix": mix_of(candidate.plan, model_config)}
+
+
+def _uniform_references(table, formats: list[str], model_config, target: Target, power_mode: str, shape: ModelShape,
+                        allowed) -> list[dict[str, Any]]:
+    """Every uniform assignment as a reference point: each format wherever it is legal (FP16 elsewhere), predicted."""
+    rows = []
+    for name in [FLOAT, *formats]:
+        formats_by_block: dict[int, dict[str, str]] = {}
+        kl = 0.0
+        for (index, point), values in table.kl.items():
+            chosen = name if name in values and allowed(index, point, name) else FLOAT
+            formats_by_block.setdefault(index, {})[point] = chosen
+            kl += values.get(chosen, 0.0)
+        mix = mix_of(MixedPlan(formats_by_block, {}), model_config)
+        prediction = predict_mixed(target, shape, mix, power_mode)
+        rows.append({"name": f"uniform {name}", "mix": mix, "predicted_kl": kl, "predicted_decode_ms": prediction.decode_latency_ms,
+                     "predicted_tokens_per_s": prediction.decode_tokens_per_s})
+    return rows
