@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from compress.report.figures import DOMAIN_QUALITY, PROMPT_ANSWERS, figure
+from compress.report.figures import DOMAIN_QUALITY, PRECISION_SEARCH, PROMPT_ANSWERS, figure
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -96,6 +96,38 @@ def _prompt_table(report: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _search_section(report: dict[str, Any]) -> list[str]:
+    """``quantize.method=auto``: the plans measured, the uniform references, the chosen plan per block."""
+    search = figure(report, PRECISION_SEARCH)
+    if not search:
+        return []
+    lines = ["", "## Precision search (quantize.method=auto)", "",
+             f"Formats the target's deployment runs: {', '.join(search['formats'])}. First budget: predicted KL "
+             f"{search['budget_kl']:.4g} nats/token ({search['margin']:g} of the gate's). Each plan is measured against the teacher "
+             f"on {search['selection']['windows']} held-out calibration windows ({', '.join(search['selection']['domains'])}); "
+             "the evaluation text stays for the gate.", "",
+             "| plan | formats (groups) | predicted KL | predicted tok/s | held-out worst domain | top-1 | KL | accepted |",
+             "|---|---|---|---|---|---|---|---|"]
+    for c in search["candidates"]:
+        measured = c["measured"]
+        lines.append(f"| {c['round']} | {', '.join(f'{n} {k}' for n, k in c['formats'].items())} | {c['predicted_kl']:.4g} | "
+                     f"{c['predicted_tokens_per_s']:.1f} | {measured['worst_domain']} {measured['worst_increase_pct']:+.2f}% | "
+                     f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | {'yes' if c['passed'] else 'no'} |")
+    rejected = [c for c in search["candidates"] if not c["passed"]]
+    if rejected:
+        faster = rejected[-1]
+        lines += ["", f"The next-faster plan measured ({faster['predicted_tokens_per_s']:.1f} tok/s predicted) lost "
+                      f"{faster['measured']['worst_increase_pct']:+.2f}% on {faster['measured']['worst_domain']}."]
+    lines += ["", "Uniform references (each format wherever the shapes allow it, FP16 elsewhere; predicted):", "",
+              "| reference | predicted KL | predicted tok/s |", "|---|---|---|"]
+    lines += [f"| {r['name']} | {r['predicted_kl']:.4g} | {r['predicted_tokens_per_s']:.1f} |" for r in search["references"]]
+    plan = search["plan"]
+    points = sorted({point for groups in plan.values() for point in groups})
+    lines += ["", "The chosen plan, per block:", "", "| block | " + " | ".join(points) + " |", "|---|" + "---|" * len(points)]
+    lines += [f"| {block} | " + " | ".join(plan[block][p] for p in points) + " |" for block in sorted(plan, key=int)]
+    return lines
+
+
 def _on_device_section(report: dict[str, Any]) -> list[str]:
     """What ``validate --on-device`` measured, or why it did not run."""
     device = report.get("on_device")
@@ -149,6 +181,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines.append(f"| — | — | — | **{gate['verdict']}** | — | {gate.get('detail', '')} |")
     lines += _domain_table(report)
     lines += _prompt_table(report)
+    lines += _search_section(report)
     lines += _on_device_section(report)
     lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
     for index, stage in enumerate(report["stages"], start=1):

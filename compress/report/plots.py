@@ -12,7 +12,16 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from compress.report.figures import DOMAIN_QUALITY, LAYER_SQNR, PERPLEXITY_BY_STAGE, SIZE_MB, TRAINING_CURVE, figure, validation_metrics  # noqa: E402
+from compress.report.figures import (  # noqa: E402
+    DOMAIN_QUALITY,
+    LAYER_SQNR,
+    PERPLEXITY_BY_STAGE,
+    PRECISION_SEARCH,
+    SIZE_MB,
+    TRAINING_CURVE,
+    figure,
+    validation_metrics,
+)
 from compress.report.markdown import decoder_predictions  # noqa: E402
 
 
@@ -165,6 +174,48 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
+FORMAT_COLOURS = {"fp16": "#BBBBBB", "int8": "#4C72B0", "fp8": "#8172B2", "int4": "#55A868", "nvfp4": "#C44E52", "nvfp4_a16": "#DD8452"}
+
+
+def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
+    """``quantize.method=auto``: every plan measured and the uniform references (predicted KL against predicted decode
+    latency), and the chosen plan's format per block and group of linears."""
+    search = figure(report, PRECISION_SEARCH)
+    if not search:
+        return None
+    fig, (front, heat) = plt.subplots(1, 2, figsize=(11, 3.8), gridspec_kw={"width_ratios": [1.1, 1]})
+    for reference in search["references"]:
+        front.scatter([reference["predicted_decode_ms"]], [reference["predicted_kl"]], marker="s", color="#999999")
+        front.annotate(reference["name"], (reference["predicted_decode_ms"], reference["predicted_kl"]), fontsize=7,
+                       textcoords="offset points", xytext=(4, 4))
+    for candidate in search["candidates"]:
+        colour = "#55A868" if candidate["passed"] else "#C44E52"
+        front.scatter([candidate["predicted_decode_ms"]], [candidate["predicted_kl"]], color=colour, s=50)
+        front.annotate(f"plan {candidate['round']}: held-out {candidate['measured']['worst_increase_pct']:+.2f}%",
+                       (candidate["predicted_decode_ms"], candidate["predicted_kl"]), fontsize=7, textcoords="offset points",
+                       xytext=(4, -10))
+    front.axhline(search["budget_kl"], color="black", linestyle="--", linewidth=0.8, label="first budget (predicted KL)")
+    front.set_xlabel("predicted decode latency (ms/token)")
+    front.set_ylabel("predicted KL to the teacher (nats/token)")
+    front.set_title("Plans measured (green: accepted) and uniform references", fontsize=9)
+    front.legend(fontsize=7)
+    plan = search["plan"]
+    points = sorted({point for groups in plan.values() for point in groups})
+    names = sorted({name for groups in plan.values() for name in groups.values()})
+    codes = {name: index for index, name in enumerate(names)}
+    grid = [[codes[plan[block][point]] for block in sorted(plan, key=int)] for point in points]
+    from matplotlib.colors import ListedColormap
+
+    heat.imshow(grid, aspect="auto", cmap=ListedColormap([FORMAT_COLOURS.get(n, "#000000") for n in names]), vmin=-0.5,
+                vmax=len(names) - 0.5, interpolation="nearest")
+    heat.set_yticks(range(len(points)), points, fontsize=8)
+    heat.set_xlabel("decoder block")
+    heat.set_title("Format chosen per block: " + ", ".join(names), fontsize=9)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=FORMAT_COLOURS.get(n, "#000000")) for n in names]
+    heat.legend(handles, names, fontsize=7, loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=len(names))
+    return _save(fig, path)
+
+
 def make_plots(report: dict[str, Any], folder: Path) -> dict[str, Path]:
     """Every plot the report has data for, written into ``folder``."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -172,7 +223,8 @@ def make_plots(report: dict[str, Any], folder: Path) -> dict[str, Path]:
     if decoder_predictions(report):
         plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
         plots["pareto"] = plot_pareto(report, folder / "pareto.png")
-    for name, plot in (("domains", plot_domains), ("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve)):
+    for name, plot in (("domains", plot_domains), ("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve),
+                       ("precision_search", plot_precision_search)):
         made = plot(report, folder / f"{name}.png")
         if made:
             plots[name] = made

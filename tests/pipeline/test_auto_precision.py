@@ -1,0 +1,104 @@
+"""recipe=auto end to end on tiny models: legal formats only, a MIXED_PRECISION bundle proven linear by linear, the search
+in the report; and the search's back-off on its own."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from compress.cli.main import main
+from compress.core.errors import StageError
+from compress.transforms.quantize.mixed import FLOAT, Choice, search
+from tests.conftest import TINY_SMOKE, build_tiny_llama
+
+SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
+         "quantize.fisher_windows=2", "quantize.selection_windows=4", "validate.prompt_new_tokens=6"]
+
+
+def _run(tmp_path: Path, target: str, **shape) -> tuple[int, Path]:
+    heads = shape.pop("heads", 2)  # head size 64, a size Edge-LLM's attention kernels take
+    model = build_tiny_llama(tmp_path / "model", layers=2, heads=heads, kv_heads=1, chat_template=True, **shape)
+    out = tmp_path / "run"
+    return main(["run", f"target={target}", "recipe=auto", f"model={model}", f"out={out}", "--no-progress", *SMALL, *TINY_SMOKE]), out
+
+
+def _stage(out: Path, name: str) -> dict:
+    return next(s for s in json.loads((out / "report.json").read_text())["stages"] if s["name"] == name)
+
+
+def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_checked_bundle(tmp_path):
+    # hidden 64: only down_proj (input 128) is wide enough for INT4 in groups of 128.
+    code, out = _run(tmp_path, "jetson-orin", hidden=64, heads=1, intermediate=128)
+    report = json.loads((out / "report.json").read_text())
+    assert code == report["exit_code"]
+    quantize = _stage(out, "quantize")["metrics"]
+    assert quantize["method"] == "auto" and quantize["search"]["formats"] == ["int8", "int4"]
+    for groups in quantize["search"]["plan"].values():
+        assert groups["attn_in"] != "int4" and groups["attn_out"] != "int4" and groups["mlp_in"] != "int4"
+    for row in quantize["search"]["sensitivity"]:
+        assert ("int4" in row["kl"]) == (row["point"] == "mlp_hidden") and row["kl"][FLOAT] == 0.0
+    assert sum(quantize["mix"].values()) == pytest.approx(1.0)
+    accepted = quantize["search"]["candidates"][-1]
+    assert accepted["passed"] and all(not c["passed"] for c in quantize["search"]["candidates"][:-1])
+    bundle = _stage(out, "export_edgellm")["metrics"]
+    if quantize["formats_chosen"].keys() - {FLOAT}:
+        assert bundle["checkpoint"]["quant_algo"] == "MIXED_PRECISION" and bundle["custody"]["mismatches"] == 0
+    validate = json.loads((out / "06_validate" / "validation.json").read_text())
+    assert validate["precision"] == "mixed" and validate["predictions"]["chosen"]["precision"] == "mixed"
+    markdown = (out / "report.md").read_text()
+    assert "## Precision search (quantize.method=auto)" in markdown and "uniform int8" in markdown
+    assert (out / report["plots"]["precision_search"]).is_file()
+    code = main(["validate", str(out), "target=jetson-agx-thor"])  # re-gated elsewhere from the stored mix
+    regated = json.loads(next(out.glob("validate-jetson-agx-thor-*.json")).read_text())
+    assert regated["predictions"]["chosen"]["precision"] == "mixed" and code in (0, 1)
+
+
+def test_auto_on_thor_may_choose_fp8_and_nvfp4(tmp_path):
+    code, out = _run(tmp_path, "jetson-agx-thor", hidden=128, intermediate=256)
+    quantize = _stage(out, "quantize")["metrics"]
+    assert quantize["search"]["formats"] == ["int8", "int4", "fp8", "nvfp4"]
+    measured = {name for row in quantize["search"]["sensitivity"] for name in row["kl"]}
+    assert measured == {FLOAT, "int8", "int4", "fp8", "nvfp4"}
+    assert _stage(out, "export_edgellm")["metrics"]["custody"]["mismatches"] == 0
+    assert code == json.loads((out / "report.json").read_text())["exit_code"]
+
+
+def test_formats_the_bundle_would_misread_or_the_target_lacks_are_refused(capsys, tmp_path):
+    assert main(["run", "target=jetson-orin", "recipe=auto", "quantize.formats=[fp8]", f"out={tmp_path / 'a'}", "--dry-run"]) == 2
+    assert "has no fp8 tensor cores" in capsys.readouterr().err
+    assert main(["run", "target=jetson-agx-thor", "recipe=auto", "quantize.formats=[nvfp4_a16]", f"out={tmp_path / 'b'}",
+                 "--dry-run"]) == 2
+    assert "W4A16_NVFP4 there is read as NVFP4 W4A4" in capsys.readouterr().err
+
+
+def _choices():
+    """Four groups: INT4 cheapest and riskiest, INT8 in between, FP16 free of error."""
+    return {(index, "p"): [Choice(FLOAT, 0.0, 4.0), Choice("int8", 0.002, 2.0), Choice("int4", 0.006, 1.0)]
+            for index in range(4)}
+
+
+def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp_path):
+    written = []  # (plan, folder) in the order the search quantized them
+
+    def quantize(plan, folder):
+        folder.mkdir(parents=True)
+        written.append((plan, folder))
+        return plan
+
+    def measure(folder):  # this model cannot take INT4 anywhere
+        plan = next(p for p, f in written if f == folder)
+        return "int4" not in plan.block_formats(), {"formats": sorted(plan.block_formats())}
+
+    plan, folder, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
+    assert "int4" in candidates[0].plan.block_formats() and not candidates[0].passed
+    assert candidates[-1].passed and "int4" not in plan.block_formats()
+    assert [c.budget for c in candidates] == sorted((c.budget for c in candidates), reverse=True)  # each back-off halves it
+    assert folder.is_dir() and not any(f.exists() for _, f in written[:-1])  # rejected plans leave nothing behind
+
+
+def test_a_search_that_never_passes_says_so(tmp_path):
+    with pytest.raises(StageError, match="no mixed-precision plan held the budgets"):
+        search(_choices(), {}, budget=0.03, rounds=3, quantize=lambda plan, folder: folder.mkdir(parents=True),
+               measure=lambda folder: (False, {}), work=tmp_path)
