@@ -82,6 +82,12 @@ def mix_of(plan: MixedPlan, model_config: dict[str, Any]) -> dict[str, float]:
     return {name: count / whole for name, count in sorted(totals.items())}
 
 
+def kl_budget(margin: float, target: Target) -> float:
+    """The predicted per-token KL a plan may spend: ``margin`` of what the gate's perplexity budget allows, and of its mean-KL
+    budget, whichever is smaller."""
+    return margin * min(math.log1p(target.budgets.max_ppl_increase_pct / 100), target.budgets.max_mean_kl)
+
+
 def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torch.Tensor, calibration: list[TextSource], tokenizer,
                config: AutoConfig, target: Target, power_mode: str, device: str, progress: bool,
                trust_remote_code: bool = False) -> tuple[Any, dict[str, Any]]:
@@ -89,7 +95,10 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     model_config = read_json(source / "config.json")
     formats = candidate_formats(config, target)
     shapes = point_shapes(model_config)
-    allowed = lambda index, point, name: name in formats and contracts.mixed_format_fits(name, shapes[point])  # noqa: E731
+
+    def allowed(index: int, point: str, name: str) -> bool:
+        return name in formats and contracts.mixed_format_fits(name, shapes[point])
+
     configs = candidate_configs(formats, config.shared_options())
     log.info("auto precision: candidate formats %s on %s", ", ".join(formats), target.name)
     fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code)
@@ -100,9 +109,10 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     def cost(index: int, point: str, name: str) -> float:
         return params[point] * ms_per_param[name]
 
-    budget = config.margin * min(math.log1p(target.budgets.max_ppl_increase_pct / 100), target.budgets.max_mean_kl)
+    budget = kl_budget(config.margin, target)
+    domains = len({source.domain for source in calibration})
     selection = held_out_windows(tokenizer, calibration, config.calib_window, config.calib_windows,
-                                 per_domain=max(1, -(-config.selection_windows // max(1, len({s.domain for s in calibration})))))
+                                 per_domain=max(1, -(-config.selection_windows // domains)))
     rows = torch.cat([w for _, w in selection])
     log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
              rows.shape[0], ", ".join(d for d, _ in selection), budget)

@@ -205,3 +205,16 @@ def test_training_data_from_plain_text_and_its_errors(tmp_path):
         packed_windows(tokenizer, [parse_spec(str(broken))], 64, 1)
     sample = TrainingData.read([spec])
     assert sample.sample[0].domain == "corpus" and sample.sha256[0] == sha256_file(spec.path)
+
+
+def test_held_out_windows_are_calibration_text_calibration_does_not_read():
+    """What recipe=auto measures its plans on: windows of the calibration domains, none of them a calibration window."""
+    from compress.core.text import held_out_windows
+
+    tokenizer = build_tokenizer()
+    sources = load_calibration([parse_spec(str(CALIB))])
+    calibration = calibration_windows(tokenizer, sources, 64, 8)
+    held_out = held_out_windows(tokenizer, sources, 64, 8, per_domain=5)
+    assert [domain for domain, _ in held_out] == ["austen"] and held_out[0][1].shape == (5, 64)
+    read = {tuple(row.tolist()) for row in calibration}
+    assert not read & {tuple(row.tolist()) for row in held_out[0][1]}

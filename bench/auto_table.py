@@ -1,0 +1,58 @@
+"""recipe=auto beside today's default and every uniform recipe that ships an Edge-LLM bundle, per target, one run each.
+
+On the embedded SmolLM2, for the Orin Nano (INT8 and INT4 where the widths allow) and AGX Thor (also
+FP8 and NVFP4): the gate's worst domain, top-1 agreement and KL on the six evaluation domains; the
+app prompts' answer-prefix agreement; the latency model's predicted decode tokens/s and ms/token at
+the target's default power mode; the Edge-LLM checkpoint's size; the formats chosen (groups per
+format) and the quantize stage's time (for auto: the search). Runs go to ``bench_runs/auto/``.
+
+    .venv/bin/python bench/auto_table.py                       # both targets
+    .venv/bin/python bench/auto_table.py --targets jetson-orin-nano-8gb
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from runs import REPO, compress_run  # noqa: E402
+
+RECIPES = {"jetson-orin-nano-8gb": ["default", "edgellm-int8", "edgellm-int4", "auto"],
+           "jetson-agx-thor": ["thor-fp8", "thor-nvfp4", "edgellm-int8", "auto"]}
+
+
+def row(target: str, recipe: str, report: dict | None) -> str:
+    if report is None:
+        return f"| {target} | {recipe} | run failed | | | | | | | | |"
+    stages = {s["name"]: s for s in report["stages"]}
+    validate = stages["validate"]["metrics"]
+    quantize = stages["quantize"]["metrics"]
+    chosen = report["predictions"]["chosen"]
+    formats = quantize.get("formats_chosen") or {f"{quantize['method']} linears": quantize["quantized_linears"]}
+    checkpoint = stages["export_edgellm"]["metrics"]["checkpoint_bytes"] / 1e6
+    prompts = validate.get("prompts") or {}
+    return (f"| {target} | {recipe} | {validate['worst_domain']} {validate['perplexity_increase_pct']:+.2f}% | "
+            f"{100 * validate['top1_agreement']:.1f}% | {validate['mean_kl']:.4f} | "
+            f"{100 * prompts.get('answer_prefix_agreement', float('nan')):.1f}% | {chosen['decode_tokens_per_s']:.1f} | "
+            f"{chosen['decode_latency_ms']:.3f} | {checkpoint:.0f} | {', '.join(f'{k} {v}' for k, v in formats.items())} | "
+            f"{stages['quantize']['duration_s'] / 60:.1f} | {report['gate']['verdict']} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--targets", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    args = parser.parse_args()
+    lines = ["| target | recipe | worst domain | top-1 | KL | answer prefix | predicted tok/s | predicted ms/token | "
+             "checkpoint MB | formats (groups, or linears) | quantize min | gate |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for target in args.targets:
+        for recipe in RECIPES[target]:
+            report = compress_run(recipe, REPO / "bench_runs" / "auto" / f"{target}-{recipe}", target=target)
+            lines.append(row(target, recipe, report))
+            print("\n".join(lines), flush=True)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
