@@ -11,6 +11,7 @@ plus 10% (it holds one block at a time, so it should not grow at all).
 
     .venv/bin/python bench/quantize_depth.py                       # recipe=default's quantize options
     .venv/bin/python bench/quantize_depth.py --recipe edgellm-int4
+    .venv/bin/python bench/quantize_depth.py --with quantize.method=rtn quantize.calib_windows=8   # the walk alone, quickly
 """
 
 from __future__ import annotations
@@ -36,9 +37,11 @@ from compress.models.loading import load_tokenizer
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder
 
+import json
 folder, out, recipe = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 options = next(s.options for s in load_recipe(recipe).stages if s.name == "quantize")
-config = QUANTIZE_CONFIG.validate_python(options)
+overrides = json.loads(sys.argv[4])
+config = QUANTIZE_CONFIG.validate_python({**options, **overrides} if "method" not in overrides else overrides)
 windows = calibration_windows(load_tokenizer(folder), load_calibration(DEFAULT_CALIBRATION), config.calib_window,
                               config.calib_windows, min_tokens=config.min_calib_tokens)
 started = time.perf_counter()
@@ -47,11 +50,12 @@ print(f"SECONDS {time.perf_counter() - started:.1f}")
 """
 
 
-def quantize(name: str, recipe: str) -> dict:
+def quantize(name: str, recipe: str, overrides: dict) -> dict:
     folder = build(name, weights=True)
     out = RUNS / f"quantize-depth-{name}"
     subprocess.run(["rm", "-rf", str(out)], check=True)  # this script's own earlier output
-    proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), recipe], cwd=REPO,
+    proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), recipe, json.dumps(overrides)],
+                          cwd=REPO,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         raise SystemExit(f"{name}: quantize failed: {proc.stderr.strip().splitlines()[-1]}")
@@ -66,8 +70,14 @@ def quantize(name: str, recipe: str) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="default")
+    parser.add_argument("--with", dest="overrides", nargs="*", default=[], metavar="OPTION=VALUE",
+                        help="quantize options over the recipe's (quantize.method=rtn alone starts from rtn's defaults)")
     args = parser.parse_args()
-    rows = [quantize(name, args.recipe) for name in SHAPES_BY_DEPTH]
+    overrides = {}
+    for word in args.overrides:
+        key, _, value = word.partition("=")
+        overrides[key.removeprefix("quantize.")] = json.loads(value) if value[:1] in "[{0123456789" else value
+    rows = [quantize(name, args.recipe, overrides) for name in SHAPES_BY_DEPTH]
     print("| shape | layers | bf16 checkpoint GB | quantize peak RSS GB | quantized GB written | seconds |\n|---|---|---|---|---|---|")
     for row in rows:
         print(f"| {row['name']} | {row['layers']} | {row['checkpoint_gb']:.2f} | {row['peak_gb']:.2f} | {row['written_gb']:.2f} | "

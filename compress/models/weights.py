@@ -98,10 +98,13 @@ def materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader, 
                 dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()) -> None:
     """Give ``module``'s parameters their tensors from ``reader`` (names ``prefix.<param>``), on ``device`` and in ``dtype``
     (None: as stored); parameters named in ``skip`` (local names) stay on ``meta`` for the caller to fill."""
-    local = [name for name, _ in module.named_parameters() if name not in skip]
-    tensors = reader.read(f"{prefix}.{name}" for name in local)
-    for name in local:
+    shapes = {name: parameter.shape for name, parameter in module.named_parameters() if name not in skip}
+    tensors = reader.read(f"{prefix}.{name}" for name in shapes)
+    for name, shape in shapes.items():
         value = tensors.pop(f"{prefix}.{name}")
+        if value.shape != shape:
+            raise UsageError(f"{reader.folder}: {prefix}.{name} is {tuple(value.shape)} where config.json gives "
+                             f"{tuple(shape)}; the weights do not match config.json")
         set_parameter(module, name, value.to(device=device, dtype=dtype if value.is_floating_point() else None))
 
 

@@ -62,3 +62,16 @@ def test_a_model_saved_in_bf16_is_read_in_bf16(tiny_llama, tmp_path):
     embeddings = model.get_input_embeddings()
     materialize(embeddings, module_prefix(model, embeddings), CheckpointReader(tmp_path / "bf16"))
     assert embeddings.weight.dtype == torch.bfloat16 and not embeddings.weight.is_meta
+
+
+def test_a_tensor_of_another_shape_than_the_config_gives_is_named(tiny_llama, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "bad"
+    save_model_folder(load_causal_lm(tiny_llama), load_tokenizer(tiny_llama), tiny_llama, folder)
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:64].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    model = empty_causal_lm(folder)
+    with pytest.raises(UsageError, match=r"model.layers.1.mlp.up_proj.weight is \(64, 64\) where config.json gives \(128, 64\)"):
+        materialize(decoder_blocks(model)[1], "model.layers.1", CheckpointReader(folder))
