@@ -109,3 +109,30 @@ def test_a_budget_of_zero_keeps_everything_float_and_a_large_one_takes_the_cheap
     assert {c.format for c in solve(choices, 0.0).values()} == {FLOAT}
     assert [c.format for c in solve(choices, 1.0).values()] == ["int4", "int8"]
     assert {g: c.format for g, c in solve(choices, 0.031).items()} == {(0, "a"): "int8", (1, "a"): "int8"}
+
+
+def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
+    """INT8 and INT4 weights side by side in one Q/DQ graph, which ONNX Runtime computes as the torch measurement does."""
+    import numpy as np
+    import onnx
+
+    from compress.backends.onnx.export import export_decoder_folder
+    from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
+    from compress.models.loading import load_tokenizer, save_side_files
+
+    plan = MixedPlan({0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
+                      1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}},
+                     candidate_configs(["int8", "int4"], SHARED))
+    quantize_folder(wide, tmp_path / "q", windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED}), progress=False,
+                    plan=plan)
+    save_side_files(load_tokenizer(wide), wide, tmp_path / "q")
+    exported = export_decoder_folder(tmp_path / "q", tmp_path / "onnx", parity_new_tokens=4)
+    graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE), load_external_data=False).graph
+    kinds = {onnx.TensorProto.DataType.Name(init.data_type) for init in graph.initializer}
+    assert {"INT8", "INT4"} <= kinds and exported.quantized
+    assert exported.qdq["quantized_linears"] == len(load_quantization(tmp_path / "q")[1])
+    measured = window_logits(tmp_path / "q", windows)
+    decoder = OnnxDecoder(tmp_path / "onnx")
+    for index, row in enumerate(windows):
+        onnx_logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
+        assert float(np.abs(onnx_logits - measured.logits(index)).max()) < 0.05 * float(np.abs(measured.logits(index)).max())
