@@ -22,8 +22,8 @@ from runs import REPO, compress_run  # noqa: E402
 from compress.core.text import DEFAULT_CALIBRATION, DEFAULT_EVALUATION  # noqa: E402
 
 CHAT = REPO / "calib_data" / "chat"
-TODAY = ",".join(str(p) for p in DEFAULT_CALIBRATION)
-WITH_CHAT = TODAY + "," + str(CHAT / "calibration.jsonl")
+TODAY = ",".join(str(p) for p in DEFAULT_CALIBRATION if p.suffix == ".txt")  # the text alone, as before chat was added
+WITH_CHAT = ",".join(str(p) for p in DEFAULT_CALIBRATION)
 EVALUATION = ",".join(str(p) for p in DEFAULT_EVALUATION) + "," + str(CHAT / "evaluation.jsonl")
 TARGETS = {"thor-fp8": "jetson-agx-thor", "thor-nvfp4": "jetson-agx-thor"}
 

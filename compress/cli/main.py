@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 import warnings
 from pathlib import Path
@@ -29,7 +28,7 @@ from compress.core.errors import (
     MissingBackendError,
     first_line,
     forget_pending_interrupts,
-    raise_interrupted,
+    stop_signals_handled,
 )
 
 EPILOG = """examples:
@@ -245,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         args.pairs = list(args.pairs) + [word for word in extra if word not in leftover]
     _setup_logging(args.quiet)
     forget_pending_interrupts()
-    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        return COMMANDS[args.command](args)
+        with stop_signals_handled():
+            return COMMANDS[args.command](args)
     except CompressError as exc:
         print(f"compress: error: {exc}", file=sys.stderr)
         return exc.exit_code
@@ -263,8 +262,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_STAGE_ERROR
     finally:
         forget_pending_interrupts()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _exit() -> None:

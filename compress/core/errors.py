@@ -13,6 +13,7 @@ Exit codes (stable, documented in the README):
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 from collections.abc import Iterator
 
@@ -69,11 +70,50 @@ _PENDING_SIGNALS: list[int] = []
 _HOLDING: list[int] = []  # while not empty, signals are remembered and raised when the outermost hold ends
 
 
+_ARRIVALS: list[int] = []  # the read end of the wakeup pipe while :func:`stop_signals_handled` is active
+
+
 def raise_interrupted(signum: int, _frame: object) -> None:
     """A signal handler that turns SIGINT/SIGTERM into :class:`Interrupted`, and remembers the signal."""
-    _PENDING_SIGNALS.append(signum)
+    arrived = _drain_arrivals() or [signum]
+    _PENDING_SIGNALS.extend(arrived)
     if not _HOLDING:
-        raise Interrupted(signum)
+        raise Interrupted(arrived[0])
+
+
+def _drain_arrivals() -> list[int]:
+    """The stop signals written to the wakeup pipe since it was last read, in the order they arrived.
+
+    Python runs the handlers of signals pending together in signal-number order (SIGINT before SIGTERM), whatever
+    order they came in; the C-level handler writes each one to the wakeup pipe as it comes."""
+    if not _ARRIVALS:
+        return []
+    try:
+        data = os.read(_ARRIVALS[0], 512)
+    except BlockingIOError:
+        return []
+    return [number for number in data if number in (signal.SIGINT, signal.SIGTERM)]
+
+
+@contextlib.contextmanager
+def stop_signals_handled() -> Iterator[None]:
+    """SIGINT and SIGTERM raise :class:`Interrupted` in the main thread (remembered in the order they arrived) until the
+    block ends; the previous handlers come back after it."""
+    read_end, write_end = os.pipe()
+    for fd in (read_end, write_end):
+        os.set_blocking(fd, False)
+    previous_fd = signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    _ARRIVALS[:] = [read_end]
+    previous = {sig: signal.signal(sig, raise_interrupted) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        signal.set_wakeup_fd(previous_fd)
+        _ARRIVALS.clear()
+        os.close(read_end)
+        os.close(write_end)
 
 
 def raise_pending_interrupt() -> None:

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Iterator, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from compress.catalog import TEXT, catalog_dir
 from compress.core.data_files import DataSpec, Record, iter_records, parse_spec
 from compress.core.errors import UsageError
-from compress.core.files import cached_sha256, sha256_file, sha256_path
+from compress.core.files import atomic_write_text, cache_root, cached_sha256, sha256_file, sha256_path
+from compress.core.token_cache import encode_plain
 
 _SHIPPED = catalog_dir(TEXT)
 # (domain, file): the shipped text (calib_data/PROVENANCE.md). Calibration and evaluation never share
@@ -23,6 +27,7 @@ DEFAULT_CALIBRATION_DOMAINS: tuple[tuple[str, Path], ...] = (
     ("press", _SHIPPED / "calibration" / "press.txt"),
     ("fiction", _SHIPPED / "calibration" / "fiction.txt"),
     ("lore", _SHIPPED / "calibration" / "lore.txt"),
+    ("chat", _SHIPPED / "chat" / "calibration.jsonl"),  # for a model with a chat template (usable_sources)
 )
 DEFAULT_EVALUATION_DOMAINS: tuple[tuple[str, Path], ...] = (
     ("austen", _SHIPPED / "evaluation" / "prideprejudice.txt"),
@@ -180,6 +185,24 @@ def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextS
         for source in calibration:
             if source.sha256 == evaluated.sha256:
                 raise UsageError(f"calibration text {source.path} is the evaluation text {evaluated.path}; they must not overlap")
+    checked = _disjoint_marker(calibration, evaluation, evaluated_tokens)
+    if checked.is_file():
+        return
+    _check_shingles(calibration, evaluation, evaluated_tokens)
+    with suppress(OSError):  # an unwritable cache only costs the next run the same check
+        atomic_write_text(checked, "disjoint\n")
+
+
+def _disjoint_marker(calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int) -> Path:
+    """Where a passed overlap check of exactly these texts is remembered (by content, so any change checks again)."""
+    digest = hashlib.sha256(f"{SHINGLE_WORDS} {_OVERLAP_PROBES} {_OVERLAP_REFUSE_FRACTION} {evaluated_tokens}".encode())
+    for role, sources in (("calibration", calibration), ("evaluation", evaluation)):
+        for source in sources:
+            digest.update(f"\0{role}\0".encode() + hashlib.sha256(source.words.encode("utf-8", "surrogatepass")).digest())
+    return cache_root() / "disjoint" / digest.hexdigest()[:40]
+
+
+def _check_shingles(calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int) -> None:
     for source in calibration:
         reference = shingle_set(source.words)
         for evaluated in evaluation:
@@ -225,15 +248,15 @@ def source_ids(tokenizer, source: TextSource, skip_chars: int = 0, max_tokens: i
     """The token stream of a source (text after ``skip_chars``, then each conversation rendered by the chat template), without
     special tokens the tokenizer would add and without a leading :func:`window_prefix` a template writes itself."""
     prefix = window_prefix(tokenizer)
-    pieces: list[list[int]] = []
+    pieces: list[np.ndarray] = []
     if source.text[skip_chars:].strip():
-        pieces.append(tokenizer(source.text[skip_chars:], add_special_tokens=False).input_ids)
+        pieces.append(encode_plain(tokenizer, source.text[skip_chars:]))
     for conversation in source.conversations:
         if max_tokens is not None and sum(map(len, pieces)) >= max_tokens:
             break
-        ids = tokenizer(rendered_conversation(tokenizer, conversation, source.path), add_special_tokens=False).input_ids
-        pieces.append(ids[len(prefix):] if prefix and ids[:len(prefix)] == prefix else ids)
-    ids = torch.tensor([i for piece in pieces for i in piece], dtype=torch.long)
+        ids = encode_plain(tokenizer, rendered_conversation(tokenizer, conversation, source.path))
+        pieces.append(ids[len(prefix):] if prefix and ids[:len(prefix)].tolist() == prefix else ids)
+    ids = torch.from_numpy(np.concatenate(pieces)) if pieces else torch.empty(0, dtype=torch.long)
     return ids if max_tokens is None else ids[:max_tokens]
 
 
@@ -431,6 +454,7 @@ def domain_sentences(sources: Sequence[TextSource], per_domain: int) -> list[tup
 
 def calibration_batches(tokenizer, sources: Sequence[TextSource], total: int, batch_size: int, max_length: int) -> list[dict]:
     """About ``total`` tokenised calibration sentences, as many from each source, batch by batch, each padded to its longest."""
+    sources = usable_sources(tokenizer, sources)
     per_domain = -(-total // len(sources))
     sentences = [s for _, found in domain_sentences(sources, per_domain) for s in found]
     if not sentences:

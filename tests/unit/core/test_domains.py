@@ -16,12 +16,15 @@ from compress.eval.fidelity import Tally, compare_on_domains
 from compress.eval.gate import FAIL, PASS, lower_bound_check
 
 
-def test_shipped_domains_are_disjoint_and_three_are_unseen():
+def test_shipped_domains_are_disjoint_and_three_are_unseen(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path))  # the check itself, not a remembered pass
     calibration = load_calibration(DEFAULT_CALIBRATION)
     evaluation = load_evaluation(DEFAULT_EVALUATION)
+    assert [s.domain for s in calibration][-1] == "chat"  # for models with a chat template
     assert [s.domain for s in evaluation] == ["austen", "press", "fiction", "learned", "government", "religion"]
     assert unseen_domains(calibration, evaluation) == ["learned", "government", "religion"]
     check_disjoint(calibration, evaluation)
+    assert len(list((tmp_path / "disjoint").iterdir())) == 1  # a pass is remembered by content
     for source in evaluation:
         assert len(source.text) > 40_000, source.path
         assert "/nn" not in source.text and "``" not in source.text, f"{source.path} still carries Brown tags"
