@@ -214,13 +214,11 @@ def sliding_layers(config: dict[str, Any]) -> int:
     return int(config["num_hidden_layers"])
 
 
-def check_attention_window(config: dict[str, Any], context_length: int) -> None:
-    """Sliding-window attention is exported as full attention, which is exact only while the context fits the window."""
-    key = family_of(config).sliding_window_key
-    window = config.get(key) if key else None
-    if sliding_layers(config) and window < context_length:
-        raise UsageError(f"{config['model_type']}: {key}={window} is shorter than the target's context_length {context_length}; "
-                         "compress exports full attention, so lower budgets.context_length to the window or below")
+def attention_window(config: dict[str, Any]) -> int | None:
+    """The window its sliding layers attend over, when some layers of the model slide (None when none does)."""
+    if not sliding_layers(config):
+        return None
+    return int(config[family_of(config).sliding_window_key])
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from compress.core.text import (
 )
 from compress.core.versions import __version__
 from compress.eval.prompts import PROMPTS_OFF, load_prompts
-from compress.models.families import check_attention_window, check_model_dimensions, family_of, model_kind, supported_model_types
+from compress.models.families import check_model_dimensions, family_of, model_kind, supported_model_types
 from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
 from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, all_stages, get_stage
@@ -385,7 +385,6 @@ def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelS
     if config is not None and model_kind(config) == DECODER:
         try:
             family_of(config)
-            check_attention_window(config, target.budgets.context_length)
         except UsageError as exc:
             raise UsageError(f"model={model.spec}: {exc}") from exc
     # The last stages' rules first: what the deployment takes is the most specific reason to refuse a plan.

@@ -2,7 +2,9 @@
 
 Calibration enters as token windows or as a ``forward_loop(model)`` callable (Model Optimizer's
 convention), so transforms never load data. The walker captures what the first decoder block
-receives, then for each block in order:
+receives, and what every block receives besides its hidden states (the attention mask and rotary
+tables: a sliding-window layer of Gemma 3 gets a banded mask and its own rotary base, a full layer
+the causal mask and the global base), then for each block in order:
 
 1. moves the block and its inputs to the compute device, in the compute dtype (float32 by default,
    whatever the model is held in; the walker's business, never a visitor's),
@@ -52,7 +54,7 @@ class _Captured(Exception):
 
 @dataclass
 class BlockInputs:
-    """Hidden states entering a decoder block, one tensor per calibration batch, and the shared kwargs."""
+    """Hidden states entering a decoder block, one tensor per calibration batch, and the block's keyword arguments."""
 
     hidden: list[torch.Tensor]
     kwargs: dict[str, Any]
@@ -76,6 +78,33 @@ def _move(value: Any, device: torch.device | str | None, dtype: torch.dtype | No
     return value
 
 
+@dataclass
+class BlockKwargs:
+    """The keyword arguments each decoder block receives besides its hidden states, each distinct set stored once (the
+    blocks of one attention kind share one mask and one rotary table)."""
+
+    sets: list[dict[str, Any]]
+    of_block: list[int]
+
+    def for_block(self, index: int) -> dict[str, Any]:
+        """What block ``index`` receives."""
+        return self.sets[self.of_block[index]] if self.sets else {}
+
+    def to(self, device: torch.device | str | None, dtype: torch.dtype | None = None) -> BlockKwargs:
+        """These kwargs on ``device`` with their float tensors in ``dtype`` (None: unchanged)."""
+        if device is None and dtype is None:
+            return self
+        return BlockKwargs([_move(kwargs, device, dtype) for kwargs in self.sets], self.of_block)
+
+
+@dataclass
+class CapturedInputs:
+    """What :func:`capture_block_inputs` captured: the first block's hidden states and every block's kwargs."""
+
+    first: BlockInputs
+    kwargs: BlockKwargs
+
+
 def forward_loop_of(windows: torch.Tensor) -> Callable[[torch.nn.Module], None]:
     """A ``forward_loop`` running the model on each window, one at a time, without a KV cache."""
     def loop(model: torch.nn.Module) -> None:
@@ -89,24 +118,29 @@ def _model_device(model: torch.nn.Module) -> torch.device:
     return next(model.parameters()).device
 
 
-def capture_first_block_inputs(model, calibration: Calibration) -> BlockInputs:
-    """Run the model's embeddings over the calibration data and capture what the first block receives."""
+def capture_block_inputs(model, calibration: Calibration) -> CapturedInputs:
+    """Run the model's embeddings over the calibration data and capture what the first block receives, and the kwargs
+    every block receives (read from the first batch; the blocks are stood in for, so none of them computes)."""
     loop = forward_loop_of(calibration) if isinstance(calibration, torch.Tensor) else calibration
     blocks = decoder_blocks(model)
-    first = blocks[0]
+    originals = list(blocks)
     hidden: list[torch.Tensor] = []
-    shared: dict[str, Any] = {}
+    per_block: list[dict[str, Any] | None] = [None] * len(originals)
 
     class _Stand(torch.nn.Module):
-        def __init__(self) -> None:
+        def __init__(self, index: int) -> None:
             super().__init__()
-            self.attention_type = getattr(first, "attention_type", "full_attention")
+            self.index = index
+            self.attention_type = getattr(originals[index], "attention_type", "full_attention")
 
         def forward(self, hidden_states, *args, **kwargs):
-            hidden.append(hidden_states.detach())
-            if not shared:
-                shared.update({k: v for k, v in kwargs.items() if k not in ("past_key_values", "past_key_value", "use_cache")})
-            raise _Captured
+            if self.index == 0:
+                hidden.append(hidden_states.detach())
+            if per_block[self.index] is None:
+                per_block[self.index] = {k: v for k, v in kwargs.items() if k not in _NOT_CAPTURED}
+            if self.index == len(originals) - 1:
+                raise _Captured
+            return hidden_states
 
     forward = model.forward
 
@@ -115,15 +149,40 @@ def capture_first_block_inputs(model, calibration: Calibration) -> BlockInputs:
             return forward(*args, **kwargs)
         return None
 
-    blocks[0] = _Stand()
+    for index in range(len(originals)):
+        blocks[index] = _Stand(index)
     model.forward = stopping_forward
     try:
         with torch.no_grad():
             loop(model)
     finally:
-        blocks[0] = first
+        for index, block in enumerate(originals):
+            blocks[index] = block
         del model.forward
-    return BlockInputs(hidden, shared)
+    return CapturedInputs(BlockInputs(hidden, per_block[0] or {}), _shared_sets(per_block))
+
+
+_NOT_CAPTURED = ("past_key_values", "past_key_value", "cache", "use_cache")
+
+
+def _shared_sets(per_block: list[dict[str, Any] | None]) -> BlockKwargs:
+    """One set per distinct kwargs (the same objects under the same names), so a mask is moved and held once."""
+    sets: list[dict[str, Any]] = []
+    of_block: list[int] = []
+    for kwargs in per_block:
+        kwargs = kwargs or {}
+        match = next((i for i, known in enumerate(sets) if known.keys() == kwargs.keys()
+                      and all(known[k] is kwargs[k] for k in kwargs)), None)
+        if match is None:
+            sets.append(kwargs)
+            match = len(sets) - 1
+        of_block.append(match)
+    return BlockKwargs(sets, of_block)
+
+
+def capture_first_block_inputs(model, calibration: Calibration) -> BlockInputs:
+    """What the first decoder block receives over the calibration data (see :func:`capture_block_inputs`)."""
+    return capture_block_inputs(model, calibration).first
 
 
 def run_block(block, inputs: BlockInputs) -> list[torch.Tensor]:
@@ -259,15 +318,20 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
     """
     home = blocks or HeldBlocks()
     propagate = any(v.needs_inputs for v in visitors)
-    inputs = BlockInputs([], {})
+    hidden: list[torch.Tensor] = []
+    kwargs = BlockKwargs([], [])
     if propagate:
         with _embeddings_in(model, compute_dtype):
-            inputs = capture_first_block_inputs(model, calibration).to(device, compute_dtype)
+            captured = capture_block_inputs(model, calibration)
+        hidden = captured.first.to(device, compute_dtype).hidden
+        kwargs = captured.kwargs.to(device, compute_dtype)
+        del captured
     layers = decoder_blocks(model)
     started = time.perf_counter()
     for index in tqdm(range(len(layers)), desc=desc, unit="layer", disable=not progress, leave=False):
         _log_progress(desc, index, len(layers), started)
         block = layers[index]
+        inputs = BlockInputs(hidden, kwargs.for_block(index))
         with home.onloaded(index, block, device, compute_dtype):
             for visitor in visitors:
                 visitor.visit(index, block, inputs)
@@ -281,7 +345,8 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
                     handle.remove()
             for visitor in visitors:
                 visitor.after(index, block, inputs, outputs)
-        inputs = BlockInputs(outputs, inputs.kwargs)
+        hidden = outputs
+        del inputs, outputs
         release_freed_memory()
 
 

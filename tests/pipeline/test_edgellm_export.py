@@ -252,6 +252,7 @@ def test_a_group_size_the_kernels_do_not_take_is_caught_by_custody_naming_the_no
     ("one-head-count", "default", ["recipe=pruned-edgellm.yaml"]),
     ("model-type", "mistral", ["recipe=edgellm-int8"]),
     ("uniform-layers", "qwen3", ["recipe=edgellm-int8"]),
+    ("sliding-window", "qwen3_sliding", ["recipe=edgellm-int8"]),
 ])
 def test_each_contract_rule_refuses_a_plan_that_breaks_it(capsys, tmp_path, tiny_wide, rule, model, extra):
     from compress.backends.edgellm.contracts import RULES
@@ -261,6 +262,10 @@ def test_each_contract_rule_refuses_a_plan_that_breaks_it(capsys, tmp_path, tiny
         mixed = {"sliding_window": 8192, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"]}
         folder = build_tiny_llama(tmp_path / model, layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, family=model,
                                   **(mixed if model == "qwen3" else {}))
+        models[model] = [f"model={folder}"]
+    if model == "qwen3_sliding":  # every layer slides over 512 tokens: one layer type, a window shorter than Orin's 2048
+        folder = build_tiny_llama(tmp_path / model, layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, family="qwen3",
+                                  sliding_window=512, use_sliding_window=True, layer_types=["sliding_attention"] * 2)
         models[model] = [f"model={folder}"]
     (tmp_path / "pruned-edgellm.yaml").write_text("name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n"
                                                   "  - export_onnx\n  - export_edgellm\n")

@@ -154,7 +154,7 @@ def test_int4_awq_gptq_keeps_each_family_close_to_its_float_model(family_model):
     assert agreement > 0.7, name  # 4-bit weights of a random model: most argmaxes survive
 
 
-def test_undescribed_families_and_windows_shorter_than_the_context_are_refused(capsys, tmp_path):
+def test_undescribed_families_are_refused_and_a_window_shorter_than_the_context_is_planned(capsys, tmp_path):
     import transformers
 
     gpt2 = tmp_path / "gpt2"
@@ -166,11 +166,39 @@ def test_undescribed_families_and_windows_shorter_than_the_context_are_refused(c
     config = json.loads((mistral / "config.json").read_text())
     config["sliding_window"] = 512
     (mistral / "config.json").write_text(json.dumps(config))
-    assert main(["run", "target=jetson-orin", "recipe=int8", f"model={mistral}", f"out={tmp_path / 'b'}"]) == 2
-    assert "sliding_window=512 is shorter than the target's context_length 2048" in capsys.readouterr().err
-    assert main(["run", "target=jetson-orin", "recipe=int8", f"model={mistral}", "budgets.context_length=512",
-                 f"out={tmp_path / 'c'}", "--dry-run"]) == 0
+    # The portable ONNX computes the sliding layers' banded mask (next test), so a 512-token window at a 2048 context plans.
+    assert main(["run", "target=jetson-orin", "recipe=int8", f"model={mistral}", f"out={tmp_path / 'b'}", "--dry-run"]) == 0
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("family", ["mistral", "gemma3"])
+def test_sliding_window_layers_are_exported_with_their_banded_mask(family, tmp_path):
+    """At a context three times the window, ONNX Runtime computes what transformers computes (prefill logits, and greedy
+    decoding through the KV cache), and that is not what full attention would give: the band is in the graph."""
+    from compress.backends.onnx.export import export_decoder_folder
+    from compress.backends.onnx.runtime import OnnxDecoder
+
+    window = 8
+    options = {"layer_types": None} if family == "mistral" else {}  # Mistral: every layer slides
+    folder = build_tiny_llama(tmp_path / "model", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, family=family,
+                              sliding_window=window, chat_template=True, **options)
+    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    decoder = OnnxDecoder(tmp_path / "onnx")
+    model = load_causal_lm(folder)
+    ids = torch.randint(0, 400, (1, 3 * window), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        sliding = model(ids).logits.numpy()
+        model.config.sliding_window = 10 * window  # the same weights attending over the whole context
+        full = model(ids).logits.numpy()
+        model.config.sliding_window = window
+    ours = decoder.logits(ids.numpy())
+    scale = float(np.abs(sliding).max())
+    assert float(np.abs(ours - sliding).max()) < 1e-4 * scale
+    assert float(np.abs(full - sliding)[:, window:].max()) > 1e-2 * scale  # past the window the band changes the numbers
+    prompt = ids[0, :window].tolist()
+    expected = model.generate(ids[:, :window], max_new_tokens=2 * window, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)[0, window:].tolist()
+    assert decoder.greedy(prompt, 2 * window) == expected
 
 
 GGUF_MODELS = {  # family: (build options, what transformers' GGUF reader alone gets wrong)

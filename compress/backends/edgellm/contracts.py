@@ -20,7 +20,7 @@ from typing import Any
 from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.config import Target
 from compress.core.errors import UsageError
-from compress.models.families import linear_shapes
+from compress.models.families import attention_window, linear_shapes
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,9 @@ RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
                f"{EXPORTER} config.py (num_attention_heads, head_dim)"),
     KernelRule("uniform-layers", "one attention kind for every layer", f"{EXPORTER} config.py (_VALID_ATTENTION_LAYER_TYPES); "
                                                                        "compress deploys uniform stacks only"),
+    KernelRule("sliding-window", "a sliding window no shorter than the context: compress has not checked Edge-LLM's sliding-window "
+               "attention against transformers (the portable ONNX computes each sliding layer's banded mask and is checked)",
+               f"{EXPORTER} config.py (sliding_window_size, read when use_sliding_window or a sliding layer type is set)"),
     KernelRule("model-type", f"decoder families {', '.join(SUPPORTED_MODEL_TYPES)}",
                f"{EXPORTER} models/default/modeling_default.py, and compress's tests of each through the exporter"),
     KernelRule("mixed-precision", "a MIXED_PRECISION checkpoint lists each quantized linear with its quant_algo (and group_size); "
@@ -106,6 +109,17 @@ def check_attention_shape(model_config: dict[str, Any]) -> None:
     if layer_types and len(set(layer_types)) > 1:
         raise UsageError("export_edgellm: the model mixes layer types (" + ", ".join(sorted(set(layer_types))) + "); "
                          f"a bundle takes {RULES['uniform-layers']}")
+
+
+def check_attention_window(model_config: dict[str, Any], target: Target) -> None:
+    """Refuse a bundle of a model whose sliding window is shorter than the target's context, where the bundle's attention
+    would differ from full attention and nothing here has checked it."""
+    window = attention_window(model_config)
+    context = target.budgets.context_length
+    if window is not None and window < context:
+        raise UsageError(f"export_edgellm: sliding_window={window} is shorter than the target's context_length {context}; a bundle "
+                         f"takes {RULES['sliding-window']}; end the recipe at export_onnx (recipe=int8 or recipe=int4), or set "
+                         f"budgets.context_length={window} or below")
 
 
 def check_precision_on_target(edgellm_precision: str, target: Target) -> None:

@@ -35,7 +35,12 @@ _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 
 
 class _DecoderWithCache(torch.nn.Module):
-    """Flat tensors in and out, so the exporter sees a plain function of the KV cache."""
+    """Flat tensors in and out, so the exporter sees a plain function of the KV cache.
+
+    Every layer's cache holds every past position, sliding-window layers included (no config is given to the cache,
+    so none is cropped to its window): transformers then masks a sliding layer with its banded mask over the whole
+    cache, which the graph computes for any length, and every layer's cache has the length the attention mask has.
+    """
 
     def __init__(self, model) -> None:
         super().__init__()
@@ -44,7 +49,7 @@ class _DecoderWithCache(torch.nn.Module):
     def forward(self, input_ids, attention_mask, position_ids, *past):
         from transformers import DynamicCache
 
-        cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache()
         for layer in range(len(past) // 2):
             cache.update(past[2 * layer], past[2 * layer + 1], layer)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,

@@ -50,6 +50,22 @@ def test_each_block_sees_the_hidden_states_the_model_computes(model, windows):
                 torch.testing.assert_close(recorder.outputs[layer][w], recorder.inputs[layer + 1][w])
 
 
+def test_sliding_and_full_layers_each_get_their_own_mask_and_rotary_tables(tmp_path, windows):
+    """Gemma 3 hands its sliding layers a banded mask and the local rotary base, its full layers the causal mask and the
+    global base: with a window shorter than the calibration windows, every block still sees what the model computes."""
+    from tests.conftest import build_tiny_llama
+
+    folder = build_tiny_llama(tmp_path / "gemma3", layers=4, family="gemma3", sliding_window=6)
+    model = load_causal_lm(folder)
+    recorder = _Recorder()
+    walk_blocks(model, windows, [recorder])
+    with torch.no_grad():
+        for w, row in enumerate(windows):
+            states = model(row[None], output_hidden_states=True, use_cache=False).hidden_states
+            for layer in range(len(decoder_blocks(model))):
+                torch.testing.assert_close(recorder.inputs[layer][w], states[layer], rtol=1e-5, atol=1e-5)
+
+
 def test_a_forward_loop_captures_what_windows_capture(model, windows):
     from_windows = capture_first_block_inputs(model, windows)
     from_loop = capture_first_block_inputs(model, forward_loop_of(windows))
