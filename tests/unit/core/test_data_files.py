@@ -218,3 +218,26 @@ def test_held_out_windows_are_calibration_text_calibration_does_not_read():
     assert [domain for domain, _ in held_out] == ["austen"] and held_out[0][1].shape == (5, 64)
     read = {tuple(row.tolist()) for row in calibration}
     assert not read & {tuple(row.tolist()) for row in held_out[0][1]}
+
+
+def test_the_shipped_chat_set_calibrates_and_evaluates_on_prompts_it_does_not_share():
+    """The chat set's two parts: calibration on its own 60 prompts, evaluation (and the app-prompt gate) on 40 others, each
+    conversation the prompt of its list with an answer."""
+    from compress.catalog import TEXT, catalog_dir
+
+    chat = catalog_dir(TEXT) / "chat"
+
+    def conversations(name: str) -> list[list[dict]]:
+        return [json.loads(line)["messages"] for line in (chat / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+
+    calibration, evaluation = conversations("calibration.jsonl"), conversations("evaluation.jsonl")
+    calib_prompts = [c[0]["content"] for c in calibration]
+    eval_prompts = [c[0]["content"] for c in evaluation]
+    assert calib_prompts == [p for p in (chat / "prompts_calibration.txt").read_text(encoding="utf-8").splitlines() if p.strip()]
+    gate = [json.loads(line)["prompt"] for line in (chat / "prompts_evaluation.jsonl").read_text(encoding="utf-8").splitlines()
+            if line.strip()]
+    assert eval_prompts == gate
+    assert (len(set(calib_prompts)), len(set(eval_prompts))) == (60, 40)
+    assert not {p.casefold() for p in calib_prompts} & {p.casefold() for p in eval_prompts}
+    for conversation in calibration + evaluation:
+        assert [m["role"] for m in conversation] == ["user", "assistant"] and conversation[1]["content"].strip()
