@@ -99,9 +99,9 @@ class BlockKwargs:
 
 @dataclass
 class CapturedInputs:
-    """What :func:`capture_block_inputs` captured: the first block's hidden states and every block's kwargs."""
+    """What :func:`capture_block_inputs` captured: the hidden states entering the first block and every block's kwargs."""
 
-    first: BlockInputs
+    hidden: list[torch.Tensor]
     kwargs: BlockKwargs
 
 
@@ -159,7 +159,7 @@ def capture_block_inputs(model, calibration: Calibration) -> CapturedInputs:
         for index, block in enumerate(originals):
             blocks[index] = block
         del model.forward
-    return CapturedInputs(BlockInputs(hidden, per_block[0] or {}), _shared_sets(per_block))
+    return CapturedInputs(hidden, _shared_sets(per_block))
 
 
 _NOT_CAPTURED = ("past_key_values", "past_key_value", "cache", "use_cache")
@@ -182,7 +182,8 @@ def _shared_sets(per_block: list[dict[str, Any] | None]) -> BlockKwargs:
 
 def capture_first_block_inputs(model, calibration: Calibration) -> BlockInputs:
     """What the first decoder block receives over the calibration data (see :func:`capture_block_inputs`)."""
-    return capture_block_inputs(model, calibration).first
+    captured = capture_block_inputs(model, calibration)
+    return BlockInputs(captured.hidden, captured.kwargs.for_block(0))
 
 
 def run_block(block, inputs: BlockInputs) -> list[torch.Tensor]:
@@ -323,7 +324,7 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
     if propagate:
         with _embeddings_in(model, compute_dtype):
             captured = capture_block_inputs(model, calibration)
-        hidden = captured.first.to(device, compute_dtype).hidden
+        hidden = _move(captured.hidden, device, compute_dtype)
         kwargs = captured.kwargs.to(device, compute_dtype)
         del captured
     layers = decoder_blocks(model)
