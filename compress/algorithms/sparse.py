@@ -78,7 +78,7 @@ def fraction_in_24_pattern(weight: torch.Tensor, axis: int = 1) -> float:
 
 
 def onnx_24_fraction(model_path, skip_output_dim: int | None = None) -> float:
-    """2:4 coverage of the MatMul weight initializers of an ONNX file (float, INT8 or INT4, Q/DQ or not).
+    """2:4 coverage of the MatMul weight initializers of an ONNX file (float32 or 16-bit, INT8 or INT4, Q/DQ or not).
 
     Initializers are ``(in, out)``, so groups run along axis 0. ``skip_output_dim`` leaves out the
     dense LM head (its output width is the vocabulary).
@@ -90,7 +90,9 @@ def onnx_24_fraction(model_path, skip_output_dim: int | None = None) -> float:
     model = onnx.load(str(model_path))
     graph = model.graph
     initializers = {init.name: init for init in graph.initializer}
-    dequantized_from = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers}
+    # A weight reaches its MatMul from an initializer directly, through a DequantizeLinear (levels) or a Cast (16-bit)
+    dequantized_from = {n.output[0]: n.input[0] for n in graph.node
+                        if n.op_type in ("DequantizeLinear", "Cast") and n.input[0] in initializers}
     covered = total = 0.0
     for node in graph.node:
         if node.op_type != "MatMul":

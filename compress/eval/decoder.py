@@ -62,7 +62,7 @@ from compress.eval.prompts import (
 )
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer
-from compress.transforms.quantize.saved import attach_quantization, held_quantized_causal_lm, load_quantization
+from compress.transforms.quantize.saved import held_deployed_causal_lm
 from compress.transforms.walk import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -256,12 +256,7 @@ def deployed_generator(model_dir: Path, decoder: OnnxDecoder | None, eos: list[i
     if decoder is not None:
         yield one_at_a_time(decoder.greedy)
         return
-    loaded = load_quantization(model_dir)
-    if loaded is None:
-        model, rebuilt = load_causal_lm(model_dir, own_dtype=True), None
-    else:
-        model, rebuilt = held_quantized_causal_lm(model_dir)
-        attach_quantization(model, *loaded)
+    model, rebuilt = held_deployed_causal_lm(model_dir)
     with computed_in_float32(model, rebuilt):
         yield torch_greedy_batched(model, eos, pad_id)
     del model

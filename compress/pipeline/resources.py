@@ -29,14 +29,16 @@ REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this f
 # copy holds) plus copies of the checkpoint's bytes (what a stage holding the model in its own dtype, one part in float32
 # at a time, holds); measured on the embedded SmolLM2 (float32) and a Qwen3-0.6B-shape bf16 checkpoint (default recipe,
 # 2 cores; `bench/scale_table.py`), fitted to the larger of the two. A stage in neither table: two fp32 copies.
-HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_onnx": 4.0, "export_edgellm": 2.4, "build_engine": 0.5}
-HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "validate": 1.2}
+HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_edgellm": 2.4, "build_engine": 0.5}
+# export_onnx: the graph's weights are written one tensor at a time; then the reference holds the model in its own dtype,
+# and ONNX Runtime's session holds the levels and the 16-bit tensors cast to float32 (at most two copies of their bytes).
+HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "validate": 1.2, "export_onnx": 2.0}
 # The stages that stream a model block by block (models/weights.py) hold one block in float32 and its work (statistics,
 # Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
 STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
 
 # Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes).
-DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": 2.2,
+DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": None,
                         "export_edgellm": 3.2, "build_engine": 0.0, "validate": 0.0}
 # Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
 # of this class of machine.
@@ -113,17 +115,20 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
             host += work
             device_bytes = 0.0
         disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
-        disk = _disk_bytes(base, model_config, params, checkpoint_bytes) if disk_rate is None else disk_rate * params
+        quantized = any(other == "quantize" for other, _ in stages)
+        disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
         seconds = (SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
                    + FIXED_SECONDS.get(base, 0.0))
         estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
     return estimates
 
 
-def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float) -> float:
-    """What the stages that write the model in its own dtype write: the checkpoint again (load, sparsify), or its quantized
-    linears as one byte per weight and the rest as in the checkpoint (quantize)."""
-    if stage != "quantize" or model_kind(model_config) != "decoder":
+def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float, quantized: bool) -> float:
+    """What the stages that write the model in its own dtype write: the checkpoint again (load, sparsify, the ONNX of a
+    float model), or its quantized linears as one byte per weight and the rest as in the checkpoint (quantize, the ONNX
+    of a quantized model)."""
+    writes_levels = stage == "quantize" or (stage == "export_onnx" and quantized)
+    if not writes_levels or model_kind(model_config) != "decoder":
         return checkpoint_bytes
     per_param = checkpoint_bytes / max(params, 1)
     linear = sum(out * inp for out, inp in linear_shapes(model_config).values()) * int(model_config.get("num_hidden_layers", 0))

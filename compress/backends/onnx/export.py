@@ -14,18 +14,29 @@ import shutil
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import onnx
 import torch
 
+from compress.algorithms.formats import PRECISIONS
+from compress.backends.onnx.decoder_graph import skeleton_causal_lm, trace_decoder, write_weights
 from compress.backends.onnx.graph import onnx_files_size, save_graph, share_tied_embedding
 from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, apply_qdq
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.core.files import atomic_write_json
+from compress.models.compute import computed_in_float32
 from compress.models.families import attention_geometry
 from compress.models.loading import chat_prompt_ids, load_tokenizer
-from compress.transforms.quantize.saved import attach_quantization, kv_cache_scales, load_quantization, load_quantized_causal_lm
+from compress.transforms.quantize.saved import (
+    held_deployed_causal_lm,
+    kv_cache_scales,
+    load_quantization,
+    load_quantized_causal_lm,
+    quantization_meta,
+)
 from compress.transforms.walk import release_freed_memory
 
 log = logging.getLogger(__name__)
@@ -88,27 +99,23 @@ def _example_inputs(layout: DecoderLayout, batch: int = 2, seq: int = 5, past: i
 
 
 def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "torchscript", opset: int = 18) -> None:
-    """Write ``model`` as an ONNX decoder with KV cache to ``path``."""
+    """Write ``model`` as an ONNX decoder with KV cache to ``path``: with the TorchScript exporter, its parameters as graph
+    inputs (see :mod:`compress.backends.onnx.decoder_graph`); with the dynamo exporter, its weights in the graph."""
     wrapper = _DecoderWithCache(model).eval()
+    example = _example_inputs(layout)
+    if exporter != "dynamo":
+        trace_decoder(wrapper, layout, example, path, opset)
+        return
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layout.num_layers)]
     outputs = ["logits", *present_names(layout.num_layers)]
-    example = _example_inputs(layout)
+    batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
+    total = torch.export.Dim("total")
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
+              tuple({0: batch, 2: past} for _ in range(2 * layout.num_layers)))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        if exporter == "dynamo":
-            batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
-            total = torch.export.Dim("total")
-            shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
-                      tuple({0: batch, 2: past} for _ in range(2 * layout.num_layers)))
-            torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
-                              dynamic_shapes=shapes, dynamo=True, opset_version=max(opset, 18), external_data=False)
-        else:
-            axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
-                    "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
-            axes.update({name: {0: "batch", 2: "past"} for name in inputs[3:]})
-            axes.update({name: {0: "batch", 2: "total"} for name in outputs[1:]})
-            torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
-                              dynamic_axes=axes, dynamo=False, opset_version=opset)
+        torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
+                          dynamic_shapes=shapes, dynamo=True, opset_version=max(opset, 18), external_data=False)
 
 
 def torch_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
@@ -165,9 +172,8 @@ def check_parity(reference: TorchReference, tokenizer, folder: Path) -> dict:
 
 
 def rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dict:
-    """Q/DQ nodes for a quantized model and one copy of a tied embedding, in one load and save of the graph."""
-    import onnx
-
+    """Q/DQ nodes for a quantized model and one copy of a tied embedding, in one load and save of the graph (the dynamo
+    export, whose graph holds its float weights)."""
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     if not quantized and not tied:
         return {}
@@ -180,7 +186,6 @@ def rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dic
         scales = kv_cache_scales(meta)
         if scales:
             qdq_stats["kv_cache_qdq_pairs"] = apply_kv_cache_qdq(graph_model, scales)
-        attach_quantization(model, meta, linears)
     if tied and share_tied_embedding(graph_model):
         log.info("tied embedding stored once (the LM head reads the transposed table)")
     save_graph(graph_model, path)
@@ -202,27 +207,64 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
                           parity_prompt: str = "What is the capital of France?", parity_new_tokens: int = 16,
                           trust_remote_code: bool = False) -> ExportedDecoder:
     """Export the Hugging Face folder ``source`` (float, or quantized by the quantize stage) into ``out``: the graph, its
-    KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime."""
-    model = load_quantized_causal_lm(source, trust_remote_code=trust_remote_code)
+    KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime.
+
+    The TorchScript exporter (the default) traces a weightless skeleton and writes the weights one tensor at a time from
+    the checkpoint; torch's reference is the model held in its own dtype and computed in float32 part by part. So no
+    float32 copy of the model is made. The dynamo exporter traces the model loaded in float32."""
     tokenizer = load_tokenizer(source)
-    quantized = load_quantization(source)
-    formats = [q.format for q in quantized[1].values()] if quantized else []
-    int8_activations = any(f.activations == "int8" for f in formats)
-    fp4_weights = any(f.weight_format == "nvfp4" for f in formats)
+    meta = quantization_meta(source)
+    formats = [PRECISIONS[info.get("precision", meta["precision"])] for info in meta["linears"].values()] if meta else []
     out.mkdir(parents=True, exist_ok=True)
-    layout = decoder_layout(model, eos_ids(model, tokenizer), int8_activations, fp4_weights)
-    log.info("exporting %d layers to ONNX with the %s exporter (opset %d)", layout.num_layers, exporter, opset)
-    export_decoder(model, layout, out / ONNX_FILE, exporter, opset)
-    qdq_stats = rewrite_graph(out / ONNX_FILE, model, quantized)
+    path = out / ONNX_FILE
+    export = _export_dynamo if exporter == "dynamo" else _export_streamed
+    layout, qdq_stats = export(source, path, _folder_eos_ids(source, tokenizer), formats, opset, trust_remote_code)
     atomic_write_json(out / LAYOUT_FILE, layout.to_json())
     for name in _SIDE_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
     log.info("checking ONNX Runtime against torch")
-    reference = torch_reference(model, tokenizer, parity_prompt, parity_new_tokens, layout.eos_token_ids)
-    del model  # ONNX Runtime's copy of the graph is the next large allocation; the torch model has done its part
+    model, rebuilt = held_deployed_causal_lm(source, trust_remote_code)
+    with computed_in_float32(model, rebuilt):
+        reference = torch_reference(model, tokenizer, parity_prompt, parity_new_tokens, layout.eos_token_ids)
+    del model, rebuilt  # ONNX Runtime's copy of the graph is the next large allocation; the torch model has done its part
     release_freed_memory()
     parity = check_parity(reference, tokenizer, out)
     log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
              "identical" if parity["greedy_match"] else "DIFFER")
-    return ExportedDecoder(layout, quantized is not None, parity, qdq_stats, onnx_files_size(out / ONNX_FILE))
+    return ExportedDecoder(layout, meta is not None, parity, qdq_stats, onnx_files_size(path))
+
+
+def _layout(model, eos: list[int], formats: list) -> DecoderLayout:
+    return decoder_layout(model, eos, any(f.activations == "int8" for f in formats), any(f.weight_format == "nvfp4" for f in formats))
+
+
+def _export_streamed(source: Path, path: Path, eos: list[int], formats: list, opset: int,
+                     trust_remote_code: bool) -> tuple[DecoderLayout, dict]:
+    """Trace a weightless skeleton, then write the weights one tensor at a time (:mod:`.decoder_graph`)."""
+    skeleton = skeleton_causal_lm(source, trust_remote_code)
+    layout = _layout(skeleton, eos, formats)
+    log.info("exporting %d layers to ONNX (opset %d), the weights one tensor at a time", layout.num_layers, opset)
+    export_decoder(skeleton, layout, path, "torchscript", opset)
+    graph_model = onnx.load(str(path))
+    qdq_stats = write_weights(graph_model, skeleton, source, path, trust_remote_code)
+    onnx.save(graph_model, str(path))
+    return layout, qdq_stats
+
+
+def _export_dynamo(source: Path, path: Path, eos: list[int], formats: list, opset: int,
+                   trust_remote_code: bool) -> tuple[DecoderLayout, dict]:
+    """Trace the model loaded in float32 with the dynamo exporter, then rewrite its graph with Q/DQ nodes."""
+    model = load_quantized_causal_lm(source, trust_remote_code=trust_remote_code)
+    layout = _layout(model, eos, formats)
+    log.info("exporting %d layers to ONNX with the dynamo exporter (opset %d)", layout.num_layers, opset)
+    export_decoder(model, layout, path, "dynamo", opset)
+    return layout, rewrite_graph(path, model, load_quantization(source))
+
+
+def _folder_eos_ids(folder: Path, tokenizer) -> list[int]:
+    """End-of-sequence ids from the folder's generation config, else the tokenizer's."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_pretrained(folder) if (Path(folder) / "generation_config.json").is_file() else None
+    return eos_ids(SimpleNamespace(generation_config=generation or GenerationConfig()), tokenizer)

@@ -79,6 +79,51 @@ def save_graph(graph_model, path: Path, limit_bytes: int = PROTOBUF_LIMIT_BYTES)
               location=path.name + EXTERNAL_DATA_SUFFIX, size_threshold=1024)
 
 
+class ExternalDataWriter:
+    """Tensors' bytes appended to one external data file as they are made, so a large graph's weights are never held
+    together: :meth:`store` moves a tensor's bytes to the file and leaves the tensor pointing at them.
+
+    Each large tensor starts at a multiple of the page size, so runtimes can map it in place; small tensors and shapes
+    stay in the graph.
+    """
+
+    ALIGNMENT = 4096
+    ALIGN_FROM_BYTES = 2 ** 20  # tensors this large start on a page; smaller ones follow each other
+    INLINE_BYTES = 1024  # smaller tensors (scales, shapes, which shape inference reads) stay in the graph
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.location = path.name
+        self._file = open(path, "wb")  # noqa: SIM115 (held open across calls; closed by close())
+        self.bytes_written = 0
+
+    def store(self, tensor):
+        from onnx import TensorProto
+        from onnx.external_data_helper import set_external_data
+
+        data = tensor.raw_data
+        if len(data) < self.INLINE_BYTES or tensor.data_type == TensorProto.INT64:
+            return tensor
+        padding = -self.bytes_written % self.ALIGNMENT if len(data) >= self.ALIGN_FROM_BYTES else 0
+        self._file.write(b"\0" * padding)
+        offset = self.bytes_written + padding
+        self._file.write(data)
+        self.bytes_written = offset + len(data)
+        set_external_data(tensor, self.location, offset, len(data))
+        tensor.data_location = TensorProto.EXTERNAL
+        tensor.ClearField("raw_data")
+        return tensor
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> ExternalDataWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def onnx_files_sha256(path: Path) -> str:
     """SHA-256 of a graph file, or of its file and external data files' hashes when it has any."""
     files = external_files(path)

@@ -17,6 +17,7 @@ of a quantized weight is kept.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import ml_dtypes
@@ -185,71 +186,117 @@ def _rotation(input_name: str, linear: LinearForExport, tag: str, shared: dict[s
     return nodes, out
 
 
-def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[str, int]:
-    """Rewrite ``model`` in place; every linear must be found exactly once."""
-    by_digest = {_digest(lin.dequantized.T): lin for lin in linears}
-    graph = model.graph
-    original_nodes = list(graph.node)
-    consumers: dict[str, list[int]] = {}
-    for position, node in enumerate(original_nodes):
-        for name in node.input:
-            consumers.setdefault(name, []).append(position)
-    found: dict[str, str] = {}
-    replaced: list[int] = []
-    new_inits: list[onnx.TensorProto] = []
-    new_nodes: list[onnx.NodeProto] = []
-    before: dict[int, list[onnx.NodeProto]] = {}  # node position -> nodes to insert before it
-    shared: dict[str, onnx.TensorProto] = {}
-    activation_pairs = rotations = 0
-    for init_index, init in enumerate(graph.initializer):
-        is_matrix = init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2
-        linear = by_digest.get(_digest(numpy_helper.to_array(init))) if is_matrix else None
-        if linear is None or linear.name in found:
-            continue
-        replaced.append(init_index)
-        found[linear.name] = init.name
-        tensors, dq_nodes = _weight_dq(linear, init.name)
-        new_inits.extend(tensors)
-        new_nodes.extend(dq_nodes)
-        matmuls = [p for p in consumers.get(init.name, []) if original_nodes[p].op_type == "MatMul"]
+class QdqRewrite:
+    """A graph's Q/DQ rewrite, collected one linear at a time and applied by :meth:`finish` (node positions stay those
+    of the graph as it was when the rewrite began).
+
+    ``store`` is called on every tensor the rewrite creates, before the rewrite keeps it (the streamed export moves each
+    one's bytes to the external data file there, so the levels of a large model are never held together).
+    """
+
+    def __init__(self, model: onnx.ModelProto, store: Callable[[onnx.TensorProto], onnx.TensorProto] = lambda t: t) -> None:
+        self.model = model
+        self.nodes = list(model.graph.node)
+        self.consumers: dict[str, list[int]] = {}
+        for position, node in enumerate(self.nodes):
+            for name in node.input:
+                self.consumers.setdefault(name, []).append(position)
+        self.store = store
+        self.found: dict[str, str] = {}
+        self.removed: set[int] = set()
+        self.new_inits: list[onnx.TensorProto] = []
+        self.new_nodes: list[onnx.NodeProto] = []
+        self.before: dict[int, list[onnx.NodeProto]] = {}  # node position -> nodes to insert before it
+        self.shared: dict[str, onnx.TensorProto] = {}
+        self.activation_pairs = self.rotations = 0
+        self.fp4 = False
+
+    def add_tensor(self, tensor: onnx.TensorProto) -> None:
+        """An initializer of the rewritten graph."""
+        self.new_inits.append(self.store(tensor))
+
+    def add_node(self, node: onnx.NodeProto) -> None:
+        """A node at the front of the rewritten graph (it reads initializers only)."""
+        self.new_nodes.append(node)
+
+    def remove_node(self, position: int) -> None:
+        self.removed.add(position)
+
+    def add_linear(self, linear: LinearForExport, weight_name: str) -> None:
+        """``linear``'s weight becomes its grid values and ``DequantizeLinear`` nodes producing ``weight_name`` (the
+        ``(in, out)`` tensor its ``MatMul`` reads), and each such ``MatMul``'s input gets its quantizer."""
+        self.found[linear.name] = weight_name
+        self.fp4 = self.fp4 or linear.weight_format == "nvfp4"
+        tensors, dq_nodes = _weight_dq(linear, weight_name)
+        for tensor in tensors:
+            self.add_tensor(tensor)
+        self.new_nodes.extend(dq_nodes)
+        matmuls = [p for p in self.consumers.get(weight_name, []) if self.nodes[p].op_type == "MatMul"]
         rewrites_input = linear.input_scale is not None or linear.rotation or linear.input_smoothing is not None
         for index, position in enumerate(matmuls if rewrites_input else []):
-            node = original_nodes[position]
-            tag = f"{init.name}_{index}"
-            source = node.input[0]
-            if linear.input_smoothing is not None:
-                inverse = numpy_helper.from_array((1.0 / linear.input_smoothing).astype(np.float32), f"{tag}_smooth_inv")
-                new_inits.append(inverse)
-                before.setdefault(position, []).append(
-                    helper.make_node("Mul", [source, inverse.name], [f"{tag}_smoothed"], name=f"{tag}_smooth_Mul"))
-                source = f"{tag}_smoothed"
-            if linear.rotation:
-                nodes, source = _rotation(source, linear, tag, shared)
-                before.setdefault(position, []).extend(nodes)
-                rotations += 1
-            if linear.input_scale is not None:
-                tensors, nodes, source = _activation_qdq(source, linear.input_scale, tag, linear.input_format)
-                new_inits.extend(tensors)
-                before.setdefault(position, []).extend(nodes)
-                activation_pairs += 1
-            node.input[0] = source
-    missing = sorted({lin.name for lin in linears} - set(found))
-    if missing:
-        raise StageError(f"quantized linears not found in the exported graph: {', '.join(missing[:5])}")
-    for init_index in reversed(replaced):
-        del graph.initializer[init_index]
-    graph.initializer.extend(new_inits)
-    graph.initializer.extend(shared.values())
-    nodes = list(new_nodes)
-    for position, node in enumerate(original_nodes):
-        nodes.extend(before.get(position, []))
-        detached = onnx.NodeProto()
-        detached.CopyFrom(node)
-        nodes.append(detached)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    _set_opset(model, FP4_OPSET if any(lin.weight_format == "nvfp4" for lin in linears) else QDQ_OPSET)
-    return {"quantized_linears": len(found), "activation_qdq_pairs": activation_pairs, "hadamard_rotations": rotations}
+            self._rewrite_input(linear, position, f"{weight_name}_{index}")
+
+    def _rewrite_input(self, linear: LinearForExport, position: int, tag: str) -> None:
+        node = self.nodes[position]
+        source = node.input[0]
+        before = self.before.setdefault(position, [])
+        if linear.input_smoothing is not None:
+            inverse = numpy_helper.from_array((1.0 / linear.input_smoothing).astype(np.float32), f"{tag}_smooth_inv")
+            self.add_tensor(inverse)
+            before.append(helper.make_node("Mul", [source, inverse.name], [f"{tag}_smoothed"], name=f"{tag}_smooth_Mul"))
+            source = f"{tag}_smoothed"
+        if linear.rotation:
+            nodes, source = _rotation(source, linear, tag, self.shared)
+            before.extend(nodes)
+            self.rotations += 1
+        if linear.input_scale is not None:
+            tensors, nodes, source = _activation_qdq(source, linear.input_scale, tag, linear.input_format)
+            for tensor in tensors:
+                self.add_tensor(tensor)
+            before.extend(nodes)
+            self.activation_pairs += 1
+        node.input[0] = source
+
+    def finish(self, expected: list[str], removed_initializers: list[int] = ()) -> dict[str, int]:
+        """Apply the rewrite; every linear named in ``expected`` must have been added."""
+        missing = sorted(set(expected) - set(self.found))
+        if missing:
+            raise StageError(f"quantized linears not found in the exported graph: {', '.join(missing[:5])}")
+        graph = self.model.graph
+        for init_index in sorted(removed_initializers, reverse=True):
+            del graph.initializer[init_index]
+        graph.initializer.extend(self.new_inits)
+        graph.initializer.extend(self.store(tensor) for tensor in self.shared.values())
+        nodes = list(self.new_nodes)
+        for position, node in enumerate(self.nodes):
+            if position in self.removed:
+                continue
+            nodes.extend(self.before.get(position, []))
+            detached = onnx.NodeProto()
+            detached.CopyFrom(node)
+            nodes.append(detached)
+        del graph.node[:]
+        graph.node.extend(nodes)
+        if self.found:
+            _set_opset(self.model, FP4_OPSET if self.fp4 else QDQ_OPSET)
+        return {"quantized_linears": len(self.found), "activation_qdq_pairs": self.activation_pairs,
+                "hadamard_rotations": self.rotations}
+
+
+def apply_qdq(model: onnx.ModelProto, linears: list[LinearForExport]) -> dict[str, int]:
+    """Rewrite ``model`` in place, each linear's weight initializer found by its value; every linear must be found
+    exactly once."""
+    by_digest = {_digest(lin.dequantized.T): lin for lin in linears}
+    rewrite = QdqRewrite(model)
+    replaced: list[int] = []
+    for init_index, init in enumerate(model.graph.initializer):
+        is_matrix = init.data_type == onnx.TensorProto.FLOAT and len(init.dims) == 2
+        linear = by_digest.get(_digest(numpy_helper.to_array(init))) if is_matrix else None
+        if linear is None or linear.name in rewrite.found:
+            continue
+        replaced.append(init_index)
+        rewrite.add_linear(linear, init.name)
+    return rewrite.finish([lin.name for lin in linears], replaced)
 
 
 def apply_kv_cache_qdq(model: onnx.ModelProto, scales: dict[int, tuple[float, float]]) -> int:

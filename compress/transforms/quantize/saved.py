@@ -48,7 +48,7 @@ from compress.algorithms.rotation import rotate
 from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, read_json
 from compress.models.loading import load_causal_lm
-from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
+from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader, empty_causal_lm, set_parameter
 from compress.transforms.quantize.config import QuantizeConfig
 
 QUANT_CONFIG_FILE = "quantization.json"
@@ -271,17 +271,51 @@ def model_state_without_quantized(model, linears: dict[str, LinearQuant]) -> dic
     return {key: value for key, value in model.state_dict().items() if key not in left_out}
 
 
-def held_quantized_causal_lm(folder: Path) -> tuple[Any, dict[str, Callable[[], torch.Tensor]]]:
+def held_quantized_causal_lm(folder: Path, trust_remote_code: bool = False,
+                             loaded: tuple[dict[str, Any], dict[str, LinearQuant]] | None = None
+                             ) -> tuple[Any, dict[str, Callable[[], torch.Tensor]]]:
     """A quantized folder's model held compactly, for computing with :func:`~compress.models.compute.computed_in_float32`:
-    in the checkpoint's own dtype, each quantized weight kept only as its levels and scales, with the function that
-    rebuilds it in float32 (by parameter name) while its block computes."""
-    meta, linears = load_quantization(folder)
-    model = load_causal_lm(folder, own_dtype=True, left_out=_weight_names(linears))
-    rebuilt = {}
-    for name, quant in linears.items():
-        weight = model.get_submodule(name).weight
-        weight.data = torch.empty(0, dtype=weight.dtype)  # transformers initialised it; the levels are the weight
-        rebuilt[f"{name}.weight"] = functools.partial(dequantized_weight, meta, quant)
+    every float tensor as the checkpoint stores it, each quantized weight kept only as its levels and scales, with the
+    function that rebuilds it in float32 (by parameter name) while its block computes.
+
+    The model is built empty and given the checkpoint's tensors (no initialisation, no float copy of a quantized
+    weight is ever made); its generation settings are the folder's. ``loaded``: what :func:`load_quantization` read, if
+    the caller has it."""
+    meta, linears = loaded or load_quantization(folder)
+    quantized = _weight_names(linears)
+    model = empty_causal_lm(folder, trust_remote_code=trust_remote_code)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()  # one parameter, read once, before the tensors are named
+    shapes = {name: p.shape for name, p in model.named_parameters()}
+    reader = CheckpointReader(folder)
+    stored = reader.read(name for name in shapes if name not in quantized)
+    for name, shape in shapes.items():
+        if name in quantized:
+            set_parameter(model, name, torch.empty(0, dtype=model.get_parameter(name).dtype))
+            continue
+        value = stored.pop(name)
+        if value.shape != shape:
+            raise UsageError(f"{folder}: {name} is {tuple(value.shape)} where config.json gives {tuple(shape)}")
+        set_parameter(model, name, value)
+    if getattr(model.config, "tie_word_embeddings", False):
+        model.tie_weights()
+    if (Path(folder) / "generation_config.json").is_file():
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    rebuilt = {f"{name}.weight": functools.partial(dequantized_weight, meta, quant) for name, quant in linears.items()}
+    return model, rebuilt
+
+
+def held_deployed_causal_lm(folder: Path, trust_remote_code: bool = False
+                            ) -> tuple[Any, dict[str, Callable[[], torch.Tensor]] | None]:
+    """What a folder deploys, held in its own dtype for :func:`~compress.models.compute.computed_in_float32`: a float
+    model as it is, a quantized one as its levels with its input quantizers and FP8 KV cache attached."""
+    loaded = load_quantization(folder)
+    if loaded is None:
+        return load_causal_lm(folder, trust_remote_code=trust_remote_code, own_dtype=True), None
+    model, rebuilt = held_quantized_causal_lm(folder, trust_remote_code, loaded)
+    attach_quantization(model, *loaded)
     return model, rebuilt
 
 

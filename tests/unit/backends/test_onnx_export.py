@@ -1,0 +1,151 @@
+"""The decoder export traces a weightless skeleton and writes the checkpoint's own bytes one tensor at a time; ONNX
+Runtime computes what torch computes with the model held in its own dtype."""
+
+from __future__ import annotations
+
+import weakref
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from compress.backends.onnx.decoder_graph import skeleton_causal_lm, write_weights
+from compress.backends.onnx.export import decoder_layout, export_decoder, export_decoder_folder, torch_reference
+from compress.backends.onnx.graph import external_files
+from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
+from compress.eval.layerwise import window_logits
+from compress.models.compute import computed_in_float32
+from compress.models.loading import load_causal_lm, load_tokenizer, save_side_files
+from compress.transforms.quantize.config import QUANTIZE_CONFIG
+from compress.transforms.quantize.decoder import quantize_folder
+from compress.transforms.quantize.saved import held_deployed_causal_lm, load_quantization, load_quantized_causal_lm
+from tests.conftest import build_tiny_llama
+
+LAYERS = 6
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory):
+    """A tiny Llama saved in bfloat16, as real checkpoints are."""
+    root = tmp_path_factory.mktemp("bf16")
+    source = build_tiny_llama(root / "fp32", layers=LAYERS, hidden=64, heads=4, kv_heads=2, intermediate=192)
+    model = load_causal_lm(source).to(torch.bfloat16)
+    model.save_pretrained(root / "model")
+    load_tokenizer(source).save_pretrained(root / "model")
+    return root / "model"
+
+
+@pytest.fixture(scope="module")
+def quantized_bf16(bf16_model, tmp_path_factory):
+    out = tmp_path_factory.mktemp("q") / "int8"
+    windows = torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(3))
+    config = QUANTIZE_CONFIG.validate_python({"method": "int8", "calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1})
+    quantize_folder(bf16_model, out, windows, config, progress=False)
+    save_side_files(load_tokenizer(bf16_model), bf16_model, out)
+    return out, windows
+
+
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _stored_bytes(init: onnx.TensorProto) -> int:
+    external = {entry.key: entry.value for entry in init.external_data}
+    return int(external["length"]) if "length" in external else len(init.raw_data)
+
+
+def test_the_skeleton_the_exporter_traces_holds_no_weights(bf16_model):
+    skeleton = skeleton_causal_lm(bf16_model)
+    assert skeleton.lm_head.weight is skeleton.model.embed_tokens.weight  # the tie survives
+    assert all(p.dtype == torch.float32 and p.untyped_storage().nbytes() <= 4 for p in skeleton.parameters())
+    assert _parameter_bytes(skeleton) == 4 * _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True)) // 2
+
+
+def test_a_bf16_model_is_exported_in_its_own_bytes_and_computes_as_torch_does(bf16_model, tmp_path):
+    exported = export_decoder_folder(bf16_model, tmp_path / "onnx", parity_new_tokens=8)
+    assert exported.parity["max_abs_logit_diff"] < 1e-3 and exported.parity["greedy_match"]
+    graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE), load_external_data=False).graph
+    matrices = [init for init in graph.initializer if len(init.dims) == 2]
+    assert matrices and all(init.data_type == onnx.TensorProto.BFLOAT16 for init in matrices)
+    assert not any(i.name.startswith("model.") for i in graph.input)  # parameters are initializers, not inputs
+    stored = sum(_stored_bytes(init) for init in graph.initializer if init.data_type == onnx.TensorProto.BFLOAT16)
+    assert stored == _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True))  # the checkpoint's bytes, each tensor once
+    assert external_files(tmp_path / "onnx" / ONNX_FILE)  # beside the graph
+
+
+def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the_measured_logits(quantized_bf16, tmp_path):
+    folder, windows = quantized_bf16
+    exported = export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=4)
+    _, linears = load_quantization(folder)
+    assert exported.quantized and exported.qdq["quantized_linears"] == len(linears) == 7 * LAYERS
+    graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE)).graph
+    initializers = {init.name: init for init in graph.initializer}
+    dq_inputs = [n.input[0] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers]
+    stored = sorted(q.levels.to(torch.int8).T.contiguous().numpy().tobytes() for q in linears.values())
+    exported_levels = sorted(onnx.numpy_helper.to_array(initializers[name]).tobytes() for name in dq_inputs
+                             if initializers[name].data_type == onnx.TensorProto.INT8)
+    assert exported_levels == stored  # the quantize stage's levels, untouched
+    weights = set(initializers) | {n.output[0] for n in graph.node if n.op_type == "Cast" and n.input[0] in initializers}
+    transposed = [n.input[0] for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights]
+    gathered = [n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in weights]
+    assert transposed == gathered  # only the tied embedding is read transposed (by the LM head); linears are stored (in, out)
+    measured = window_logits(folder, windows)
+    decoder = OnnxDecoder(tmp_path / "onnx")
+    for index, row in enumerate(windows):
+        logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
+        assert float(np.abs(logits - measured.logits(index)).max()) < 0.05 * float(np.abs(measured.logits(index)).max())
+
+
+class _LiveFloat32(TorchDispatchMode):
+    """The most float32 bytes torch held at once while it was active (tensors made by torch operations)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self.seen: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32 and not tensor.is_meta:
+                self._track(tensor)
+        return out
+
+    def _track(self, tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.seen or storage.nbytes() == 0:
+            return
+        self.seen.add(key)
+        self.live += storage.nbytes()
+        self.peak = max(self.peak, self.live)
+        weakref.finalize(tensor, self._release, key, storage.nbytes())
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self.seen.discard(key)
+        self.live -= nbytes
+
+
+def test_neither_the_weights_nor_torchs_reference_hold_the_model_in_float32(bf16_model, quantized_bf16, tmp_path):
+    """What the export computes in torch besides tracing the skeleton: writing the weights, and the parity reference (the
+    deployed model held as its levels, computed in float32 part by part, greedy decoding included)."""
+    folder, _ = quantized_bf16
+    float32_model = 2 * _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True))
+    with _LiveFloat32() as loading:  # the measure sees a float32 model when there is one
+        model = load_quantized_causal_lm(folder)
+    assert loading.peak >= 0.9 * float32_model
+    del model
+    skeleton = skeleton_causal_lm(folder)
+    layout = decoder_layout(skeleton, [0])
+    export_decoder(skeleton, layout, tmp_path / ONNX_FILE)
+    graph = onnx.load(str(tmp_path / ONNX_FILE))
+    tokenizer = load_tokenizer(folder)
+    with _LiveFloat32() as writing:
+        write_weights(graph, skeleton, folder, tmp_path / ONNX_FILE)
+    with _LiveFloat32() as reference:
+        model, rebuilt = held_deployed_causal_lm(folder)
+        with computed_in_float32(model, rebuilt):
+            torch_reference(model, tokenizer, "What is the capital of France?", 4, [0])
+    assert writing.peak < 0.3 * float32_model and reference.peak < 0.5 * float32_model
