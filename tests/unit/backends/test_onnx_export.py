@@ -15,6 +15,7 @@ from compress.backends.onnx.decoder_graph import skeleton_causal_lm, write_weigh
 from compress.backends.onnx.export import decoder_layout, export_decoder, export_decoder_folder, torch_reference
 from compress.backends.onnx.graph import external_files
 from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
+from compress.backends.tensorrt.engine_graph import engine_graph_parity, write_engine_graph
 from compress.eval.layerwise import window_logits
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer, save_side_files
@@ -73,6 +74,12 @@ def test_a_bf16_model_is_exported_in_its_own_bytes_and_computes_as_torch_does(bf
     stored = sum(_stored_bytes(init) for init in graph.initializer if init.data_type == onnx.TensorProto.BFLOAT16)
     assert stored == _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True))  # the checkpoint's bytes, each tensor once
     assert external_files(tmp_path / "onnx" / ONNX_FILE)  # beside the graph
+    # TensorRT's FP16 input graph casts the bf16 tensors to FP16 and computes what the exported graph does
+    write_engine_graph(tmp_path / "onnx" / ONNX_FILE, tmp_path / "engine_input.onnx")
+    ids = np.array([[5, 17, 33, 9]])
+    feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
+    feeds |= {f"past_key_values.{i}.{p}": np.zeros((1, 2, 0, 16), dtype=np.float32) for i in range(LAYERS) for p in ("key", "value")}
+    assert engine_graph_parity(tmp_path / "onnx" / ONNX_FILE, tmp_path / "engine_input.onnx", feeds)["cosine_min"] > 0.999
 
 
 def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the_measured_logits(quantized_bf16, tmp_path):
