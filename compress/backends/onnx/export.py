@@ -1,10 +1,12 @@
 """A decoder with an explicit KV cache as ONNX: export, Q/DQ rewrite, and the parity check against torch.
 
 The graph has dynamic batch, sequence and past axes (see :mod:`compress.backends.onnx.runtime` for
-its inputs and outputs). A quantized folder (the quantize stage's) is exported from its on-grid
-float weights and rewritten with real Q/DQ nodes from its saved scales; a tied embedding is stored
-once. After export the model runs in ONNX Runtime beside torch: the largest logit difference on a
-fixed prompt and the greedy tokens of both are measured.
+its inputs and outputs). By default the graph is traced from a weightless skeleton and its weights
+are written one tensor at a time from the folder, a quantized one's linears as real Q/DQ nodes over
+their saved levels and scales (:mod:`compress.backends.onnx.decoder_graph`); the dynamo exporter
+traces the float32 model and its graph is rewritten by value. A tied embedding is stored once.
+After export the model runs in ONNX Runtime beside torch: the largest logit difference on a fixed
+prompt and the greedy tokens of both are measured.
 """
 
 from __future__ import annotations
