@@ -112,7 +112,8 @@ class _BlockLevels:
         prefix = next((p for p in self.prefixes if linear.startswith(p)), "")
         if prefix != self._prefix:
             self._linears = {}  # let the previous block's levels go before reading the next
-            self._prefix, (_, self._linears) = prefix, load_quantization(self.folder, prefix or None)
+            _, self._linears = load_quantization(self.folder, prefix or None)
+            self._prefix = prefix
         return self._linears[linear]
 
 
