@@ -4,10 +4,11 @@ prompts, host latency, the latency model's predictions for the target, and the c
 Measurements (target-independent): perplexity of the deployed numbers (the quantized checkpoint, computed in torch on
 the run's device block by block, :mod:`compress.eval.layerwise`) and of the teacher on every evaluation domain (the
 gate takes the worst), top-1 agreement and KL divergence against the teacher on the mixed evaluation text, greedy
-answers to the app's prompts; where a portable ONNX was exported, ONNX Runtime's agreement with the torch figures on a
-sample of windows and host ONNX Runtime latency. The gate (target-dependent) compares them, and the latency model's
-predictions for the target, with the budgets; ``compress validate RUN_DIR`` re-gates a finished run from the stored
-measurements.
+answers to the app's prompts (the deployed numbers' in torch too); where a portable ONNX was exported, ONNX Runtime's
+agreement with the torch figures on a sample of windows and host ONNX Runtime latency, taken after the torch models are
+gone (ONNX Runtime's CPU session holds float32 copies of the 16-bit tensors: the largest allocation of the stage).
+The gate (target-dependent) compares them, and the latency model's predictions for the target, with the budgets;
+``compress validate RUN_DIR`` re-gates a finished run from the stored measurements.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import json
 import logging
 import math
 from collections.abc import Iterator
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,6 @@ from compress.eval.prompts import (
     BatchGenerate,
     answer_prompts,
     compare_answers,
-    one_at_a_time,
     prompt_checks,
     resolve_prompts,
     torch_greedy_batched,
@@ -131,20 +131,37 @@ def parity_sample(domains: list[tuple[str, torch.Tensor]], per_domain: int) -> l
     return indices
 
 
-def onnx_parity(decoder: OnnxDecoder, model: WindowLogits, windows: torch.Tensor, sample: list[int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class TorchWindow:
+    """What the parity check compares of one window measured in torch: its summed NLL and its next-token argmax."""
+
+    nll: float
+    argmax: np.ndarray
+
+
+def torch_side(model: WindowLogits, windows: torch.Tensor, sample: list[int]) -> dict[int, TorchWindow]:
+    """The torch measurement of the sampled windows, kept so the model can go before ONNX Runtime's session comes."""
+    side = {}
+    for index in sample:
+        logits = model.logits(index)
+        side[index] = TorchWindow(window_nll(logits, windows[index].numpy())[0], logits[:-1].argmax(-1))
+    return side
+
+
+def onnx_parity(decoder: OnnxDecoder, measured: dict[int, TorchWindow], windows: torch.Tensor) -> dict[str, Any]:
     """ONNX Runtime against the torch measurement on a sample of windows: perplexity of each and top-1 agreement."""
     onnx_nll = torch_nll = 0.0
     count = agree = 0
-    for index in sample:
+    for index, torch_window in measured.items():
         ids = windows[index].numpy()
-        onnx_logits, torch_logits = np.asarray(decoder.logits(ids[None, :]))[0], model.logits(index)
+        onnx_logits = np.asarray(decoder.logits(ids[None, :]))[0]
         nll, n = window_nll(onnx_logits, ids)
         onnx_nll += nll
-        torch_nll += window_nll(torch_logits, ids)[0]
+        torch_nll += torch_window.nll
         count += n
-        agree += int((onnx_logits[:-1].argmax(-1) == torch_logits[:-1].argmax(-1)).sum())
+        agree += int((onnx_logits[:-1].argmax(-1) == torch_window.argmax).sum())
     ppl_onnx, ppl_torch = math.exp(onnx_nll / count), math.exp(torch_nll / count)
-    return {"windows": len(sample), "tokens": count, "perplexity_onnx": ppl_onnx, "perplexity_torch": ppl_torch,
+    return {"windows": len(measured), "tokens": count, "perplexity_onnx": ppl_onnx, "perplexity_torch": ppl_torch,
             "difference_pct": 100.0 * abs(ppl_onnx / ppl_torch - 1.0), "top1_agreement": agree / count}
 
 
@@ -154,9 +171,9 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
     """Every target-independent measurement of a decoder as deployed.
 
     ``model_dir``: the Hugging Face folder that was exported (the quantized checkpoint, or a float model), measured in
-    torch on ``device`` block by block with exactly the deployed numbers; ``onnx_dir``: its portable ONNX where one was
-    exported, run in ONNX Runtime on a sample of windows (parity), for the app prompts' answers and for host latency;
-    ``prompts``: the run's ``prompts=``.
+    torch on ``device`` block by block with exactly the deployed numbers (and so are the app prompts' answers);
+    ``onnx_dir``: its portable ONNX where one was exported, run in ONNX Runtime on a sample of windows (parity) and for
+    host latency, after the torch models are gone; ``prompts``: the run's ``prompts=``.
     """
     tokenizer = load_tokenizer(model_dir)
     domains = evaluation_windows(tokenizer, evaluation, config)
@@ -169,25 +186,24 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
     if teacher_dir is not None:  # a float export measures the teacher itself
         teacher = deployed if Path(teacher_dir) == Path(model_dir) else window_logits(teacher_dir, windows, device, progress, "teacher")
     quality = _quality(deployed, teacher, domains, windows, unseen or [], progress)
-    teacher = None
-    decoder = OnnxDecoder(onnx_dir) if onnx_dir is not None else None
-    parity = None
-    if decoder is not None:
-        sample = parity_sample(domains, config.onnx_parity_windows)
-        log.info("ONNX Runtime against torch on %d windows", len(sample))
-        parity = onnx_parity(decoder, deployed, windows, sample)
-    deployed = None
+    measured = torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows)) if onnx_dir is not None else {}
+    deployed = teacher = None
     release_freed_memory()
     cases, prompt_source = resolve_prompts(prompts, tokenizer)
     answers = None
     if cases and teacher_dir is not None:
-        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, decoder, config, progress)
-    latency = None
-    if decoder is not None:
+        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, config, progress)
+    parity = latency = None
+    if onnx_dir is not None:  # ONNX Runtime's session (float32 copies of the 16-bit tensors) is alone in memory
+        decoder = OnnxDecoder(onnx_dir)
+        log.info("ONNX Runtime against torch on %d windows", len(measured))
+        parity = onnx_parity(decoder, measured, windows)
         opening = evaluated_span(evaluation[0], config.latency_prompt_tokens)
         prompt = (window_prefix(tokenizer) + tokenizer(opening, add_special_tokens=False).input_ids)[: config.latency_prompt_tokens]
         log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
         latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
+        del decoder
+        release_freed_memory()
     return {
         "eval_tokens": int(windows.numel()),
         "eval_windows": int(windows.shape[0]),
@@ -215,10 +231,10 @@ def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list
             "perplexity_model": math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))}
 
 
-def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir: Path, decoder: OnnxDecoder | None,
-                    config: ValidateConfig, progress: bool) -> dict[str, Any]:
-    """The teacher's greedy answers to the app prompts, then the deployed model's (one model held at a time)."""
-    log.info("app prompts: %d from %s, greedy %d tokens, deployed model vs torch teacher", len(cases), source,
+def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir: Path, config: ValidateConfig,
+                    progress: bool) -> dict[str, Any]:
+    """The teacher's greedy answers to the app prompts, then the deployed numbers' in torch (one model held at a time)."""
+    log.info("app prompts: %d from %s, greedy %d tokens, deployed numbers vs teacher, both in torch", len(cases), source,
              config.prompt_new_tokens)
     teacher = load_causal_lm(teacher_dir, own_dtype=True)
     eos = model_eos_ids(model_dir, tokenizer)
@@ -227,7 +243,7 @@ def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir:
                                  config.prompt_new_tokens, progress, "teacher")
     del teacher
     release_freed_memory()
-    with deployed_generator(model_dir, decoder, eos, pad_id_of(tokenizer, eos)) as generate:
+    with deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos)) as generate:
         deployed = answer_prompts(cases, tokenizer, generate, config.prompt_new_tokens, progress, "deployed")
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
 
@@ -250,12 +266,9 @@ def model_eos_ids(folder: Path, tokenizer) -> list[int]:
 
 
 @contextlib.contextmanager
-def deployed_generator(model_dir: Path, decoder: OnnxDecoder | None, eos: list[int], pad_id: int) -> Iterator[BatchGenerate]:
-    """Greedy decoding of the deployed numbers: the ONNX graph in ONNX Runtime where there is one, else the quantized
-    checkpoint in torch (its linears rebuilt from their levels while each block computes)."""
-    if decoder is not None:
-        yield one_at_a_time(decoder.greedy)
-        return
+def deployed_generator(model_dir: Path, eos: list[int], pad_id: int) -> Iterator[BatchGenerate]:
+    """Batched greedy decoding of the deployed numbers in torch: the quantized checkpoint held as its levels, each linear
+    rebuilt while its block computes (the numbers the custody check proves the bundle holds)."""
     model, rebuilt = held_deployed_causal_lm(model_dir)
     with computed_in_float32(model, rebuilt):
         yield torch_greedy_batched(model, eos, pad_id)

@@ -14,8 +14,10 @@ from the checkpoint, one tensor at a time, its bytes appended to the graph's ext
   other parameter (embeddings, norms, biases) as it is. A 16-bit tensor is stored in its own dtype
   with a ``Cast`` to float32 after it, which runtimes fold when the session is built: the file holds
   the checkpoint's bytes, and the graph computes in float32 as before;
-- a tied embedding is one initializer read by the ``Gather`` and, through its ``Transpose``, by the
-  LM head.
+- a ``Gather`` of a 16-bit table (the token embedding) picks its rows in their own dtype and casts only
+  them, so a runtime folds no float32 copy of the table for it;
+- a tied embedding is one initializer read by the ``Gather`` and, through its ``Cast`` and
+  ``Transpose``, by the LM head.
 
 So the export of a large model holds at most one block's levels and one tensor at a time; the float
 model is never built.
@@ -182,8 +184,28 @@ def _add_float(rewrite: QdqRewrite, input_name: str, tensor: torch.Tensor) -> No
         raise StageError(f"{input_name}: cannot store a {dtype} parameter in the graph")
     stored = name if dtype == torch.float32 else f"{name}_{str(dtype).removeprefix('torch.')}"
     rewrite.add_tensor(_tensor_proto(tensor, stored))
-    if stored != name:
+    if stored == name:
+        return
+    others = [p for p in rewrite.consumers.get(name, []) if not _gathers_rows_of(rewrite, p, name)]
+    for position in set(rewrite.consumers.get(name, [])) - set(others):
+        _gather_then_cast(rewrite, position, stored)
+    if others:
         rewrite.add_node(helper.make_node("Cast", [stored], [name], name=f"{stored}_Cast", to=TensorProto.FLOAT))
+
+
+def _gathers_rows_of(rewrite: QdqRewrite, position: int, name: str) -> bool:
+    node = rewrite.nodes[position]
+    return node.op_type == "Gather" and node.input[0] == name and list(node.input).count(name) == 1
+
+
+def _gather_then_cast(rewrite: QdqRewrite, position: int, stored: str) -> None:
+    """The ``Gather`` at ``position`` picks rows of the 16-bit table ``stored`` and casts only them: runtimes then keep no
+    float32 copy of an embedding table for it (the rows are the same numbers either way)."""
+    node = rewrite.nodes[position]
+    output = node.output[0]
+    node.input[0], node.output[0] = stored, f"{output}_{stored.rsplit('_', 1)[-1]}"
+    rewrite.add_node_after(position, helper.make_node("Cast", [node.output[0]], [output], name=f"{output}_Cast",
+                                                      to=TensorProto.FLOAT))
 
 
 def _tensor_proto(tensor: torch.Tensor, name: str) -> TensorProto:

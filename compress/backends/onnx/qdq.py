@@ -207,6 +207,7 @@ class QdqRewrite:
         self.new_inits: list[onnx.TensorProto] = []
         self.new_nodes: list[onnx.NodeProto] = []
         self.before: dict[int, list[onnx.NodeProto]] = {}  # node position -> nodes to insert before it
+        self.after: dict[int, list[onnx.NodeProto]] = {}  # node position -> nodes to insert after it
         self.shared: dict[str, onnx.TensorProto] = {}
         self.activation_pairs = self.rotations = 0
         self.fp4 = False
@@ -218,6 +219,10 @@ class QdqRewrite:
     def add_node(self, node: onnx.NodeProto) -> None:
         """A node at the front of the rewritten graph (it reads initializers only)."""
         self.new_nodes.append(node)
+
+    def add_node_after(self, position: int, node: onnx.NodeProto) -> None:
+        """A node right after the node at ``position`` (it reads that node's outputs)."""
+        self.after.setdefault(position, []).append(node)
 
     def remove_node(self, position: int) -> None:
         self.removed.add(position)
@@ -275,6 +280,7 @@ class QdqRewrite:
             detached = onnx.NodeProto()
             detached.CopyFrom(node)
             nodes.append(detached)
+            nodes.extend(self.after.get(position, []))
         del graph.node[:]
         graph.node.extend(nodes)
         if self.found:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from compress.backends.onnx.runtime import OnnxDecoder
 from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, HF_MODEL, ONNX, REPORT, Artifact
 from compress.core.files import atomic_write_json, path_size, read_json
 from compress.core.rundir import DEVICE_REFERENCE, VALIDATION
@@ -37,7 +36,7 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     if onnx is not None and "onnx_pattern_24_fraction" in onnx.meta.get("metrics", {}):
         metrics["onnx_pattern_24_fraction"] = onnx.meta["metrics"]["onnx_pattern_24_fraction"]
     if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
-        _write_device_reference(ctx, config, model_dir, onnx_dir, metrics)
+        _write_device_reference(ctx, config, model_dir, metrics)
     meta = exported_from.meta
     precision = meta.get("precision", "fp32")
     model_config = read_json(model_dir / "config.json")
@@ -79,18 +78,15 @@ def _deployed_size(ctx: RunContext, onnx_dir: Path | None) -> int:
     return path_size(Path(bundle.path)) if bundle is not None else path_size(onnx_dir)
 
 
-def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, model_dir: Path, onnx_dir: Path | None,
-                            metrics: dict) -> None:
-    """The host's greedy answers that ``validate --on-device`` compares the device's with."""
+def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, model_dir: Path, metrics: dict) -> None:
+    """The host's greedy answers that ``validate --on-device`` compares the device's with: the deployed numbers in torch."""
     tokenizer = load_tokenizer(model_dir)
     log.info("host greedy reference for the on-device check: %d domains and the app prompts, %d new tokens", len(ctx.evaluation),
              config.device_new_tokens)
-    decoder_ = OnnxDecoder(onnx_dir) if onnx_dir is not None else None
-    host = ("our Q/DQ ONNX in ONNX Runtime (the numbers the bundle holds)" if decoder_ is not None
-            else "the quantized checkpoint in torch (the numbers the bundle holds)")
     eos = decoder.model_eos_ids(model_dir, tokenizer)
-    with decoder.deployed_generator(model_dir, decoder_, eos, decoder.pad_id_of(tokenizer, eos)) as generate:
-        reference = decoder.device_reference(generate, tokenizer, ctx.evaluation, config, metrics.get("prompts"), host)
+    with decoder.deployed_generator(model_dir, eos, decoder.pad_id_of(tokenizer, eos)) as generate:
+        reference = decoder.device_reference(generate, tokenizer, ctx.evaluation, config, metrics.get("prompts"),
+                                             "the quantized checkpoint in torch (the numbers the bundle holds)")
     atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE, reference)
 
 

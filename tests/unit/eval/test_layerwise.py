@@ -30,6 +30,23 @@ def test_a_float_checkpoint_gives_its_forward_pass_logits(tiny_llama_deep, windo
         assert torch.equal(torch.from_numpy(logits.logits(index)), expected)
 
 
+def test_the_head_is_taken_a_slice_of_rows_at_a_time_with_the_same_logits(tiny_llama_deep, windows, monkeypatch):
+    from compress.eval import layerwise
+
+    whole = window_logits(tiny_llama_deep, windows)
+    vocab = whole.head_weight.shape[0]
+    monkeypatch.setattr(layerwise, "HEAD_ROWS", 7)  # a vocabulary of several slices, the last one short
+    assert vocab % 7 and vocab > 7
+    converted = []
+    real_float = torch.Tensor.float
+    monkeypatch.setattr(torch.Tensor, "float", lambda self: converted.append(self.shape[0]) or real_float(self))
+    sliced = whole.logits(1)
+    monkeypatch.undo()
+    expected = torch.nn.functional.linear(whole.hidden[1][0], whole.head_weight.float())
+    assert converted and max(converted) == 7  # never the whole head in float32 at once
+    assert torch.allclose(torch.from_numpy(sliced), expected, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("options", [{"method": "int8", "alpha": 0.5}, {"method": "int8", "alpha": 0.5, "kv_cache": "fp8"},
                                      {"method": "int4", "group_size": 32}])
 def test_a_quantized_checkpoint_gives_the_deployed_numbers(tiny_llama, windows, tmp_path, options):
