@@ -7,6 +7,11 @@ parameters for the duration of its own forward pass and its own tensors back aft
 computes exactly what its float32 copy would (the weights hold the same numbers) while at most one
 part is ever held in float32. A parameter may instead be rebuilt by a function each time its part
 runs (a quantized linear, held as its levels and scales).
+
+The two largest parts outside the blocks are never copied whole: the token embedding picks its rows in
+their own dtype and converts only them (the same numbers), and the LM head is taken in float32
+:data:`HEAD_ROWS` rows at a time. A 150k-token vocabulary's table in float32 is larger than a
+0.3B model's blocks.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 
 from compress.models.families import decoder_blocks
 
 Rebuild = Callable[[], torch.Tensor]  # a parameter's float32 value, computed when its part runs
+HEAD_ROWS = 16384  # rows of a large output linear (the LM head) taken in float32 at once
 
 
 def _parts(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -37,7 +44,13 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
     blocks = {id(block) for block in decoder_blocks(model)}
     helds: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
     handles = []
+    sliced: list[torch.nn.Module] = []
     for part in _parts(model):
+        forward = None if any(id(p) in by_id for p in part.parameters()) else _sliced_forward(part)
+        if forward is not None:  # computed from its own tensors a slice at a time: nothing to upcast
+            part.forward = forward
+            sliced.append(part)
+            continue
         held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         helds.append(held)
 
@@ -59,6 +72,29 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
             handle.remove()
         for held in helds:  # a forward pass that raised left its part upcast
             _give_back(held)
+        for part in sliced:
+            del part.forward  # the class's forward again
+
+
+def _sliced_forward(part: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """A float32 forward for a plain token embedding or a large linear that never copies its whole weight, else None."""
+    weight = getattr(part, "weight", None)
+    if weight is None or weight.dtype == torch.float32:
+        return None
+    if type(part) is torch.nn.Embedding and part.max_norm is None:
+        return lambda ids: F.embedding(ids, part.weight, part.padding_idx).float()
+    if type(part) is torch.nn.Linear and part.out_features > HEAD_ROWS:
+        return lambda inputs: _linear_in_row_slices(inputs, part.weight, part.bias)
+    return None
+
+
+def _linear_in_row_slices(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    inputs = inputs.float()
+    out = torch.empty(*inputs.shape[:-1], weight.shape[0], dtype=torch.float32, device=inputs.device)
+    for start in range(0, weight.shape[0], HEAD_ROWS):
+        stop = min(start + HEAD_ROWS, weight.shape[0])
+        out[..., start:stop] = F.linear(inputs, weight[start:stop].float(), None if bias is None else bias[start:stop].float())
+    return out
 
 
 def _give_back(held: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:

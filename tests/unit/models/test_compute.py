@@ -47,3 +47,28 @@ def test_a_quantized_folder_held_as_levels_computes_what_its_rebuilt_float_model
         logits = _logits(held, ids)
     torch.testing.assert_close(logits, _logits(load_quantized_causal_lm(folder), ids), atol=1e-5, rtol=1e-5)
     assert all(held.get_submodule(name).weight.numel() == 0 for name in result.linears)
+
+
+def test_the_embedding_and_lm_head_are_never_upcast_whole(tiny_llama, ids, monkeypatch):
+    from compress.models import compute
+
+    held = load_causal_lm(tiny_llama).to(torch.bfloat16)
+    copy = load_causal_lm(tiny_llama).to(torch.bfloat16).float()
+    vocab = held.lm_head.out_features
+    monkeypatch.setattr(compute, "HEAD_ROWS", 60)  # several slices, the last one short
+    assert vocab > 60 and vocab % 60
+    upcast_rows = []
+    real_float = torch.Tensor.float
+
+    def watched(tensor):
+        if tensor.dim() == 2 and tensor.shape[-1] == held.config.hidden_size:
+            upcast_rows.append(tensor.shape[0])
+        return real_float(tensor)
+
+    with computed_in_float32(held):
+        monkeypatch.setattr(torch.Tensor, "float", watched)
+        logits = _logits(held, ids)
+        monkeypatch.setattr(torch.Tensor, "float", real_float)
+    assert upcast_rows and vocab not in upcast_rows and max(upcast_rows) <= max(60, held.config.intermediate_size)
+    torch.testing.assert_close(logits, _logits(copy, ids), atol=1e-5, rtol=1e-5)
+    assert "forward" not in vars(held.lm_head) and "forward" not in vars(held.model.embed_tokens)  # their own forward again
