@@ -30,10 +30,11 @@ REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this f
 # at a time, holds); measured on the embedded SmolLM2 (float32) and a Qwen3-0.6B-shape bf16 checkpoint (default recipe,
 # 2 cores; `bench/scale_table.py`), fitted to the larger of the two. A stage in neither table: two fp32 copies.
 HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_edgellm": 2.4, "build_engine": 0.5}
-# export_onnx writes the graph's weights one tensor at a time; then torch's reference holds the model in its own dtype and
-# ONNX Runtime's session the levels and the 16-bit tensors in float32, packed again for its MatMuls (3.6 GiB measured for
-# the 1.19 GB Qwen3-0.6B shape).
-HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "validate": 1.2, "export_onnx": 3.0}
+HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0}
+# ONNX Runtime's CPU session of the portable graph (export_onnx's parity check, validate's parity sample and host latency):
+# the levels, and the 16-bit tensors folded to float32 and packed again for its MatMuls, as copies of the checkpoint (1.25
+# measured on the Qwen3-0.6B shape, whose embedding is a quarter of its parameters).
+ORT_SESSION_CHECKPOINT_COPIES = 1.3
 # The stages that stream a model block by block (models/weights.py) hold one block in float32 and its work (statistics,
 # Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
 STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
@@ -97,7 +98,8 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     for name, config in stages:
         base = name.removesuffix("_encoder")
         tokens = _tokens_read(base, config)
-        known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES
+        phased = base in _ONE_AT_A_TIME and shape is not None
+        known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES or phased
         host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32
                 + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes)
         work = 0.0  # what the block-by-block work holds: blocks, hidden states, heads; on the device where there is one
@@ -108,13 +110,16 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
             work += STREAMED_BLOCK_COPIES[base] * block
             embeddings = per_param * shape.vocab_size * hidden
             host += embeddings  # read in the checkpoint's dtype for the first block's inputs
-            if base == "validate":  # both models' hidden states over every window, and the LM head in float32 per window
-                work += 2 * 4 * tokens * hidden + 4 * shape.vocab_size * hidden
+            if base == "validate":  # both models' heads in their own dtype, hidden states over every window, one window's logits
+                host += embeddings
+                work += 2 * 4 * tokens * hidden + 2 * 4 * 512 * shape.vocab_size
         if on_device:
             device_bytes = work
         else:
             host += work
             device_bytes = 0.0
+        if phased:  # then, one after the other: the largest of what each phase holds
+            host = max(host, PROCESS_BASE_BYTES + _one_at_a_time(base, stages, checkpoint_bytes, shape))
         disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
         quantized = any(other == "quantize" for other, _ in stages)
         disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
@@ -122,6 +127,21 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
                    + FIXED_SECONDS.get(base, 0.0))
         estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
     return estimates
+
+
+_ONE_AT_A_TIME = ("export_onnx", "validate")
+
+
+def _one_at_a_time(stage: str, stages: list[tuple[str, Any]], checkpoint_bytes: float, shape: ModelShape) -> float:
+    """What the largest phase of a stage that holds one thing at a time needs beyond the process floor: ONNX Runtime's
+    session where there is a portable ONNX; for export_onnx, tracing (the LM head in float32, twice); for validate, the
+    teacher held in its own dtype for the app prompts."""
+    table = 4.0 * shape.vocab_size * shape.hidden_size
+    session = ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes if any(name == "export_onnx" for name, _ in stages) else 0.0
+    if stage == "export_onnx":
+        return max(session, 2 * table)
+    block = 4.0 * shape.decoder_linear_params() / shape.num_layers
+    return max(session, checkpoint_bytes + block)
 
 
 def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float, quantized: bool) -> float:
