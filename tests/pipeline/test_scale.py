@@ -66,17 +66,6 @@ def test_the_plan_estimates_each_stage_from_the_models_size(capsys, tmp_path):
     assert quantize["peak_device_gb"] == 0.0  # this plan computes on the CPU
 
 
-def test_the_portable_onnx_is_what_validation_and_its_export_need_most(capsys, tmp_path):
-    model = _config_only(tmp_path / "q06", "Qwen3", **QWEN3_06B)
-    with_onnx = {e["stage"]: e for e in _dry_run(capsys, f"model={model}", f"out={tmp_path / 'a'}")["estimates"]}
-    without = {e["stage"]: e for e in _dry_run(capsys, f"model={model}", f"out={tmp_path / 'b'}", "export_onnx=off")["estimates"]}
-    bf16 = 2 * 0.6  # GB: the Qwen3-0.6B checkpoint
-    # ONNX Runtime's session (the 16-bit tensors in float32) is the largest thing either stage holds, one thing at a time
-    assert with_onnx["validate"]["peak_host_gb"] == with_onnx["export_onnx"]["peak_host_gb"] > 0.45 + 1.2 * bf16
-    assert "export_onnx" not in without and without["validate"]["peak_host_gb"] < with_onnx["validate"]["peak_host_gb"]
-    assert without["validate"]["peak_host_gb"] > 0.45 + bf16  # the teacher, held for the app prompts
-
-
 def _sparse_safetensors(path: Path, parameters: int) -> None:
     """A valid safetensors file of ``parameters`` bf16 zeros that takes no disk (its data is a hole)."""
     header = json.dumps({"weight": {"dtype": "BF16", "shape": [parameters], "data_offsets": [0, 2 * parameters]}}).encode()
