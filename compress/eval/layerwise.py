@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from compress.algorithms import kv_cache
+from compress.models.compute import linear_in_row_slices
 from compress.models.families import decoder_blocks
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.saved import (
@@ -38,8 +39,6 @@ from compress.transforms.quantize.saved import (
 from compress.transforms.walk import BlockInputs, BlockVisitor, StreamedBlocks, walk_blocks
 
 log = logging.getLogger(__name__)
-
-HEAD_ROWS = 16384  # LM-head rows turned to float32 at once
 
 
 @dataclass
@@ -57,14 +56,8 @@ class WindowLogits:
     def logits(self, index: int) -> np.ndarray:
         """Window ``index``'s ``(tokens, vocab)`` logits in float32, the head taken in float32 a slice of rows at a time (a
         float32 copy of a 150k-token vocabulary's head is as large as a 0.3B model's blocks)."""
-        hidden = self.hidden[index][0]
-        vocab = self.head_weight.shape[0]
         with torch.no_grad():
-            logits = torch.empty(hidden.shape[0], vocab, dtype=torch.float32, device=hidden.device)
-            for start in range(0, vocab, HEAD_ROWS):
-                stop = min(start + HEAD_ROWS, vocab)
-                bias = None if self.head_bias is None else self.head_bias[start:stop].float()
-                logits[:, start:stop] = torch.nn.functional.linear(hidden, self.head_weight[start:stop].float(), bias)
+            logits = linear_in_row_slices(self.hidden[index][0], self.head_weight, self.head_bias)
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.cpu().numpy()

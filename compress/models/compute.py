@@ -84,12 +84,13 @@ def _sliced_forward(part: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     if type(part) is torch.nn.Embedding and part.max_norm is None:
         return lambda ids: F.embedding(ids, part.weight, part.padding_idx).float()
     if type(part) is torch.nn.Linear and part.out_features > HEAD_ROWS:
-        return lambda inputs: _linear_in_row_slices(inputs, part.weight, part.bias)
+        return lambda inputs: linear_in_row_slices(inputs, part.weight, part.bias)
     return None
 
 
-def _linear_in_row_slices(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    inputs = inputs.float()
+def linear_in_row_slices(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``F.linear`` in float32 with ``weight`` (any dtype) taken :data:`HEAD_ROWS` rows at a time."""
+    inputs = inputs.to(torch.float32)
     out = torch.empty(*inputs.shape[:-1], weight.shape[0], dtype=torch.float32, device=inputs.device)
     for start in range(0, weight.shape[0], HEAD_ROWS):
         stop = min(start + HEAD_ROWS, weight.shape[0])

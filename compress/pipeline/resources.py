@@ -101,7 +101,7 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     for name, config in stages:
         base = name.removesuffix("_encoder")
         tokens = _tokens_read(base, config)
-        phased = base in _ONE_AT_A_TIME and shape is not None
+        phased = base == "export_onnx" and shape is not None
         known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES or phased
         host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32
                 + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes)
@@ -120,8 +120,8 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         else:
             host += work
             device_bytes = 0.0
-        if phased:  # then, one after the other: the largest of what each phase holds
-            host = max(host, PROCESS_BASE_BYTES + _one_at_a_time(base, stages, checkpoint_bytes, shape))
+        if phased:  # one after the other: the largest of what each phase holds
+            host = max(host, PROCESS_BASE_BYTES + _export_onnx_peak(checkpoint_bytes, shape))
         disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
         quantized = any(other == "quantize" for other, _ in stages)
         disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
@@ -131,12 +131,9 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     return estimates
 
 
-_ONE_AT_A_TIME = ("export_onnx",)
-
-
-def _one_at_a_time(stage: str, stages: list[tuple[str, Any]], checkpoint_bytes: float, shape: ModelShape) -> float:
-    """What the largest phase of export_onnx needs beyond the process floor: ONNX Runtime's session, or tracing (the LM
-    head in float32, twice), whichever is larger."""
+def _export_onnx_peak(checkpoint_bytes: float, shape: ModelShape) -> float:
+    """What export_onnx's largest phase needs beyond the process floor: ONNX Runtime's session, or tracing (the LM head
+    in float32, twice), whichever is larger."""
     return max(ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes, 2 * 4.0 * shape.vocab_size * shape.hidden_size)
 
 

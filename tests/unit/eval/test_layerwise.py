@@ -31,11 +31,11 @@ def test_a_float_checkpoint_gives_its_forward_pass_logits(tiny_llama_deep, windo
 
 
 def test_the_head_is_taken_a_slice_of_rows_at_a_time_with_the_same_logits(tiny_llama_deep, windows, monkeypatch):
-    from compress.eval import layerwise
+    from compress.models import compute
 
     whole = window_logits(tiny_llama_deep, windows)
     vocab = whole.head_weight.shape[0]
-    monkeypatch.setattr(layerwise, "HEAD_ROWS", 7)  # a vocabulary of several slices, the last one short
+    monkeypatch.setattr(compute, "HEAD_ROWS", 7)  # a vocabulary of several slices, the last one short
     assert vocab % 7 and vocab > 7
     converted = []
     real_float = torch.Tensor.float
