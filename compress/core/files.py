@@ -149,9 +149,10 @@ def sha256_file(path: Path) -> str:
 
 
 def file_stamp(path: Path) -> dict[str, int]:
-    """What identifies a file's content cheaply: size, modification time (ns) and inode."""
+    """What identifies a file's content cheaply: size, modification and change times (ns) and inode. The change time
+    moves on every write and cannot be set back, so a file rewritten with its old modification time is still seen."""
     stat = Path(path).stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "inode": stat.st_ino}
+    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "ctime_ns": stat.st_ctime_ns, "inode": stat.st_ino}
 
 
 def cached_sha256(path: Path) -> str:
@@ -181,6 +182,20 @@ def folder_files(path: Path) -> list[Path]:
         dirs[:] = sorted(d for d in dirs if not os.path.islink(os.path.join(root, d)))
         found.extend(Path(root) / name for name in files)
     return sorted(found)
+
+
+def top_level_files(folder: Path) -> list[Path]:
+    """The files at the top of a folder, sorted: no sub-folder's, no hidden one (a hub's ``.cache``, a lock)."""
+    return sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith("."))
+
+
+def top_level_sha256(folder: Path, file_sha256=cached_sha256) -> str:
+    """Hex sha256 over :func:`top_level_files` of ``folder`` (names and contents): the content of a model folder."""
+    digest = hashlib.sha256()
+    for file in top_level_files(folder):
+        digest.update(file.name.encode())
+        digest.update(file_sha256(file).encode())
+    return digest.hexdigest()
 
 
 def sha256_path(path: Path, file_sha256=sha256_file) -> str:

@@ -34,17 +34,26 @@ from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
 
 from compress.core.artifact import ENGINE
 from compress.core.errors import ProvenanceError, UsageError, first_line
-from compress.core.files import atomic_write_json, disk_write_error, is_disk_write_error, read_json, sha256_file
+from compress.core.files import (
+    atomic_write_json,
+    cached_sha256,
+    disk_write_error,
+    is_disk_write_error,
+    read_json,
+    sha256_file,
+    top_level_sha256,
+)
 from compress.core.records import FileRecords, file_problem, folder_problems, record_file, record_folder
 
 log = logging.getLogger(__name__)
 
 # Raised whenever a stage's files change shape, so a stage an older layout wrote is recomputed rather than reused.
-ARTIFACT_LAYOUT = 3
+ARTIFACT_LAYOUT = 4
 LOCK_FILE = ".compress.lock"
 MANIFEST_FILE = "manifest.json"
 RUN_LOG = "run.log"
 STAGE_RECORD = "stage.json"
+READ_IN_PLACE = "read_in_place"  # a stage record's output flag: the output is the user's model, outside the run directory
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -254,7 +263,24 @@ def stage_check(run_dir: Path, dirname: str, entry: dict[str, Any] | None,
     if not isinstance(record.get("files"), dict):
         return record, [f"{record_path} lists no files (written by an older compress; rerun the stage)"]
     later = tuple(record.get("device_files") or ())
-    return record, folder_problems(folder, record["files"], full, allowed_extra=frozenset({STAGE_RECORD, *later}))
+    problems = folder_problems(folder, record["files"], full, allowed_extra=frozenset({STAGE_RECORD, *later}))
+    in_place = read_in_place_problem(record, full)
+    return record, problems + [in_place] if in_place else problems
+
+
+def read_in_place_problem(record: dict[str, Any], full: bool = False) -> str | None:
+    """Why a stage's output read in place (the user's model, outside the run directory) no longer holds what the stage
+    hashed; None when it does or when the stage wrote its output into its folder. Cheap unless ``full``: each file is
+    hashed again only when its stamp moved."""
+    output = record["output"]
+    if not output.get(READ_IN_PLACE):
+        return None
+    folder = Path(output["path"])
+    if not folder.is_dir():
+        return f"the model read in place, {folder}, is missing"
+    if top_level_sha256(folder, sha256_file if full else cached_sha256) != output.get("sha256"):
+        return f"the model read in place, {folder}, does not hold what the run read (its sha256 differs)"
+    return None
 
 
 def rerecord_stage(run_dir: Path, dirname: str, record: dict[str, Any]) -> None:

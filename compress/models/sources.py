@@ -9,7 +9,6 @@ load): safetensors where present, pickled weights only if ``weights_only`` loadi
 from __future__ import annotations
 
 import functools
-import hashlib
 import importlib.util
 import json
 import logging
@@ -18,7 +17,17 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.errors import UsageError, first_line
-from compress.core.files import cache_root, cached_sha256, disk_write_error, is_disk_write_error, staging_dir, waiting_lock, written_path
+from compress.core.files import (
+    cache_root,
+    cached_sha256,
+    disk_write_error,
+    is_disk_write_error,
+    staging_dir,
+    top_level_files,
+    top_level_sha256,
+    waiting_lock,
+    written_path,
+)
 
 log = logging.getLogger(__name__)
 
@@ -279,19 +288,15 @@ def gguf_cache_dir(gguf_path: Path) -> Path:
 def model_files(folder: Path) -> list[Path]:
     """The files of a Hugging Face model folder that make the model: those at its top (config, tokenizer, weights,
     index). Sub-folders (an ``original/`` checkpoint in another format, a hub's ``.cache``) are not part of it."""
-    return sorted(p for p in Path(folder).iterdir() if p.is_file() and not p.name.startswith("."))
+    return top_level_files(folder)
 
 
 def model_sha256(source: ModelSource) -> str:
     """The content hash of the model a source names: the GGUF file's, or over a folder's :func:`model_files` (names and
-    contents). Each file's hash is remembered by size, time stamp and inode, so a large model is read once per change."""
+    contents). Each file's hash is remembered by its stamp (size, times, inode), so a large model is read once per change."""
     if source.kind == "gguf":
         return cached_sha256(source.path)
-    digest = hashlib.sha256()
-    for file in model_files(source.path):
-        digest.update(file.name.encode())
-        digest.update(cached_sha256(file).encode())
-    return digest.hexdigest()
+    return top_level_sha256(source.path)
 
 
 def materialize(source: ModelSource) -> Path:

@@ -20,7 +20,15 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.artifact import SOURCE, Artifact
-from compress.core.errors import CompressError, Interrupted, StageError, first_interruption, raise_pending_interrupt, signals_held
+from compress.core.errors import (
+    CompressError,
+    Interrupted,
+    StageError,
+    UsageError,
+    first_interruption,
+    raise_pending_interrupt,
+    signals_held,
+)
 from compress.core.files import (
     atomic_write_json,
     disk_write_error,
@@ -33,11 +41,13 @@ from compress.core.files import (
 from compress.core.records import FileRecords, record_file, record_folder
 from compress.core.rundir import (
     MANIFEST_FILE,
+    READ_IN_PLACE,
     RUN_LOG,
     STAGE_RECORD,
     RunDirLock,
     check_run_dir,
     clean_for_run,
+    read_in_place_problem,
     require_only_recorded,
     stage_check,
 )
@@ -137,9 +147,8 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         artifact = result.artifact
         raise_pending_interrupt()  # a signal whose exception was dropped mid-stage still stops the run here
         duration = time.perf_counter() - started
-        relative = Path(artifact.path).resolve().relative_to(tmp.resolve())
         files = record_folder(tmp, skip=frozenset({STAGE_RECORD}))
-        output_sha = sha256_path(artifact.path, lambda path: files[path.resolve().relative_to(tmp.resolve()).as_posix()]["sha256"])
+        relative, output_sha = _output_location(planned, artifact, tmp, files)
         status = "deferred" if artifact.meta.get("deferred") else "done"
         record = {
             "stage": planned.stage.name,
@@ -147,7 +156,8 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "fingerprint": planned.fingerprint,
             "config": config_json(planned.config),
             "input": {"kind": previous.kind, "path": str(previous.path), "sha256": previous.sha256},
-            "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha},
+            "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha,
+                       READ_IN_PLACE: not _inside(artifact.path, tmp)},
             "files": files,
             "device_files": list(result.device_files),
             "device": ctx.device,
@@ -163,6 +173,29 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         atomic_write_json(tmp / STAGE_RECORD, record)
     final = Artifact(artifact.kind, final_dir / relative, artifact.meta, output_sha)
     return final, record
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return Path(path).resolve().is_relative_to(Path(folder).resolve())
+
+
+def _output_location(planned: PlannedStage, artifact: Artifact, tmp: Path, files: FileRecords) -> tuple[Path, str]:
+    """Where the record says the output is (relative to the stage folder, or absolute for a model read in place) and its
+    content hash (of the files the stage wrote, or the one the stage computed for what it reads in place)."""
+    if _inside(artifact.path, tmp):
+        relative = Path(artifact.path).resolve().relative_to(tmp.resolve())
+        return relative, sha256_path(artifact.path, lambda path: files[path.resolve().relative_to(tmp.resolve()).as_posix()]["sha256"])
+    if not artifact.sha256:
+        raise StageError(f"{planned.stage.name}: its output {artifact.path} is outside its folder and has no content hash")
+    return Path(artifact.path).resolve(), artifact.sha256
+
+
+def _require_read_in_place_unchanged(records: list[StageRecord]) -> None:
+    """Stop the run when a model read in place (not copied into the run directory) changed since its stage hashed it."""
+    for stage in records:
+        problem = read_in_place_problem(stage.record)
+        if problem:
+            raise UsageError(f"{problem}; it changed while the run was going: rerun to start again from the model as it is now")
 
 
 def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | None = None,
@@ -241,6 +274,7 @@ def execute(plan: Plan) -> RunResult:
                  sum(e.seconds for e in plan.estimates) / 60)
     try:
         for planned in plan.stages:
+            _require_read_in_place_unchanged(records)
             current = final_dir = out / planned.dirname
             reused = _reuse(out, planned, previous, earlier_entries.get(planned.dirname))
             if reused is not None:
@@ -260,6 +294,7 @@ def execute(plan: Plan) -> RunResult:
                 log.info("[%d/%d] %s: %s", planned.index, total, planned.stage.name, record["summary"])
         current = out
         raise_pending_interrupt()
+        _require_read_in_place_unchanged(records)
         report = build_report(out)
         written = write_reports(out, report)
         files = {path.relative_to(out).as_posix(): record_file(path) for path in written}

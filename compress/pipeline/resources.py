@@ -42,9 +42,11 @@ ORT_SESSION_CHECKPOINT_COPIES = 2.8
 # Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
 STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
 
-# Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes).
+# Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes). export_edgellm: the bundle (its ONNX
+# and the embedding table beside it; 1.13 GB for the 0.6B-parameter Qwen3 shape in INT8), the unified checkpoint
+# it is exported from being removed once the bundle is checked (``export_edgellm.keep_checkpoint``).
 DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": None,
-                        "export_edgellm": 3.2, "build_engine": 0.0, "validate": 0.0}
+                        "export_edgellm": 1.9, "build_engine": 0.0, "validate": 0.0}
 # Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
 # of this class of machine.
 SECONDS_PER_PARAM_TOKEN = {"quantize": 4.5e-11, "sparsify": 4.5e-11, "validate": 6.5e-11, "distill": 6.0e-10}
@@ -125,6 +127,7 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
         quantized = any(other == "quantize" for other, _ in stages)
         disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
+        disk = _kept_copies(base, config, disk, model_config, params, checkpoint_bytes)
         seconds = (SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
                    + FIXED_SECONDS.get(base, 0.0))
         estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
@@ -135,6 +138,16 @@ def _export_onnx_peak(checkpoint_bytes: float, shape: ModelShape) -> float:
     """What export_onnx's largest phase needs beyond the process floor: ONNX Runtime's session, or tracing (the LM head
     in float32, twice), whichever is larger."""
     return max(ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes, 2 * 4.0 * shape.vocab_size * shape.hidden_size)
+
+
+def _kept_copies(stage: str, config: Any, disk: float, model_config: dict[str, Any], params: int, checkpoint_bytes: float) -> float:
+    """``disk`` with what a stage's options keep or leave out: the load stage writes nothing unless it copies the model,
+    the Edge-LLM export keeps its unified checkpoint (the quantized linears again) only when asked."""
+    if stage == "load" and not getattr(config, "copy_model", False):
+        return 0.0
+    if stage == "export_edgellm" and getattr(config, "keep_checkpoint", False):
+        return disk + _disk_bytes("quantize", model_config, params, checkpoint_bytes, True)
+    return disk
 
 
 def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float, quantized: bool) -> float:

@@ -57,6 +57,11 @@ def test_int4_recipe_leaves_a_checked_bundle_named_in_the_report(int4_run):
     assert metrics["custody"] == {"tensors_compared": 28, "mismatches": 0, "int4_plugin_version": 2, "kernel_nodes_checked": 16,
                                   "config_fields": metrics["custody"]["config_fields"]}
     assert "num_key_value_heads" in metrics["custody"]["config_fields"]
+    # The unified checkpoint the bundle was exported from is gone once the bundle is checked (the quantized folder holds
+    # its numbers), and the model was read in place: the run directory holds no second copy of either.
+    assert metrics["checkpoint_kept"] is False and metrics["checkpoint_bytes"] > 0
+    assert not (int4_run / "04_export_edgellm" / "checkpoint").exists()
+    assert not list((int4_run / "01_load").glob("**/*.safetensors"))
     custody = json.loads((int4_run / "04_export_edgellm" / "custody.json").read_text())
     assert {c["tensor"] for c in custody["compared"]} >= {"_model.model.layers.1.mlp.down_proj.weight",
                                                           "_model.model.layers.1.mlp.down_proj.weight_scale"}

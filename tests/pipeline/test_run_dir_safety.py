@@ -129,7 +129,7 @@ def test_second_run_on_the_same_folder_is_refused_naming_the_pid(tmp_path, tiny_
     assert json.loads((out / "manifest.json").read_text())["status"] == "finished"
     for stage in ("01_load", "02_export_onnx", "03_validate"):
         assert (out / stage / "stage.json").is_file()
-    assert (out / "01_load" / "model").is_dir()
+    assert json.loads((out / "01_load" / "stage.json").read_text())["output"]["read_in_place"]
 
 
 def test_sigkill_leaves_no_stale_lock(tmp_path):

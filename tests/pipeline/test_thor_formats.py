@@ -253,9 +253,10 @@ def _thor_run(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
 @pytest.fixture(scope="module")
 def runs(tiny_wide, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("thor-runs")
-    return {"fp8": _thor_run(tiny_wide, root / "fp8", "thor-fp8", "quantize.kv_cache=fp8"),
-            "w4a4": _thor_run(tiny_wide, root / "w4a4", "thor-nvfp4"),
-            "w4a16": _thor_run(tiny_wide, root / "w4a16", "thor-nvfp4", "quantize.activations=float")}
+    keep = "export_edgellm.keep_checkpoint=true"  # the tests read the unified checkpoint back with Edge-LLM's loader
+    return {"fp8": _thor_run(tiny_wide, root / "fp8", "thor-fp8", "quantize.kv_cache=fp8", keep),
+            "w4a4": _thor_run(tiny_wide, root / "w4a4", "thor-nvfp4", keep),
+            "w4a16": _thor_run(tiny_wide, root / "w4a16", "thor-nvfp4", "quantize.activations=float", keep)}
 
 
 def test_per_channel_fp8_weights_go_to_the_portable_onnx_and_not_to_edgellm(tiny_wide, tmp_path, capsys):

@@ -128,13 +128,50 @@ def test_a_tensor_deleted_from_the_weights_is_refused(capsys, tmp_path, user_mod
     assert "missing from the weights: model.layers.1.mlp.up_proj.weight" in _last_error(capsys)
 
 
-# 3. The run's copy of the model is its own.
+# 3. The model is read in place and checked before every stage; a copy, when asked for, is the run's own.
+
+def test_the_model_is_read_in_place_and_a_change_to_it_is_caught_by_every_reader(capsys, tmp_path, user_model):
+    model = shutil.copytree(user_model, tmp_path / "model")
+    out = tmp_path / "run"
+    assert _run(model, out) in (0, 1)
+    loaded = json.loads((out / "01_load" / "stage.json").read_text())["output"]
+    assert loaded["read_in_place"] and Path(loaded["path"]) == model.resolve()
+    assert not [p for p in (out / "01_load").rglob("*") if p.is_file() and p.name != "stage.json"]
+    assert main(["verify", str(out)]) == 0
+    capsys.readouterr()
+    _flip_byte(model / "model.safetensors", offset=4000)
+    assert main(["verify", str(out)]) == 2
+    assert f"the model read in place, {model.resolve()}, does not hold what the run read" in capsys.readouterr().out
+    assert main(["validate", str(out)]) == 2
+    assert "does not hold what the run read" in _last_error(capsys)
+
+
+def test_a_model_changed_while_the_run_goes_stops_the_run(tmp_path, user_model):
+    model = shutil.copytree(user_model, tmp_path / "model")
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}",
+               "--no-progress", *TINY_SMOKE]
+    run = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 300
+    while time.time() < deadline and not (out / "01_load" / "stage.json").is_file():
+        time.sleep(0.02)
+    run.send_signal(signal.SIGSTOP)  # the user edits the model between the runner's checks
+    try:
+        _flip_byte(model / "model.safetensors", offset=4000)
+    finally:
+        run.send_signal(signal.SIGCONT)
+    _, err = run.communicate(timeout=600)
+    assert run.returncode == 2, err[-3000:]
+    assert "changed while the run was going" in err.strip().splitlines()[-1]
+    assert json.loads((out / "manifest.json").read_text())["status"] == "failed"
+    assert not (out / "report.json").exists()
+
 
 def test_the_run_copy_shares_no_inode_with_the_users_model_and_skips_linked_folders(tmp_path, user_model, finished):
     model = shutil.copytree(user_model, tmp_path / "model")
     (model / "loop").symlink_to(model, target_is_directory=True)
     out = tmp_path / "run"
-    assert _run(model, out) in (0, 1)
+    assert _run(model, out, "load.copy_model=true") in (0, 1)
     copy = out / "01_load" / "model"
     assert not (copy / "loop").exists()
     for name in ("model.safetensors", "config.json"):

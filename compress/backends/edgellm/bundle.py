@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -176,8 +177,10 @@ def check_bundle_config(bundle: Path, model_config: dict[str, Any]) -> dict[str,
     return {"fields": sorted(ours), "edgellm_version": bundled.get("edgellm_version")}
 
 
-def export_bundle(quantized_dir: Path, work: Path) -> dict[str, Any]:
-    """Checkpoint, export and check; returns the metrics the stage records."""
+def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False) -> dict[str, Any]:
+    """Checkpoint, export and check; returns the metrics the stage records. The unified checkpoint (written into ``work``
+    for the exporter) is removed once the bundle is checked unless ``keep_checkpoint``: it holds the quantized folder's
+    numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""
     checkpoint, bundle = work / "checkpoint", work / "bundle"
     summary = write_unified_checkpoint(quantized_dir, checkpoint)
     arguments = exporter_arguments(summary.quant_algo)
@@ -188,7 +191,11 @@ def export_bundle(quantized_dir: Path, work: Path) -> dict[str, Any]:
         raise StageError(f"the bundle was written by Edge-LLM {config['edgellm_version']}, this toolkit pins {EDGELLM_VERSION}")
     log.info("Edge-LLM bundle: %s, %d tensors compared, all equal; config.json matches the model", summary.quant_algo,
              len(custody["compared"]))
-    return {"checkpoint": summary.to_json(), "checkpoint_bytes": path_size(checkpoint), "bundle_bytes": path_size(bundle),
+    checkpoint_bytes = path_size(checkpoint)
+    if not keep_checkpoint:
+        shutil.rmtree(checkpoint)
+    return {"checkpoint": summary.to_json(), "checkpoint_bytes": checkpoint_bytes, "checkpoint_kept": keep_checkpoint,
+            "bundle_bytes": path_size(bundle),
             "export_seconds": round(seconds, 1), "edgellm_version": EDGELLM_VERSION, "exporter_arguments": arguments,
             "custody": {"tensors_compared": len(custody["compared"]), "mismatches": 0,
                         "int4_plugin_version": custody["int4_plugin_version"], "config_fields": config["fields"],

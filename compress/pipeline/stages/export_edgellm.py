@@ -4,8 +4,8 @@ Reads the quantized Hugging Face folder (after ``export_onnx``, the one the ONNX
 so the portable Q/DQ ONNX and the bundle carry the same integers and scales; or straight after
 ``quantize`` when the recipe leaves the ONNX out, ``export_onnx=off``): writes the unified
 checkpoint, runs NVIDIA's ``tensorrt-edgellm-export`` on it, and checks the chain of custody (see
-:mod:`compress.backends.edgellm.bundle`). What Edge-LLM cannot express is refused when the plan is
-checked, before any work.
+:mod:`compress.backends.edgellm.bundle`); the checkpoint is then removed (``keep_checkpoint=true``
+keeps it). What Edge-LLM cannot express is refused when the plan is checked, before any work.
 """
 
 from __future__ import annotations
@@ -27,7 +27,9 @@ log = logging.getLogger(__name__)
 
 
 class ExportEdgeLLMConfig(StrictModel):
-    """Options of the Edge-LLM export (none yet: the pinned exporter's defaults)."""
+    """Options of the Edge-LLM export (the pinned exporter's defaults otherwise)."""
+
+    keep_checkpoint: bool = False  # keep the unified checkpoint the bundle is exported from (the quantized numbers again)
 
 
 def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None) -> None:
@@ -58,7 +60,7 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
 
 def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx: RunContext) -> StageResult:
     quantized = ctx.last_artifact(HF_MODEL)
-    metrics = export_bundle(Path(quantized.path), ctx.stage_dir)
+    metrics = export_bundle(Path(quantized.path), ctx.stage_dir, config.keep_checkpoint)
     bundle = ctx.stage_dir / "bundle"
     meta = {"precision": source.meta.get("precision", "fp16"), "quant_algo": metrics["checkpoint"]["quant_algo"],
             "metrics": metrics}

@@ -1,4 +1,10 @@
-"""``load``: bring the source model into the run directory as a safetensors Hugging Face folder."""
+"""``load``: the source model as a safetensors Hugging Face folder, checked and counted.
+
+The model is read where it is (a GGUF file's cached conversion, for a GGUF): its content hash is
+recorded, and the runner checks it before every later stage and at the end, so a model changed
+while the run goes stops the run (see :mod:`compress.pipeline.execute`). ``load.copy_model=true``
+copies it into the run directory instead, for a run directory that stands on its own.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ import logging
 from compress.core.artifact import HF_MODEL, SOURCE, Artifact
 from compress.core.config import StrictModel
 from compress.core.errors import UsageError
-from compress.core.files import read_json
+from compress.core.files import read_json, top_level_sha256
 from compress.models.families import model_kind
 from compress.models.loading import copy_model_folder, count_parameters, load_causal_lm, load_encoder, load_tokenizer
 from compress.models.sources import materialize, model_files
@@ -21,15 +27,20 @@ class LoadConfig(StrictModel):
     """Options of the load stage."""
 
     smoke_test_prompt: str = "What is the capital of France?"
+    copy_model: bool = False  # copy the model into the run directory (one more checkpoint on disk) instead of reading it in place
 
 
 def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResult:
     folder = materialize(ctx.model_source)
-    out = ctx.stage_dir / "model"
     skipped = sorted(p.name for p in folder.iterdir() if p.is_dir())
     if skipped:
-        log.info("not copying sub-folders of %s (not part of the model): %s", folder, ", ".join(skipped))
-    copy_model_folder(model_files(folder), out)
+        log.info("sub-folders of %s are not part of the model: %s", folder, ", ".join(skipped))
+    if config.copy_model:
+        out, sha256 = ctx.stage_dir / "model", ""  # the runner hashes what the stage wrote
+        copy_model_folder(model_files(folder), out)
+    else:
+        out, sha256 = folder, top_level_sha256(folder)
+        log.info("reading the model in place: %s (content checked before every stage)", folder)
     kind = model_kind(read_json(out / "config.json"))
     if kind == ENCODER:
         model = load_encoder(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}")
@@ -58,13 +69,13 @@ def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResu
         },
     }
     log.info("loaded %s: %s parameters", meta["architecture"], f"{parameters:,}")
-    return StageResult(Artifact(HF_MODEL, out, meta), f"{parameters:,} parameters", {SIZE_MB: parameters * 4 / 1e6 or None})
+    return StageResult(Artifact(HF_MODEL, out, meta, sha256), f"{parameters:,} parameters", {SIZE_MB: parameters * 4 / 1e6 or None})
 
 
 _VARIANT = StageVariant(LoadConfig, run_load)
 STAGE = register(StageDef(
     name="load",
-    summary="load the teacher (built-in package, HF folder or GGUF) as safetensors; a decoder LLM or an encoder",
+    summary="check the teacher (built-in package, HF folder or GGUF) as safetensors, read in place; a decoder LLM or an encoder",
     input_kind=SOURCE,
     output_kind=HF_MODEL,
     variants={DECODER: _VARIANT, ENCODER: _VARIANT},

@@ -136,7 +136,7 @@ def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(
 def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wide, tmp_path):
     out = tmp_path / "run"
     proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny_wide}", f"out={out}",
-                        "quantize.float_linears=[down_proj]", *QUANTIZE_SMALL, *TINY_SMOKE)
+                        "quantize.float_linears=[down_proj]", "export_edgellm.keep_checkpoint=true", *QUANTIZE_SMALL, *TINY_SMOKE)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     quantized = out / "02_quantize" / "model"
     _, linears = load_quantization(quantized)
