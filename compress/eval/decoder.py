@@ -28,6 +28,7 @@ from pydantic import PositiveInt
 
 from compress.backends.onnx.runtime import OnnxDecoder
 from compress.core.config import StrictModel, Target
+from compress.core.memory import phase_peak
 from compress.core.text import (
     TextSource,
     eval_skip,
@@ -181,29 +182,25 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
     names = ", ".join(name for name, _ in domains)
     log.info("measuring the deployed numbers in torch (%s) on %d domains (%s), %d windows of %d tokens, block by block", device,
              len(domains), names, windows.shape[0], config.window)
-    deployed = window_logits(model_dir, windows, device, progress, desc="model")
-    teacher = None
-    if teacher_dir is not None:  # a float export measures the teacher itself
-        teacher = deployed if Path(teacher_dir) == Path(model_dir) else window_logits(teacher_dir, windows, device, progress, "teacher")
-    quality = _quality(deployed, teacher, domains, windows, unseen or [], progress)
-    measured = torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows)) if onnx_dir is not None else {}
-    deployed = teacher = None
-    release_freed_memory()
+    peaks: dict[str, float] = {}  # MB, per phase: which of them sets the stage's peak
+    with phase_peak(peaks, "passes"):
+        deployed = window_logits(model_dir, windows, device, progress, desc="model")
+        teacher = None
+        if teacher_dir is not None:  # a float export measures the teacher itself
+            teacher = deployed if Path(teacher_dir) == Path(model_dir) else window_logits(teacher_dir, windows, device, progress, "teacher")
+        quality = _quality(deployed, teacher, domains, windows, unseen or [], progress)
+        measured = torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows)) if onnx_dir is not None else {}
+        deployed = teacher = None
+        release_freed_memory()
     cases, prompt_source = resolve_prompts(prompts, tokenizer)
     answers = None
     if cases and teacher_dir is not None:
-        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, config, progress)
+        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, config, progress, peaks)
     parity = latency = None
     if onnx_dir is not None:  # ONNX Runtime's session (float32 copies of the 16-bit tensors) is alone in memory
-        decoder = OnnxDecoder(onnx_dir)
-        log.info("ONNX Runtime against torch on %d windows", len(measured))
-        parity = onnx_parity(decoder, measured, windows)
-        opening = evaluated_span(evaluation[0], config.latency_prompt_tokens)
-        prompt = (window_prefix(tokenizer) + tokenizer(opening, add_special_tokens=False).input_ids)[: config.latency_prompt_tokens]
-        log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
-        latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
-        del decoder
-        release_freed_memory()
+        with phase_peak(peaks, "onnx_runtime"):
+            parity, latency = _onnx_runtime_side(onnx_dir, measured, windows, evaluation, tokenizer, config)
+    log.info("validation's peak resident memory by phase: %s", ", ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in peaks.items()))
     return {
         "eval_tokens": int(windows.numel()),
         "eval_windows": int(windows.shape[0]),
@@ -218,7 +215,23 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
         "perplexity_torch_quantized": parity["perplexity_torch"] if parity else None,
         "onnx_vs_torch_quantized_pct": parity["difference_pct"] if parity else None,
         "host_latency": latency,
+        "phase_peak_rss_mb": peaks,
     }
+
+
+def _onnx_runtime_side(onnx_dir: Path, measured: dict[int, TorchWindow], windows: torch.Tensor, evaluation: list[TextSource],
+                       tokenizer, config: ValidateConfig) -> tuple[dict[str, Any], dict[str, Any]]:
+    """ONNX Runtime's parity with the torch measurement on the sampled windows, and its host latency."""
+    decoder = OnnxDecoder(onnx_dir)
+    log.info("ONNX Runtime against torch on %d windows", len(measured))
+    parity = onnx_parity(decoder, measured, windows)
+    opening = evaluated_span(evaluation[0], config.latency_prompt_tokens)
+    prompt = (window_prefix(tokenizer) + tokenizer(opening, add_special_tokens=False).input_ids)[: config.latency_prompt_tokens]
+    log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
+    latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
+    del decoder
+    release_freed_memory()
+    return parity, latency
 
 
 def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list[tuple[str, torch.Tensor]], windows: torch.Tensor,
@@ -232,18 +245,20 @@ def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list
 
 
 def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir: Path, config: ValidateConfig,
-                    progress: bool) -> dict[str, Any]:
-    """The teacher's greedy answers to the app prompts, then the deployed numbers' in torch (one model held at a time)."""
+                    progress: bool, peaks: dict[str, float]) -> dict[str, Any]:
+    """The teacher's greedy answers to the app prompts, then the deployed numbers' in torch (one model held at a time;
+    each phase's peak memory in ``peaks``)."""
     log.info("app prompts: %d from %s, greedy %d tokens, deployed numbers vs teacher, both in torch", len(cases), source,
              config.prompt_new_tokens)
-    teacher = load_causal_lm(teacher_dir, own_dtype=True)
     eos = model_eos_ids(model_dir, tokenizer)
-    with computed_in_float32(teacher):
-        answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)),
-                                 config.prompt_new_tokens, progress, "teacher")
-    del teacher
-    release_freed_memory()
-    with deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos)) as generate:
+    with phase_peak(peaks, "prompts_teacher"):
+        teacher = load_causal_lm(teacher_dir, own_dtype=True)
+        with computed_in_float32(teacher):
+            answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)),
+                                     config.prompt_new_tokens, progress, "teacher")
+        del teacher
+        release_freed_memory()
+    with phase_peak(peaks, "prompts_deployed"), deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos)) as generate:
         deployed = answer_prompts(cases, tokenizer, generate, config.prompt_new_tokens, progress, "deployed")
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
 

@@ -9,7 +9,6 @@ at the end.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import sys
@@ -38,6 +37,7 @@ from compress.core.files import (
     staging_dir,
     written_path,
 )
+from compress.core.memory import peak_mb, reset_peak
 from compress.core.records import FileRecords, record_file, record_folder
 from compress.core.rundir import (
     MANIFEST_FILE,
@@ -83,24 +83,7 @@ class RunResult:
     exit_code: int
 
 
-def _reset_peak_rss() -> None:
-    with contextlib.suppress(OSError):
-        Path("/proc/self/clear_refs").write_text("5")
-
-
-def _peak_rss_mb() -> float:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-
-
-def _children_peak_rss_mb() -> float:
+def _childrenpeak_mb() -> float:
     import resource
 
     return resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
@@ -109,7 +92,7 @@ def _children_peak_rss_mb() -> float:
 def _stage_children_peak(before: float) -> float | None:
     """The largest resident size of a program the stage ran (NVIDIA's exporter, the custody check), where one of them grew
     past every earlier one's (the kernel keeps only the maximum over all children)."""
-    after = _children_peak_rss_mb()
+    after = _childrenpeak_mb()
     return round(after, 1) if after > before else None
 
 
@@ -140,8 +123,8 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         ctx.stage_dir = tmp
         ctx.stage_name = planned.dirname
         ctx.fingerprint = planned.fingerprint
-        _reset_peak_rss()
-        children_before = _children_peak_rss_mb()
+        reset_peak()
+        children_before = _childrenpeak_mb()
         started = time.perf_counter()
         result = planned.variant.run(previous, planned.config, ctx)
         artifact = result.artifact
@@ -162,7 +145,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "device_files": list(result.device_files),
             "device": ctx.device,
             "duration_s": round(duration, 3),
-            "peak_rss_mb": round(_peak_rss_mb(), 1),
+            "peak_rss_mb": round(peak_mb(), 1),
             "peak_subprocess_rss_mb": _stage_children_peak(children_before),
             "metrics": artifact.meta.get("metrics", {}),
             "summary": result.summary,

@@ -49,6 +49,10 @@ def test_run_writes_report_and_stage_records(tiny_run):
     assert validate["perplexity_increase_pct"] == max(d["perplexity_increase_pct"] for d in validate["domains"].values())
     assert validate["perplexity_increase_pct"] == validate["domains"][worst]["perplexity_increase_pct"]
     assert "## Quality per evaluation domain" in (out / "report.md").read_text()
+    # Validation's peak memory by phase (no app prompts here), and the stage's peak is the largest of them.
+    phases = validate["phase_peak_rss_mb"]
+    assert set(phases) == {"passes", "onnx_runtime"} and min(phases.values()) > 0
+    assert json.loads((out / "03_validate" / "stage.json").read_text())["peak_rss_mb"] >= max(phases.values())
     assert names["decode_latency_ms"]["source"] == "predicted"
     for stage_dir in ("01_load", "02_export_onnx", "03_validate"):
         record = json.loads((out / stage_dir / "stage.json").read_text())
