@@ -198,10 +198,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     for problem in result.problems:
         print(f"  {problem}")
     if result.problems:
+        if result.model:
+            print(f"  {result.model} (not part of the run directory)")
         print(f"{args.run_dir}: {len(result.problems)} problem(s); this is not what compress wrote")
         return EXIT_USAGE
     custody = f"; the Edge-LLM bundle holds the quantized numbers ({result.tensors_compared} tensors)" if result.tensors_compared else ""
     print(f"{args.run_dir}: every recorded file holds what compress wrote{custody}")
+    if result.model:
+        print(f"{args.run_dir}: {result.model} (not part of the run directory)")
     if result.not_checked:
         print(f"compress: {result.not_checked}", file=sys.stderr)
         return EXIT_NOT_MEASURED

@@ -263,15 +263,14 @@ def stage_check(run_dir: Path, dirname: str, entry: dict[str, Any] | None,
     if not isinstance(record.get("files"), dict):
         return record, [f"{record_path} lists no files (written by an older compress; rerun the stage)"]
     later = tuple(record.get("device_files") or ())
-    problems = folder_problems(folder, record["files"], full, allowed_extra=frozenset({STAGE_RECORD, *later}))
-    in_place = read_in_place_problem(record, full)
-    return record, problems + [in_place] if in_place else problems
+    return record, folder_problems(folder, record["files"], full, allowed_extra=frozenset({STAGE_RECORD, *later}))
 
 
 def read_in_place_problem(record: dict[str, Any], full: bool = False) -> str | None:
     """Why a stage's output read in place (the user's model, outside the run directory) no longer holds what the stage
     hashed; None when it does or when the stage wrote its output into its folder. Cheap unless ``full``: each file is
-    hashed again only when its stamp moved."""
+    hashed again only when its stamp moved. Not part of :func:`stage_check`: the run directory stands without the model
+    (a copied run is shown, re-gated and verified elsewhere); what reads the model again (a resumed run) checks this."""
     output = record["output"]
     if not output.get(READ_IN_PLACE):
         return None

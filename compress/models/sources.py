@@ -18,10 +18,13 @@ from typing import Any
 
 from compress.core.errors import UsageError, first_line
 from compress.core.files import (
+    atomic_write_json,
     cache_root,
     cached_sha256,
     disk_write_error,
     is_disk_write_error,
+    read_json,
+    sha256_file,
     staging_dir,
     top_level_files,
     top_level_sha256,
@@ -280,6 +283,9 @@ def _safetensors_data_end(file: Path) -> int:
     return 8 + header_len + max(ends, default=0)
 
 
+CONVERSION_RECORD = ".conversion.json"  # in a GGUF file's cached conversion: the content hash of what was written
+
+
 def gguf_cache_dir(gguf_path: Path) -> Path:
     """Where the safetensors conversion of a GGUF file is cached (named by its content hash)."""
     return cache_root() / "models" / f"{gguf_path.stem}-{cached_sha256(gguf_path)[:16]}"
@@ -314,9 +320,12 @@ def materialize(source: ModelSource) -> Path:
             if _is_converted(cached):
                 log.info("using the conversion another process just cached in %s", cached)
                 return cached
+            if cached.exists():
+                log.warning("the cached conversion %s does not hold what was converted; converting again", cached)
             log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
             with staging_dir(cached) as tmp:
                 _convert_gguf(source.path, tmp)
+                atomic_write_json(tmp / CONVERSION_RECORD, {"sha256": top_level_sha256(tmp, sha256_file)})
     except Exception as exc:
         if is_disk_write_error(exc):
             raise disk_write_error(exc, written_path(exc) or cached) from exc
@@ -325,7 +334,13 @@ def materialize(source: ModelSource) -> Path:
 
 
 def _is_converted(folder: Path) -> bool:
-    return (folder / "config.json").is_file() and any(folder.glob("*.safetensors"))
+    """A finished conversion that still holds what was converted (its content hash, recorded when it was written; runs
+    read it in place)."""
+    try:
+        recorded = read_json(folder / CONVERSION_RECORD)["sha256"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
+    return top_level_sha256(folder) == recorded
 
 
 def tokenizer_size(folder: Path) -> int | None:

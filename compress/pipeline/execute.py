@@ -108,6 +108,7 @@ def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
     if record.get("input", {}).get("sha256") != previous.sha256:
         log.info("%s: its input changed since it ran; redoing the stage", planned.dirname)
         return None
+    problems += filter(None, [read_in_place_problem(record)])
     if problems:
         log.warning("%s: %s; redoing the stage", planned.dirname, problems[0])
         return None

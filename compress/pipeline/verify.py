@@ -16,7 +16,7 @@ from pathlib import Path
 from compress.backends.edgellm.bundle import check_custody
 from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL
 from compress.core.errors import MissingBackendError, StageError
-from compress.core.rundir import RunDir, locked
+from compress.core.rundir import READ_IN_PLACE, RunDir, locked, read_in_place_problem
 
 
 @dataclass
@@ -26,6 +26,7 @@ class Verification:
     problems: list[str] = field(default_factory=list)
     not_checked: str | None = None
     tensors_compared: int = 0
+    model: str | None = None  # the model the run read in place, as found now (it is not part of the run directory)
 
 
 def verify_run(run_dir: Path) -> Verification:
@@ -33,7 +34,7 @@ def verify_run(run_dir: Path) -> Verification:
     run = RunDir(run_dir)
     run.require_manifest()
     with locked(run.path):
-        result = Verification(run.problems(full=True))
+        result = Verification(run.problems(full=True), model=_model_read_in_place(run))
         bundle = run.stage_producing(EDGELLM_BUNDLE)
         if bundle is None or result.problems:
             return result
@@ -48,3 +49,13 @@ def verify_run(run_dir: Path) -> Verification:
             else:
                 result.tensors_compared = len(custody["compared"])
     return result
+
+
+def _model_read_in_place(run: RunDir) -> str | None:
+    """What became of the model the run read in place (None when the run copied it): still what the run read, changed, or
+    not on this machine."""
+    for _, record in run.stages():
+        if record is not None and record["output"].get(READ_IN_PLACE):
+            problem = read_in_place_problem(record, full=True)
+            return problem or f"the model read in place, {record['output']['path']}, still holds what the run read"
+    return None

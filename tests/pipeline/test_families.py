@@ -274,3 +274,26 @@ def test_runs_converting_the_same_gguf_at_once_convert_it_once_and_share_the_fol
     assert results[0] == results[1] and results[0].stat().st_ino == inode_before
     assert not [p for p in results[0].parent.iterdir() if p.name.startswith(".tmp-")]
     assert load_causal_lm(results[1]).config.num_hidden_layers == 1
+
+
+def test_a_cached_gguf_conversion_that_was_changed_is_converted_again(tmp_path, monkeypatch):
+    """Runs read the conversion in place, so one that no longer holds what was written is never used."""
+    from safetensors.torch import load_file
+
+    from tests.support.gguf_files import write_gguf
+
+    monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
+    folder = build_tiny_llama(tmp_path / "hf", layers=1)
+    source = resolve_model(str(write_gguf(folder, tmp_path / "tiny.gguf")))
+    converted = materialize(source)
+    weights = next(converted.glob("*.safetensors"))
+    original = {k: v.clone() for k, v in load_file(weights).items()}
+    with open(weights, "r+b") as handle:  # a byte of a tensor flipped in the cache
+        handle.seek(weights.stat().st_size - 3)
+        byte = handle.read(1)
+        handle.seek(-1, 1)
+        handle.write(bytes([byte[0] ^ 0xFF]))
+    assert any(not torch.equal(original[k], v) for k, v in load_file(weights).items())
+    again = materialize(source)
+    assert again == converted
+    assert all(torch.equal(original[k], v) for k, v in load_file(next(again.glob("*.safetensors"))).items())

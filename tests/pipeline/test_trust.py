@@ -130,7 +130,7 @@ def test_a_tensor_deleted_from_the_weights_is_refused(capsys, tmp_path, user_mod
 
 # 3. The model is read in place and checked before every stage; a copy, when asked for, is the run's own.
 
-def test_the_model_is_read_in_place_and_a_change_to_it_is_caught_by_every_reader(capsys, tmp_path, user_model):
+def test_the_model_is_read_in_place_and_a_change_to_it_is_seen(capsys, tmp_path, user_model):
     model = shutil.copytree(user_model, tmp_path / "model")
     out = tmp_path / "run"
     assert _run(model, out) in (0, 1)
@@ -138,12 +138,15 @@ def test_the_model_is_read_in_place_and_a_change_to_it_is_caught_by_every_reader
     assert loaded["read_in_place"] and Path(loaded["path"]) == model.resolve()
     assert not [p for p in (out / "01_load").rglob("*") if p.is_file() and p.name != "stage.json"]
     assert main(["verify", str(out)]) == 0
-    capsys.readouterr()
+    assert f"the model read in place, {model.resolve()}, still holds what the run read" in capsys.readouterr().out
     _flip_byte(model / "model.safetensors", offset=4000)
-    assert main(["verify", str(out)]) == 2
+    # The run directory is still what compress wrote (it can be shown, re-gated, copied and verified without the model);
+    # verify says what became of the model, and a rerun reads it again from the start.
+    assert main(["verify", str(out)]) == 0
     assert f"the model read in place, {model.resolve()}, does not hold what the run read" in capsys.readouterr().out
-    assert main(["validate", str(out)]) == 2
-    assert "does not hold what the run read" in _last_error(capsys)
+    assert main(["validate", str(out)]) in (0, 1)
+    assert _run(model, out) in (0, 1)
+    assert set(_statuses(out).values()) == {"done"}, _statuses(out)
 
 
 def test_a_model_changed_while_the_run_goes_stops_the_run(tmp_path, user_model):
