@@ -78,7 +78,8 @@ else:
     rounder = AutoRound(model, tokenizer, bits=4, group_size=group, sym=True, iters=options["iters"], nsamples=len(texts),
                         seqlen=windows.shape[1], dataset=texts)
     rounder.quantize_and_save(str(out / "fake"), format="fake")
-    model = AutoModelForCausalLM.from_pretrained(out / "fake", dtype=torch.float32)
+    saved = next((out / "fake").rglob("config.json")).parent  # AutoRound names a sub-folder after the model and scheme
+    model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
     state = model.state_dict()
 dense = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32)
 keys = set(dense.state_dict())

@@ -321,7 +321,8 @@ def materialize(source: ModelSource) -> Path:
                 log.info("using the conversion another process just cached in %s", cached)
                 return cached
             if cached.exists():
-                log.warning("the cached conversion %s does not hold what was converted; converting again", cached)
+                log.warning("the cached conversion %s has no record of what was converted or no longer holds it; converting "
+                            "again", cached)
             log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
             with staging_dir(cached) as tmp:
                 _convert_gguf(source.path, tmp)
