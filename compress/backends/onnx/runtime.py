@@ -160,6 +160,17 @@ class OnnxDecoder:
         mask = np.ones_like(input_ids, dtype=np.int64)
         return self.forward(input_ids, mask, self.empty_past(input_ids.shape[0]))[0]
 
+    def logits_in_chunks(self, input_ids: np.ndarray, chunk: int) -> Iterator[tuple[int, np.ndarray]]:
+        """The logits of one unpadded sequence, ``chunk`` tokens at a time through the KV cache: ``(first position,
+        logits[1, chunk, vocab])`` pairs. What :meth:`logits` computes, without a whole window's logits and
+        activations in ONNX Runtime's memory at once."""
+        past = self.empty_past(input_ids.shape[0])
+        for start in range(0, input_ids.shape[1], chunk):
+            piece = input_ids[:, start:start + chunk]
+            mask = np.ones((input_ids.shape[0], start + piece.shape[1]), dtype=np.int64)
+            logits, past = self.forward(piece, mask, past)
+            yield start, logits
+
     def stream_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
         """Greedy decoding with the KV cache, yielding token ids until EOS or the limit."""
         return greedy_stream(self, prompt_ids, max_new_tokens)

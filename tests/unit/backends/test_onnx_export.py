@@ -107,6 +107,28 @@ def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the
     for index, row in enumerate(windows):
         logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
         assert float(np.abs(logits - measured.logits(index)).max()) < 0.05 * float(np.abs(measured.logits(index)).max())
+        # computed a few tokens at a time through the KV cache (as the parity check runs it): the same logits
+        chunks = list(decoder.logits_in_chunks(row.numpy()[None, :], 5))
+        assert [start for start, _ in chunks] == list(range(0, row.shape[0], 5))
+        chunked = np.concatenate([piece[0] for _, piece in chunks])
+        assert chunked.shape == logits.shape and float(np.abs(chunked - logits).max()) < 1e-3 * float(np.abs(logits).max())
+
+
+def test_the_parity_check_reads_the_same_numbers_chunk_by_chunk(quantized_bf16, tmp_path, monkeypatch):
+    from compress.eval import decoder as validation
+
+    folder, windows = quantized_bf16
+    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    sample = list(range(len(windows)))
+    measured = validation.torch_side(window_logits(folder, windows), windows, sample)
+    session = OnnxDecoder(tmp_path / "onnx")
+    whole = validation.onnx_parity(session, measured, windows)  # each window in one chunk
+    monkeypatch.setattr(validation, "PARITY_CHUNK", 7)
+    chunked = validation.onnx_parity(session, measured, windows)
+    assert whole["tokens"] == chunked["tokens"] == len(windows) * (windows.shape[1] - 1)
+    assert abs(chunked["perplexity_onnx"] / whole["perplexity_onnx"] - 1) < 1e-4
+    assert chunked["perplexity_torch"] == whole["perplexity_torch"] and chunked["difference_pct"] < 1.0
+    assert abs(chunked["top1_agreement"] - whole["top1_agreement"]) <= 2 / chunked["tokens"] and whole["top1_agreement"] > 0.9
 
 
 class _LiveFloat32(TorchDispatchMode):
