@@ -108,7 +108,8 @@ def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
     if record.get("input", {}).get("sha256") != previous.sha256:
         log.info("%s: its input changed since it ran; redoing the stage", planned.dirname)
         return None
-    problems += filter(None, [read_in_place_problem(record)])
+    in_place = read_in_place_problem(record)
+    problems = [*problems, in_place] if in_place else problems
     if problems:
         log.warning("%s: %s; redoing the stage", planned.dirname, problems[0])
         return None
@@ -141,7 +142,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "config": config_json(planned.config),
             "input": {"kind": previous.kind, "path": str(previous.path), "sha256": previous.sha256},
             "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha,
-                       READ_IN_PLACE: not _inside(artifact.path, tmp)},
+                       READ_IN_PLACE: relative.is_absolute()},
             "files": files,
             "device_files": list(result.device_files),
             "device": ctx.device,
