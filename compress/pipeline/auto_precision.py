@@ -170,8 +170,10 @@ def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.
         worst = worst_domain(per_domain)
         figures = {"worst_domain": worst, "worst_increase_pct": per_domain[worst]["perplexity_increase_pct"],
                    "top1_agreement": mixed["top1_agreement"], "mean_kl": mixed["mean_kl"]}
-        passed = (figures["worst_increase_pct"] <= margin * budgets.max_ppl_increase_pct
-                  and figures["top1_agreement"] >= budgets.min_top1_agreement and figures["mean_kl"] <= budgets.max_mean_kl)
+        ratios = (figures["worst_increase_pct"] / (margin * budgets.max_ppl_increase_pct),
+                  budgets.min_top1_agreement / max(figures["top1_agreement"], 1e-9), figures["mean_kl"] / budgets.max_mean_kl)
+        figures["overshoot"] = max(ratios)
+        passed = figures["overshoot"] <= 1.0
         log.info("auto precision: worst held-out domain %s %+.2f%% (limit %+.2f%%), top-1 %.1f%%, KL %.4f: %s", worst,
                  figures["worst_increase_pct"], margin * budgets.max_ppl_increase_pct, 100 * figures["top1_agreement"],
                  figures["mean_kl"], "accepted" if passed else "backing off")

@@ -10,7 +10,7 @@ import pytest
 
 from compress.cli.main import main
 from compress.core.errors import StageError
-from compress.transforms.quantize.mixed import FLOAT, Choice, search
+from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, Choice, search
 from tests.conftest import TINY_SMOKE, build_tiny_llama
 
 SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
@@ -96,6 +96,22 @@ def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp
     assert candidates[-1].passed and "int4" not in plan.block_formats()
     assert [c.budget for c in candidates] == sorted((c.budget for c in candidates), reverse=True)  # each back-off halves it
     assert folder.is_dir() and not any(f.exists() for _, f in written[:-1])  # rejected plans leave nothing behind
+
+
+def test_the_back_off_is_sized_by_how_far_over_its_limits_a_plan_measured(tmp_path):
+    """A plan measured at 4x its limits shrinks the budget to BACKOFF_SAFETY / 4 of itself, not by half."""
+    def measure(folder):
+        overshoot = 4.0 if "int4" in (folder / "formats").read_text() else 0.5
+        return overshoot <= 1, {"overshoot": overshoot}
+
+    def quantize(plan, folder):
+        folder.mkdir(parents=True)
+        (folder / "formats").write_text(" ".join(sorted(plan.block_formats())))
+
+    _, _, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
+    assert not candidates[0].passed and candidates[-1].passed
+    assert candidates[1].budget == pytest.approx(0.03 * BACKOFF_SAFETY / 4)
+    assert "int4" not in candidates[1].plan.block_formats() and candidates[1].plan.block_formats() == {"int8"}
 
 
 def test_a_search_that_never_passes_says_so(tmp_path):

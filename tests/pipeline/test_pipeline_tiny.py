@@ -53,6 +53,10 @@ def test_run_writes_report_and_stage_records(tiny_run):
     phases = validate["phase_peak_rss_mb"]
     assert set(phases) == {"passes", "onnx_runtime"} and min(phases.values()) > 0
     assert json.loads((out / "03_validate" / "stage.json").read_text())["peak_rss_mb"] >= max(phases.values())
+    export = json.loads((out / "02_export_onnx" / "stage.json").read_text())
+    export_phases = export["metrics"]["phase_peak_rss_mb"]
+    assert set(export_phases) == {"graph", "torch_reference", "onnx_runtime"} and min(export_phases.values()) > 0
+    assert export["peak_rss_mb"] >= max(export_phases.values())
     assert names["decode_latency_ms"]["source"] == "predicted"
     for stage_dir in ("01_load", "02_export_onnx", "03_validate"):
         record = json.loads((out / stage_dir / "stage.json").read_text())

@@ -29,6 +29,7 @@ from compress.backends.onnx.graph import onnx_files_size, save_graph, share_tied
 from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, apply_qdq
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.core.files import atomic_write_json
+from compress.core.memory import phase_peak
 from compress.models.compute import computed_in_float32
 from compress.models.families import attention_geometry
 from compress.models.loading import chat_prompt_ids, load_tokenizer
@@ -203,6 +204,7 @@ class ExportedDecoder:
     parity: dict[str, Any]
     qdq: dict[str, int]
     onnx_size_bytes: int
+    phase_peak_rss_mb: dict[str, float]  # writing the graph, torch's reference, ONNX Runtime's side of the parity check
 
 
 def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript", opset: int = 18,
@@ -220,21 +222,25 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     out.mkdir(parents=True, exist_ok=True)
     path = out / ONNX_FILE
     export = _export_dynamo if exporter == "dynamo" else _export_streamed
-    layout, qdq_stats = export(source, path, _folder_eos_ids(source, tokenizer), formats, opset, trust_remote_code)
+    peaks: dict[str, float] = {}
+    with phase_peak(peaks, "graph"):
+        layout, qdq_stats = export(source, path, _folder_eos_ids(source, tokenizer), formats, opset, trust_remote_code)
     atomic_write_json(out / LAYOUT_FILE, layout.to_json())
     for name in _SIDE_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
     log.info("checking ONNX Runtime against torch")
-    model, rebuilt = held_deployed_causal_lm(source, trust_remote_code)
-    with computed_in_float32(model, rebuilt):
-        reference = torch_reference(model, tokenizer, parity_prompt, parity_new_tokens, layout.eos_token_ids)
-    del model, rebuilt  # ONNX Runtime's copy of the graph is the next large allocation; the torch model has done its part
-    release_freed_memory()
-    parity = check_parity(reference, tokenizer, out)
+    with phase_peak(peaks, "torch_reference"):
+        model, rebuilt = held_deployed_causal_lm(source, trust_remote_code)
+        with computed_in_float32(model, rebuilt):
+            reference = torch_reference(model, tokenizer, parity_prompt, parity_new_tokens, layout.eos_token_ids)
+        del model, rebuilt  # ONNX Runtime's copy of the graph is the next large allocation; the torch model has done its part
+        release_freed_memory()
+    with phase_peak(peaks, "onnx_runtime"):
+        parity = check_parity(reference, tokenizer, out)
     log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
              "identical" if parity["greedy_match"] else "DIFFER")
-    return ExportedDecoder(layout, meta is not None, parity, qdq_stats, onnx_files_size(path))
+    return ExportedDecoder(layout, meta is not None, parity, qdq_stats, onnx_files_size(path), peaks)
 
 
 def _layout(model, eos: list[int], formats: list) -> DecoderLayout:

@@ -71,7 +71,8 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> S
         "sparse_24": bool(source.meta.get("sparse_24")) and qdq_stats.get("onnx_pattern_24_fraction", 0) >= PATTERN_COMPLETE,
         "layout": exported.layout.to_json(),
         "opset": config.opset,
-        "metrics": {"onnx_size_bytes": exported.onnx_size_bytes, "parity": parity, **qdq_stats},
+        "metrics": {"onnx_size_bytes": exported.onnx_size_bytes, "parity": parity, **qdq_stats,
+                    "phase_peak_rss_mb": exported.phase_peak_rss_mb},
     }
     line = (f"ONNX {exported.onnx_size_bytes / 1e6:.1f} MB; max logit diff {parity['max_abs_logit_diff']:.2e}, "
             f"greedy {'identical' if parity['greedy_match'] else 'DIFFERENT'}")

@@ -417,9 +417,10 @@ class _Quantizer(BlockVisitor):
         prefix = f"{self.prefix}.{index}"
         if self.plan is None:
             quantized = quantize_block(block, inputs, self.config, self.model_config, prefix)
-        else:  # each format's points in turn, each with its own method: later points see the earlier ones quantized
+        else:  # each run of one format's points with its own method, in the family's order (see MixedPlan.block_runs)
             quantized = {}
-            for name, points in self.plan.block(index).items():
+            order = [point.name for point in family_of(self.model_config).points]
+            for name, points in self.plan.block_runs(index, order):
                 quantized.update(quantize_block(block, inputs, self.plan.configs[name], self.model_config, prefix, points=points))
         if amax is not None:
             kv_cache.stop_recording(block)
@@ -428,7 +429,8 @@ class _Quantizer(BlockVisitor):
         self.result.linears.update(quantized)
         self.quantized = quantized
         self.block_linears = {name.split(f"{self.prefix}.{index}.", 1)[1]: q for name, q in quantized.items()}
-        log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
+        if quantized:  # a plan may leave a whole block float
+            log.debug("layer %d quantized; min SQNR %.1f dB", index, min(q.sqnr_db for q in quantized.values()))
 
     def propagation_hooks(self, index: int, block) -> list:
         # The next block sees this one's outputs as the deployed graph computes them: inputs quantized.

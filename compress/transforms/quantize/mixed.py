@@ -221,7 +221,10 @@ class Candidate:
                 "passed": self.passed, "plan": self.plan.to_json()}
 
 
-Measure = Callable[[Path], tuple[bool, dict[str, Any]]]  # a quantized folder -> (within the budgets?, its figures)
+# A quantized folder -> (within the budgets?, its figures); the figures may hold "overshoot", how many times over its
+# limits the plan measured (the largest ratio of a figure to its limit), which sizes the back-off.
+Measure = Callable[[Path], tuple[bool, dict[str, Any]]]
+BACKOFF_SAFETY = 0.8  # a failed plan's next budget: this share of the budget its overshoot says would have held
 Quantize = Callable[[MixedPlan, Path], Any]  # a plan, a folder to write it to -> the quantization result
 
 
@@ -233,9 +236,11 @@ def choices_from(table: SensitivityTable, cost: Callable[[int, str, str], float]
 
 def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], budget: float, rounds: int,
            quantize: Quantize, measure: Measure, work: Path) -> tuple[Any, Path, list[Candidate]]:
-    """The fastest plan the measurement accepts: solve under ``budget``, quantize, measure; on a failure halve the budget
+    """The fastest plan the measurement accepts: solve under ``budget``, quantize, measure; on a failure shrink the budget
     (the groups that spend most of it for least gain go back to a wider format first) and try again, at most ``rounds``
-    plans. Returns the accepted plan's quantization, its folder (under ``work``) and every candidate measured."""
+    plans. The budget shrinks in proportion to how far over its limits the plan measured (``BACKOFF_SAFETY /
+    overshoot``: the predictions undercount by about that much), by half when the measurement does not say. Returns the
+    accepted plan's quantization, its folder (under ``work``) and every candidate measured."""
     candidates: list[Candidate] = []
     seen: set[str] = set()
     for attempt in range(rounds):
@@ -259,9 +264,17 @@ def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, Quan
         if passed:
             return result, folder, candidates
         shutil.rmtree(folder)
-        budget /= 2
+        budget *= _backoff(figures)
     raise StageError(f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
                      f"{_describe(candidates[-1]) if candidates else 'nothing'}); use a uniform recipe or a larger margin")
+
+
+def _backoff(figures: dict[str, Any]) -> float:
+    """The factor a failed plan's budget is multiplied by (always below one)."""
+    overshoot = figures.get("overshoot")
+    if overshoot is None or not math.isfinite(overshoot) or overshoot <= 1.0:
+        return 0.5
+    return BACKOFF_SAFETY / overshoot
 
 
 def _describe(candidate: Candidate) -> str:

@@ -16,13 +16,24 @@ class MixedPlan:
     formats: dict[int, dict[str, str]]
     configs: dict[str, QuantizeConfig]
 
-    def block(self, index: int) -> dict[str, list[str]]:
-        """Block ``index``'s quantized points by format."""
-        by_format: dict[str, list[str]] = {}
-        for point, name in self.formats.get(index, {}).items():
-            if name != FLOAT:
-                by_format.setdefault(name, []).append(point)
-        return by_format
+    def block_runs(self, index: int, point_order: list[str]) -> list[tuple[str, list[str]]]:
+        """Block ``index``'s quantized points as runs of one format, in ``point_order`` (the family's points).
+
+        A point's migration scales fold into the linear producing its input (v_proj for o_proj, up_proj for down_proj),
+        which another point consumes: that linear must not be quantized yet, or its saved levels would miss the fold.
+        A family lists the points whose producer is a linear first, so taking the runs in its order keeps every fold
+        ahead of the quantization of what it touches."""
+        runs: list[tuple[str, list[str]]] = []
+        points = self.formats.get(index, {})
+        for point in point_order:
+            name = points.get(point, FLOAT)
+            if name == FLOAT:
+                continue
+            if runs and runs[-1][0] == name:
+                runs[-1][1].append(point)
+            else:
+                runs.append((name, [point]))
+        return runs
 
     def block_formats(self) -> set[str]:
         """Every format a point is quantized in (none: the plan leaves the model float)."""

@@ -13,7 +13,7 @@ from compress.models.compute import computed_in_float32
 from compress.models.families import family_of
 from compress.models.loading import load_causal_lm
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
-from compress.transforms.quantize.decoder import quantize_folder
+from compress.transforms.quantize.decoder import quantize_folder, quantize_model
 from compress.transforms.quantize.mixed import (
     FLOAT,
     Choice,
@@ -23,7 +23,13 @@ from compress.transforms.quantize.mixed import (
     sensitivity,
     solve,
 )
-from compress.transforms.quantize.saved import MIXED, attach_quantization, held_quantized_causal_lm, load_quantization
+from compress.transforms.quantize.saved import (
+    MIXED,
+    attach_quantization,
+    dequantized_weight,
+    held_quantized_causal_lm,
+    load_quantization,
+)
 from tests.conftest import build_tiny_llama
 
 SHARED = {"calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1, "sample_tokens": 64}
@@ -66,6 +72,21 @@ def test_a_plan_quantizes_each_group_in_its_own_format_and_validation_computes_i
     measured = window_logits(tmp_path / "q", windows)
     for index, logits in enumerate(reference):
         torch.testing.assert_close(torch.from_numpy(measured.logits(index)), logits, atol=1e-5, rtol=1e-5)
+
+
+def test_a_plan_saves_the_weights_the_quantizer_computed_with(wide, windows):
+    """A point's migration scales fold into the linear producing its input (v_proj for o_proj, up_proj for down_proj): a
+    producer quantized in another format must take the fold before its levels are taken, whatever the formats' order."""
+    configs = candidate_configs(["int8", "int4"], SHARED)
+    plan = MixedPlan({0: {"attn_in": "int4", "attn_out": "int8", "mlp_in": "int4", "mlp_hidden": "int8"},
+                      1: {"attn_in": "int8", "attn_out": "int4", "mlp_in": "int8", "mlp_hidden": "int4"}}, configs)
+    model = load_causal_lm(wide)
+    config = QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED})
+    result = quantize_model(model, windows, config, progress=False, plan=plan)
+    assert {q.migration_ratio is not None for q in result.linears.values()} == {True}  # every input had scales folded
+    for name, quant in result.linears.items():
+        torch.testing.assert_close(dequantized_weight({}, quant), model.get_submodule(name).weight.detach(), atol=1e-6, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows):
