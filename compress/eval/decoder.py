@@ -2,7 +2,7 @@
 prompts, host latency, the latency model's predictions for the target, and the checks against the target's budgets.
 
 Measurements (target-independent): perplexity of the deployed numbers (the quantized checkpoint, computed in torch on
-the run's device block by block, :mod:`compress.eval.layerwise`) and of the teacher on every evaluation domain (the
+the run's device block by block, :mod:`compress.transforms.checkpoint_logits`) and of the teacher on every evaluation domain (the
 gate takes the worst), top-1 agreement and KL divergence against the teacher on the mixed evaluation text, greedy
 answers to the app's prompts (the deployed numbers' in torch too); where a portable ONNX was exported, ONNX Runtime's
 agreement with the torch figures on a sample of windows and host ONNX Runtime latency, taken after the torch models are
@@ -42,7 +42,6 @@ from compress.core.text import (
 from compress.eval.fidelity import compare_window_pairs, worst_domain
 from compress.eval.gate import Check, lower_bound_check, require_measured, upper_bound_check
 from compress.eval.latency import measure_decoder_latency
-from compress.eval.layerwise import WindowLogits, window_logits
 from compress.eval.perf_model import (
     KV_CACHE_ELEMENT_BYTES,
     ModelShape,
@@ -63,6 +62,7 @@ from compress.eval.prompts import (
 )
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer
+from compress.transforms.checkpoint_logits import WindowLogits, window_logits
 from compress.transforms.quantize.saved import held_deployed_causal_lm
 from compress.transforms.walk import release_freed_memory
 

@@ -33,11 +33,11 @@ from compress.core.config import Target
 from compress.core.files import read_json
 from compress.core.text import TextSource, held_out_windows
 from compress.eval.fidelity import compare_window_pairs, worst_domain
-from compress.eval.layerwise import window_logits
 from compress.eval.perf_model import ModelShape, linear_ms_per_param, predict_mixed
 from compress.models.families import decoder_blocks, family_of, linear_shapes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
+from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.config import AutoConfig
 from compress.transforms.quantize.decoder import quantize_folder
 from compress.transforms.quantize.mixed import (

@@ -35,9 +35,10 @@ HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_edgellm": 2.4, "
 # teacher for the app prompts, ONNX Runtime's session); what the process keeps from the stages before it counts too.
 HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "validate": 3.3}
 # export_onnx's ONNX Runtime session of the portable graph, as copies of the checkpoint: the levels, and the 16-bit
-# tensors folded to float32 and packed again for its MatMuls (1.6 in a fresh process), with what the process keeps from
-# the stages before it (the stage's peak on the Qwen3-0.6B shape, whose embedding is a quarter of its parameters: 3.7 GB).
-ORT_SESSION_CHECKPOINT_COPIES = 2.8
+# tensors (float linears, the tied LM head) folded to float32 for its MatMuls; the stage's largest phase on the
+# Qwen3-0.6B shape, whose embedding is a quarter of its parameters (2.56 GB for the 1.19 GB checkpoint; tracing the
+# skeleton 1.44 GB, torch's block-by-block reference 1.12 GB).
+ORT_SESSION_CHECKPOINT_COPIES = 1.8
 # The stages that stream a model block by block (models/weights.py) hold one block in float32 and its work (statistics,
 # Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
 STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}

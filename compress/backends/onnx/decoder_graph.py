@@ -2,8 +2,8 @@
 
 Tracing needs a model's parameters only for their shapes: the skeleton is the model ``config.json``
 describes with every parameter a float32 scalar broadcast to its shape (no memory), traced with the
-parameters as named graph inputs (``export_params=False``, no constant folding, so the exporter neither
-copies nor merges them). :func:`write_weights` then turns each parameter input into an initializer read
+parameters passed as named graph inputs (no constant folding, so the exporter neither computes on, copies
+nor merges them). :func:`write_weights` then turns each parameter input into an initializer read
 from the checkpoint, one tensor at a time, its bytes appended to the graph's external data file:
 
 - a quantized linear (the quantize stage's levels and scales, read block by block) becomes its grid
@@ -66,7 +66,9 @@ def skeleton_causal_lm(folder: Path, trust_remote_code: bool = False):
 
 
 def trace_decoder(wrapper: torch.nn.Module, layout: DecoderLayout, example: tuple, path: Path, opset: int) -> None:
-    """Trace ``wrapper`` (flat tensors in and out) to ``path`` with its parameters as graph inputs."""
+    """Trace ``wrapper`` (flat tensors in and out) to ``path`` with its parameters as graph inputs, each named
+    ``PARAMETER_PREFIX`` + its state-dict name (a tied table once)."""
+    parameters = dict(wrapper.named_parameters())
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layout.num_layers)]
     outputs = ["logits", *present_names(layout.num_layers)]
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
@@ -75,10 +77,41 @@ def trace_decoder(wrapper: torch.nn.Module, layout: DecoderLayout, example: tupl
     axes.update({name: {0: "batch", 2: "total"} for name in outputs[1:]})
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        # keep_initializers_as_inputs: the exporter would otherwise merge parameters of equal value (every placeholder)
-        torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs, dynamic_axes=axes,
-                          dynamo=False, opset_version=opset, export_params=False, keep_initializers_as_inputs=True,
-                          do_constant_folding=False)
+        torch.onnx.export(_WeightsAsInputs(wrapper, list(parameters)), (*example, *parameters.values()), str(path),
+                          input_names=[*inputs, *parameters], output_names=outputs, dynamic_axes=axes, dynamo=False,
+                          opset_version=opset, do_constant_folding=False)
+
+
+class _WeightsAsInputs(torch.nn.Module):
+    """``wrapper`` with its parameters passed as trailing inputs, so that the exporter sees a module with none.
+
+    The exporter's ONNX shape inference takes a module's parameters as constants and computes on them: with the
+    skeleton's broadcast scalars, a float32 copy of the whole model at once (the Qwen3-0.6B shape's trace peaked at
+    3.4 GB). Inputs it only types. Inputs are also never merged, as parameters of equal value (every placeholder) are.
+    (``torch.func.functional_call`` does this swap, but refuses to run under the tracer.)"""
+
+    def __init__(self, wrapper: torch.nn.Module, names: list[str]) -> None:
+        super().__init__()
+        self.__dict__["inner"] = wrapper  # not a submodule: its parameters must not be the exporter's
+        self.names = names
+        canonical = {id(parameter): name for name, parameter in wrapper.named_parameters()}
+        self.aliases = [(name, canonical[id(parameter)]) for name, parameter in wrapper.named_parameters(remove_duplicate=False)]
+
+    def forward(self, *args):
+        count = len(args) - len(self.names)
+        given = dict(zip(self.names, args[count:], strict=True))
+        saved = []
+        for name, canonical in self.aliases:  # each parameter (a tied one under each of its names) becomes its input
+            owner, _, leaf = name.rpartition(".")
+            module = self.inner.get_submodule(owner)
+            saved.append((module, leaf, module._parameters.pop(leaf)))
+            module.__dict__[leaf] = given[canonical]
+        try:
+            return self.inner(*args[:count])
+        finally:
+            for module, leaf, parameter in saved:
+                del module.__dict__[leaf]
+                module._parameters[leaf] = parameter
 
 
 class _FloatTensors:

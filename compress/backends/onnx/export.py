@@ -5,8 +5,9 @@ its inputs and outputs). By default the graph is traced from a weightless skelet
 are written one tensor at a time from the folder, a quantized one's linears as real Q/DQ nodes over
 their saved levels and scales (:mod:`compress.backends.onnx.decoder_graph`); the dynamo exporter
 traces the float32 model and its graph is rewritten by value. A tied embedding is stored once.
-After export the model runs in ONNX Runtime beside torch: the largest logit difference on a fixed
-prompt and the greedy tokens of both are measured.
+After export the model runs in ONNX Runtime, then torch computes the same prompt and ONNX Runtime's
+greedy continuation block by block: the largest logit difference on the prompt and whether torch's
+greedy choice agrees at every step are measured.
 """
 
 from __future__ import annotations
@@ -30,11 +31,10 @@ from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, appl
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.core.files import atomic_write_json
 from compress.core.memory import phase_peak
-from compress.models.compute import computed_in_float32
 from compress.models.families import attention_geometry
 from compress.models.loading import chat_prompt_ids, load_tokenizer
+from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.saved import (
-    held_deployed_causal_lm,
     kv_cache_scales,
     load_quantization,
     load_quantized_causal_lm,
@@ -121,14 +121,6 @@ def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "to
                           dynamic_shapes=shapes, dynamo=True, opset_version=max(opset, 18), external_data=False)
 
 
-def torch_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_ids: list[int]) -> list[int]:
-    """Greedy continuation in torch with the KV cache, stopping at EOS like :meth:`OnnxDecoder.greedy`."""
-    with torch.no_grad():
-        out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eos_token_ids or None, pad_token_id=(eos_token_ids or [0])[0])
-    return out[0, len(prompt_ids):].tolist()
-
-
 def eos_ids(model, tokenizer) -> list[int]:
     """End-of-sequence ids from the generation config, else the tokenizer."""
     eos = getattr(model.generation_config, "eos_token_id", None)
@@ -140,37 +132,37 @@ def eos_ids(model, tokenizer) -> list[int]:
 
 
 @dataclass(frozen=True)
-class TorchReference:
-    """What torch computes on the parity prompt: its logits and greedy continuation (taken before ONNX Runtime loads the
-    graph, so the torch model can be freed first)."""
+class OnnxSide:
+    """ONNX Runtime's side of the parity check: its logits over the prompt and its greedy continuation."""
 
-    prompt_text: str
-    prompt: list[int]
-    logits: np.ndarray
+    logits: np.ndarray  # (prompt tokens, vocab)
     tokens: list[int]
-    new_tokens: int
 
 
-def torch_reference(model, tokenizer, prompt_text: str, new_tokens: int, eos_token_ids: list[int]) -> TorchReference:
-    """Torch's side of the parity check, on ``prompt_text`` in the chat template."""
-    prompt = chat_prompt_ids(tokenizer, prompt_text)
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt])).logits.numpy()
-    return TorchReference(prompt_text, prompt, logits, torch_greedy(model, prompt, new_tokens, eos_token_ids), new_tokens)
-
-
-def check_parity(reference: TorchReference, tokenizer, folder: Path) -> dict:
-    """Compare ONNX Runtime with torch's reference on the same prompt: logits and greedy tokens."""
+def onnx_side(folder: Path, prompt: list[int], new_tokens: int) -> OnnxSide:
+    """Run the exported graph in ONNX Runtime on ``prompt``: its logits, and its greedy continuation (stopping at EOS)."""
     decoder = OnnxDecoder(folder)
-    onnx_logits = decoder.logits(np.asarray([reference.prompt]))
-    onnx_tokens = decoder.greedy(reference.prompt, reference.new_tokens)
+    return OnnxSide(np.asarray(decoder.logits(np.asarray([prompt])))[0], decoder.greedy(prompt, new_tokens))
+
+
+def compare_with_torch(side: OnnxSide, torch_logits: np.ndarray, prompt: list[int], eos_token_ids: list[int]) -> dict:
+    """The parity figures, from torch's logits over the prompt followed by ONNX Runtime's tokens (``torch_logits``).
+
+    Given the same prefix at every step, torch's greedy choice is its argmax there, so one pass over ONNX Runtime's
+    continuation says whether torch's own greedy decoding would have produced it; torch's tokens are recorded up to
+    and including the first that differs."""
+    start = len(prompt) - 1
+    torch_tokens: list[int] = []
+    for step, theirs in enumerate(side.tokens):
+        ours = int(torch_logits[start + step].argmax())
+        torch_tokens.append(ours)
+        if ours != theirs or ours in eos_token_ids:
+            break
     return {
-        "max_abs_logit_diff": float(np.abs(onnx_logits - reference.logits).max()),
-        "greedy_match": reference.tokens == onnx_tokens,
-        "greedy_tokens_torch": reference.tokens,
-        "greedy_tokens_onnx": onnx_tokens,
-        "greedy_text_onnx": tokenizer.decode(onnx_tokens, skip_special_tokens=True),
-        "prompt": reference.prompt_text,
+        "max_abs_logit_diff": float(np.abs(side.logits - torch_logits[: len(prompt)]).max()),
+        "greedy_match": torch_tokens == side.tokens,
+        "greedy_tokens_torch": torch_tokens,
+        "greedy_tokens_onnx": side.tokens,
     }
 
 
@@ -204,7 +196,7 @@ class ExportedDecoder:
     parity: dict[str, Any]
     qdq: dict[str, int]
     onnx_size_bytes: int
-    phase_peak_rss_mb: dict[str, float]  # writing the graph, torch's reference, ONNX Runtime's side of the parity check
+    phase_peak_rss_mb: dict[str, float]  # writing the graph, ONNX Runtime's side of the parity check, torch's reference
 
 
 def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript", opset: int = 18,
@@ -214,8 +206,10 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime.
 
     The TorchScript exporter (the default) traces a weightless skeleton and writes the weights one tensor at a time from
-    the checkpoint; torch's reference is the model held in its own dtype and computed in float32 part by part. So no
-    float32 copy of the model is made. The dynamo exporter traces the model loaded in float32."""
+    the checkpoint; torch's reference is computed block by block from the checkpoint after ONNX Runtime's session is
+    gone (:func:`compress.transforms.checkpoint_logits.window_logits`), over the prompt and ONNX Runtime's greedy
+    continuation. So neither the model nor a float32 copy of it is ever held. The dynamo exporter traces the model
+    loaded in float32."""
     tokenizer = load_tokenizer(source)
     meta = quantization_meta(source)
     formats = [PRECISIONS[info.get("precision", meta["precision"])] for info in meta["linears"].values()] if meta else []
@@ -230,14 +224,15 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
     log.info("checking ONNX Runtime against torch")
-    with phase_peak(peaks, "torch_reference"):
-        model, rebuilt = held_deployed_causal_lm(source, trust_remote_code)
-        with computed_in_float32(model, rebuilt):
-            reference = torch_reference(model, tokenizer, parity_prompt, parity_new_tokens, layout.eos_token_ids)
-        del model, rebuilt  # ONNX Runtime's copy of the graph is the next large allocation; the torch model has done its part
-        release_freed_memory()
+    prompt = chat_prompt_ids(tokenizer, parity_prompt)
     with phase_peak(peaks, "onnx_runtime"):
-        parity = check_parity(reference, tokenizer, out)
+        side = onnx_side(out, prompt, parity_new_tokens)
+        release_freed_memory()
+    with phase_peak(peaks, "torch_reference"):  # the deployed numbers, one block in memory at a time
+        ids = torch.tensor([prompt + side.tokens])
+        torch_logits = window_logits(source, ids, trust_remote_code=trust_remote_code).logits(0)
+    parity = {**compare_with_torch(side, torch_logits, prompt, layout.eos_token_ids),
+              "greedy_text_onnx": tokenizer.decode(side.tokens, skip_special_tokens=True), "prompt": parity_prompt}
     log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
              "identical" if parity["greedy_match"] else "DIFFER")
     return ExportedDecoder(layout, meta is not None, parity, qdq_stats, onnx_files_size(path), peaks)

@@ -12,16 +12,15 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compress.backends.onnx.decoder_graph import skeleton_causal_lm, write_weights
-from compress.backends.onnx.export import decoder_layout, export_decoder, export_decoder_folder, torch_reference
+from compress.backends.onnx.export import decoder_layout, export_decoder, export_decoder_folder
 from compress.backends.onnx.graph import external_files
 from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
 from compress.backends.tensorrt.engine_graph import engine_graph_parity, write_engine_graph
-from compress.eval.layerwise import window_logits
-from compress.models.compute import computed_in_float32
-from compress.models.loading import load_causal_lm, load_tokenizer, save_side_files
+from compress.models.loading import chat_prompt_ids, load_causal_lm, load_tokenizer, save_side_files
+from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder
-from compress.transforms.quantize.saved import held_deployed_causal_lm, load_quantization, load_quantized_causal_lm
+from compress.transforms.quantize.saved import load_quantization, load_quantized_causal_lm
 from tests.conftest import build_tiny_llama
 
 LAYERS = 6
@@ -163,7 +162,7 @@ class _LiveFloat32(TorchDispatchMode):
 
 def test_neither_the_weights_nor_torchs_reference_hold_the_model_in_float32(bf16_model, quantized_bf16, tmp_path):
     """What the export computes in torch besides tracing the skeleton: writing the weights, and the parity reference (the
-    deployed model held as its levels, computed in float32 part by part, greedy decoding included)."""
+    deployed numbers over the prompt and a continuation, computed block by block)."""
     folder, _ = quantized_bf16
     float32_model = 2 * _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True))
     with _LiveFloat32() as loading:  # the measure sees a float32 model when there is one
@@ -177,8 +176,32 @@ def test_neither_the_weights_nor_torchs_reference_hold_the_model_in_float32(bf16
     tokenizer = load_tokenizer(folder)
     with _LiveFloat32() as writing:
         write_weights(graph, skeleton, folder, tmp_path / ONNX_FILE)
+    prompt = chat_prompt_ids(tokenizer, "What is the capital of France?")
     with _LiveFloat32() as reference:
-        model, rebuilt = held_deployed_causal_lm(folder)
-        with computed_in_float32(model, rebuilt):
-            torch_reference(model, tokenizer, "What is the capital of France?", 4, [0])
-    assert writing.peak < 0.3 * float32_model and reference.peak < 0.5 * float32_model
+        window_logits(folder, torch.tensor([prompt + [5, 6, 7, 8]])).logits(0)
+    assert writing.peak < 0.3 * float32_model and reference.peak < 0.3 * float32_model
+
+
+def test_torch_greedy_is_read_from_one_pass_over_onnx_runtimes_continuation():
+    """Torch's argmax after the same prefix is its greedy choice: agreement step by step, its tokens up to where they
+    part, EOS ending both."""
+    from compress.backends.onnx.export import OnnxSide, compare_with_torch
+
+    prompt, vocab = [1, 2, 3], 10
+    continuation = [4, 7, 2]
+
+    def torch_logits(choices: list[int]) -> np.ndarray:
+        logits = np.zeros((len(prompt) + len(continuation), vocab), dtype=np.float32)
+        for step, token in enumerate(choices):
+            logits[len(prompt) - 1 + step, token] = 5.0
+        return logits
+
+    side = OnnxSide(torch_logits(continuation)[: len(prompt)], continuation)
+    same = compare_with_torch(side, torch_logits(continuation), prompt, eos_token_ids=[0])
+    assert same["greedy_match"] and same["greedy_tokens_torch"] == continuation and same["max_abs_logit_diff"] == 0.0
+    parted = compare_with_torch(side, torch_logits([4, 8, 2]), prompt, eos_token_ids=[0])
+    assert not parted["greedy_match"] and parted["greedy_tokens_torch"] == [4, 8]
+    stopped = compare_with_torch(side, torch_logits([4, 0, 2]), prompt, eos_token_ids=[0])  # torch would end at EOS
+    assert not stopped["greedy_match"] and stopped["greedy_tokens_torch"] == [4, 0]
+    ended = OnnxSide(side.logits, [4, 0])  # ONNX Runtime ended at EOS, and torch chooses it there too
+    assert compare_with_torch(ended, torch_logits([4, 0, 9]), prompt, eos_token_ids=[0])["greedy_match"]

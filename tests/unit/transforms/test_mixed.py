@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from compress.eval.layerwise import window_logits
 from compress.models.compute import computed_in_float32
 from compress.models.families import family_of
 from compress.models.loading import load_causal_lm
+from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder, quantize_model
 from compress.transforms.quantize.mixed import (

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.eval.layerwise import window_logits
 from compress.models.compute import computed_in_float32
 from compress.models.loading import load_causal_lm, load_tokenizer, save_model_folder
+from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder
 from compress.transforms.quantize.saved import attach_quantization, held_quantized_causal_lm, load_quantization
