@@ -3,6 +3,7 @@ Runtime computes what torch computes with the model held in its own dtype."""
 
 from __future__ import annotations
 
+import sys
 import weakref
 
 import numpy as np
@@ -16,6 +17,7 @@ from compress.backends.onnx.export import decoder_layout, export_decoder, export
 from compress.backends.onnx.graph import external_files
 from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
 from compress.backends.tensorrt.engine_graph import engine_graph_parity, write_engine_graph
+from compress.core.memory import phase_peak
 from compress.models.loading import chat_prompt_ids, load_causal_lm, load_tokenizer, save_side_files
 from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
@@ -205,3 +207,29 @@ def test_torch_greedy_is_read_from_one_pass_over_onnx_runtimes_continuation():
     assert not stopped["greedy_match"] and stopped["greedy_tokens_torch"] == [4, 0]
     ended = OnnxSide(side.logits, [4, 0])  # ONNX Runtime ended at EOS, and torch chooses it there too
     assert compare_with_torch(ended, torch_logits([4, 0, 9]), prompt, eos_token_ids=[0])["greedy_match"]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the phase's peak reads Linux's VmHWM")
+def test_tracing_computes_no_float32_copy_of_the_parameters(tmp_path):
+    """The exporter's shape inference computes on what it takes as parameters: traced as inputs, none of them is copied.
+    A wide config is enough (the skeleton needs no weights): its float32 parameters are 0.47 GB; taken as parameters,
+    the trace held more than that again."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=4, num_attention_heads=8,
+                         num_key_value_heads=4, vocab_size=32000, tie_word_embeddings=False)
+    config.save_pretrained(tmp_path / "wide")
+    skeleton = skeleton_causal_lm(tmp_path / "wide")
+    float32_bytes = sum(4 * p.numel() for p in skeleton.parameters())
+    layout = decoder_layout(skeleton, [0])
+    before = _resident_mb()
+    peaks: dict[str, float] = {}
+    with phase_peak(peaks, "trace"):
+        export_decoder(skeleton, layout, tmp_path / ONNX_FILE)
+    assert (peaks["trace"] - before) * 2**20 < 0.6 * float32_bytes, (peaks, before, float32_bytes)
+    inputs = {i.name for i in onnx.load(str(tmp_path / ONNX_FILE)).graph.input}
+    assert {f"model.{name}" for name, _ in skeleton.named_parameters()} <= inputs
+
+
+def _resident_mb() -> float:
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024
