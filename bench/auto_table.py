@@ -8,6 +8,7 @@ format) and the quantize stage's time (for auto: the search). Runs go to ``bench
 
     .venv/bin/python bench/auto_table.py                       # both targets
     .venv/bin/python bench/auto_table.py --targets jetson-orin-nano-8gb
+    .venv/bin/python bench/auto_table.py --targets jetson-agx-thor --recipes thor-fp8 auto
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ def row(target: str, recipe: str, report: dict | None) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", default=list(RECIPES), choices=list(RECIPES))
+    parser.add_argument("--recipes", nargs="+", help="only these rows (a recipe name, or the INT4 row's name)")
     args = parser.parse_args()
     lines = ["| target | recipe | worst domain | top-1 | KL | answer prefix | predicted tok/s | predicted ms/token | "
              "checkpoint MB | formats (groups, or linears) | quantize min | gate |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -53,6 +55,8 @@ def main() -> None:
         for entry in RECIPES[target]:
             recipe, *extra = entry.split()
             name = recipe + ("-down-proj-only" if extra else "")
+            if args.recipes and name not in args.recipes:
+                continue
             report = compress_run(recipe, REPO / "bench_runs" / "auto" / f"{target}-{name}", *extra, target=target)
             lines.append(row(target, name, report))
             print("\n".join(lines), flush=True)

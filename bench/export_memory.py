@@ -45,10 +45,10 @@ def main() -> None:
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-2000:])
     row = json.loads(proc.stdout.strip().splitlines()[-1])
-    print("| phase | peak GB |\n|---|---|")
-    for name, mb in row["phases_mb"].items():
-        print(f"| {name} | {mb * 2**20 / 1e9:.2f} |")
-    print(f"| the export (its largest phase) | {max(row['phases_mb'].values()) * 2**20 / 1e9:.2f} |")
+    print("| phase | peak GiB |\n|---|---|")
+    for name, mib in row["phases_mb"].items():  # the runner's MB are MiB (VmHWM's kB / 1024)
+        print(f"| {name} | {mib / 1024:.2f} |")
+    print(f"| the export (its largest phase) | {max(row['phases_mb'].values()) / 1024:.2f} |")
     if checkpoint:
         print(f"\ncheckpoint {checkpoint / 1e9:.2f} GB; ONNX {row['onnx_bytes'] / 1e9:.2f} GB; "
               f"max logit difference {row['max_abs_logit_diff']:.3g}")

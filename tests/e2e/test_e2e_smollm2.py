@@ -43,7 +43,11 @@ def test_onnx_runtime_reproduces_torch(smoke_run):
     parity = stages["export_onnx"]["metrics"]["parity"]
     # One activation rounding flipped by float order changes a quantized graph's greedy continuation
     # on some CPUs (it does on AVX-512 VNNI hosts); agreement is judged by perplexity below.
-    assert parity["max_abs_logit_diff"] < 20.0 and len(parity["greedy_tokens_onnx"]) == len(parity["greedy_tokens_torch"])
+    assert parity["max_abs_logit_diff"] < 20.0
+    torch_tokens, onnx_tokens = parity["greedy_tokens_torch"], parity["greedy_tokens_onnx"]
+    # torch's greedy tokens agree with ONNX Runtime's up to the first that differs (recorded last), or all of them
+    assert torch_tokens and torch_tokens[:-1] == onnx_tokens[: len(torch_tokens) - 1]
+    assert parity["greedy_match"] == (torch_tokens == onnx_tokens)
     assert stages["export_onnx"]["metrics"]["quantized_linears"] == 30 * 7
     metrics = stages["validate"]["metrics"]
     assert metrics["onnx_vs_torch_quantized_pct"] < 1.0
