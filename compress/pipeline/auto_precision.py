@@ -5,7 +5,8 @@ need from the run:
 
 * the candidate formats: those the target's deployment runs (its Edge-LLM precisions and GPU
   formats), each group of linears admitting only the formats its shapes are legal in (INT4 in
-  groups of 128 where the kernels tile it, :mod:`compress.backends.edgellm.contracts`);
+  groups of 128 where the kernels tile it, :mod:`compress.backends.edgellm.contracts`), and a plan
+  only formats one bundle can hold side by side (no NVFP4 beside INT8 or INT4);
 * the cost of a group in a format: the decode milliseconds its bytes take at the target's power
   mode, from the latency model (:func:`compress.eval.perf_model.linear_ms_per_param`);
 * the budget: ``margin`` times the per-token KL the gate's perplexity budget allows
@@ -124,12 +125,16 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
         return quantize_folder(source, folder, windows, config, progress=progress, device=device, trust_remote_code=trust_remote_code,
                                plan=plan)
 
-    result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work)
+    format_sets = contracts.mixed_format_sets(formats)
+    if len(format_sets) > 1:
+        log.info("auto precision: one bundle holds %s", " or ".join("+".join(s) for s in format_sets))
+    result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work,
+                                        format_sets)
     shutil.move(str(folder), str(out))
     shutil.rmtree(work, ignore_errors=True)
     shape = ModelShape.from_config(model_config)
     found = {
-        "formats": formats, "budget_kl": budget, "margin": config.margin,
+        "formats": formats, "format_sets": [list(names) for names in format_sets], "budget_kl": budget, "margin": config.margin,
         "selection": {"windows": int(rows.shape[0]), "domains": [d for d, _ in selection]},
         "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in candidates],
         "references": _uniform_references(table, formats, model_config, target, power_mode, shape, allowed),

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from compress.backends.edgellm.contracts import mixed_conflict
 from compress.cli.main import main
 from compress.core.errors import StageError
 from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, Choice, search
@@ -61,6 +62,8 @@ def test_auto_on_thor_may_choose_fp8_and_nvfp4(tmp_path):
     assert quantize["search"]["formats"] == ["int8", "int4", "fp8", "nvfp4"]
     measured = {name for row in quantize["search"]["sensitivity"] for name in row["kl"]}
     assert measured == {FLOAT, "int8", "int4", "fp8", "nvfp4"}
+    assert quantize["search"]["format_sets"] == [["int8", "int4", "fp8"], ["fp8", "nvfp4"]]
+    assert mixed_conflict(quantize["formats_chosen"]) is None  # one bundle holds no NVFP4 beside INT8 or INT4
     assert _stage(out, "export_edgellm")["metrics"]["custody"]["mismatches"] == 0
     assert code == json.loads((out / "report.json").read_text())["exit_code"]
 

@@ -31,13 +31,13 @@ import torch
 from safetensors.torch import save_file
 
 from compress.backends.edgellm.checkpoint import NVFP4_WEIGHT_ONLY, grid_values, write_unified_checkpoint
-from compress.backends.edgellm.contracts import check_kernel_nodes
+from compress.backends.edgellm.contracts import check_kernel_nodes, check_mixed_plan
 from compress.backends.edgellm.env import EDGELLM_VERSION, edgellm_python
 from compress.core.errors import StageError
 from compress.core.files import path_size, read_json
 from compress.models.families import Family, family_of, is_decoder_linear, part_rows
 from compress.models.weights import CheckpointReader
-from compress.transforms.quantize.saved import kv_cache_scales, load_quantization
+from compress.transforms.quantize.saved import kv_cache_scales, load_quantization, quantization_meta
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +182,8 @@ def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False
     for the exporter) is removed once the bundle is checked unless ``keep_checkpoint``: it holds the quantized folder's
     numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""
     checkpoint, bundle = work / "checkpoint", work / "bundle"
+    meta = quantization_meta(quantized_dir) or {}
+    check_mixed_plan(name for points in (meta.get("plan") or {}).values() for name in points.values())
     summary = write_unified_checkpoint(quantized_dir, checkpoint)
     arguments = exporter_arguments(summary.quant_algo)
     seconds = run_export(checkpoint, bundle, work / "export.log", arguments)

@@ -14,6 +14,7 @@ against the strings and symbols of the wheel's ``libNvInfer_edgellm_plugin.so``.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -80,6 +81,10 @@ RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
     KernelRule("mixed-precision", "a MIXED_PRECISION checkpoint lists each quantized linear with its quant_algo (and group_size); "
                "W4A16_NVFP4 there is read as NVFP4 W4A4 except on Nemotron-H",
                f"{EXPORTER} config.py _parse_mixed_precision and _algo_to_quant_type"),
+    KernelRule("mixed-nvfp4-integers", "no NVFP4 linear beside INT8 or INT4 ones in one MIXED_PRECISION checkpoint: once any linear "
+               "is NVFP4 the exporter reinterprets every int8 weight initializer as packed FP4 (an INT8 [N, K] weight becomes "
+               "FP4 [N, 2K]), so the INT8 and INT4 linears would be misread",
+               f"{EXPORTER} onnx/export.py _fix_nvfp4_weight_dtype, run when config.quant.uses_nvfp4_weights"),
     KernelRule("lm-head", f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); compress keeps it FP16",
                f"{EXPORTER} scripts/quantize.py --lm_head_quantization"),
 )}
@@ -180,6 +185,31 @@ def check_mixed_formats(formats: list[str]) -> None:
     if wrong:
         raise UsageError(f"export_edgellm: quantize.formats has {', '.join(wrong)}, and Edge-LLM {EDGELLM_VERSION} takes "
                          f"{RULES['mixed-precision']}; choose among {', '.join(MIXED_FORMATS)}")
+
+
+# Formats one MIXED_PRECISION bundle cannot hold side by side (RULES["mixed-nvfp4-integers"]).
+MIXED_CONFLICTS = (frozenset({"nvfp4", "int8"}), frozenset({"nvfp4", "int4"}))
+
+
+def mixed_conflict(formats: Iterable[str]) -> frozenset[str] | None:
+    """A pair of ``formats`` the pinned exporter cannot put in one bundle, or None."""
+    present = set(formats)
+    return next((pair for pair in MIXED_CONFLICTS if pair <= present), None)
+
+
+def mixed_format_sets(formats: Sequence[str]) -> list[tuple[str, ...]]:
+    """The largest subsets of ``formats`` (in their order) that one bundle may hold together."""
+    subsets = [tuple(name for bit, name in enumerate(formats) if mask >> bit & 1) for mask in range(1, 1 << len(formats))]
+    legal = [subset for subset in subsets if mixed_conflict(subset) is None]
+    return [subset for subset in legal if not any(set(subset) < set(other) for other in legal)]
+
+
+def check_mixed_plan(formats: Iterable[str]) -> None:
+    """Refuse a plan whose formats the pinned exporter cannot put in one bundle."""
+    pair = mixed_conflict(formats)
+    if pair is not None:
+        raise UsageError(f"export_edgellm: the plan mixes {' and '.join(sorted(pair))}, and Edge-LLM {EDGELLM_VERSION} takes "
+                         f"{RULES['mixed-nvfp4-integers']}; quantize.method=auto keeps them apart, or end the recipe at export_onnx")
 
 
 def mixed_format_fits(name: str, shapes: list[tuple[int, int]]) -> bool:

@@ -19,7 +19,8 @@ fused group.
 * :func:`solve` picks the assignment of least cost (predicted decode milliseconds, which the
   caller supplies) whose predicted KL stays within a budget: a multiple-choice knapsack, solved
   exactly by dynamic programming over the budget in small steps (each KL rounded up, so the plan
-  is within budget in the true figures too).
+  is within budget in the true figures too). Where a deployment cannot hold some formats side by side,
+  :func:`solve_apart` solves within each set of formats it can and keeps the cheapest plan.
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ from compress.transforms.quantize.plan import FLOAT, MixedPlan
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, walk_blocks
 
 __all__ = ["FLOAT", "Candidate", "Choice", "MixedPlan", "SensitivityTable", "candidate_configs", "choices_from", "output_fisher",
-           "search", "sensitivity", "solve"]
+           "search", "sensitivity", "solve", "solve_apart"]
 # Each candidate format's method and options (the shared calibration options are added by the caller).
 CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
     "int8": {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0},
@@ -234,17 +235,35 @@ def choices_from(table: SensitivityTable, cost: Callable[[int, str, str], float]
             for group, values in table.kl.items()}
 
 
+def solve_apart(choices: dict[tuple[int, str], list[Choice]], budget: float,
+                format_sets: Sequence[Iterable[str]] | None = None) -> dict[tuple[int, str], Choice]:
+    """:func:`solve` where one plan may only use formats of one of ``format_sets`` (those a deployment can hold side by
+    side; ``None``: any): solved within each set, the cheapest plan wins (the smaller KL on a tie)."""
+    if not format_sets:
+        return solve(choices, budget)
+    best: dict[tuple[int, str], Choice] | None = None
+    for allowed in format_sets:
+        kept = {*allowed, FLOAT}
+        chosen = solve({group: [c for c in options if c.format in kept] for group, options in choices.items()}, budget)
+        key = (sum(c.cost for c in chosen.values()), sum(c.kl for c in chosen.values()))
+        if best is None or key < (sum(c.cost for c in best.values()), sum(c.kl for c in best.values())):
+            best = chosen
+    return best
+
+
 def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], budget: float, rounds: int,
-           quantize: Quantize, measure: Measure, work: Path) -> tuple[Any, Path, list[Candidate]]:
-    """The fastest plan the measurement accepts: solve under ``budget``, quantize, measure; on a failure shrink the budget
-    (the groups that spend most of it for least gain go back to a wider format first) and try again, at most ``rounds``
-    plans. The budget shrinks in proportion to how far over its limits the plan measured (``BACKOFF_SAFETY /
-    overshoot``: the predictions undercount by about that much), by half when the measurement does not say. Returns the
-    accepted plan's quantization, its folder (under ``work``) and every candidate measured."""
+           quantize: Quantize, measure: Measure, work: Path,
+           format_sets: Sequence[Iterable[str]] | None = None) -> tuple[Any, Path, list[Candidate]]:
+    """The fastest plan the measurement accepts: solve under ``budget`` (within one of ``format_sets``, see
+    :func:`solve_apart`), quantize, measure; on a failure shrink the budget (the groups that spend most of it for least
+    gain go back to a wider format first) and try again, at most ``rounds`` plans. The budget shrinks in proportion to
+    how far over its limits the plan measured (``BACKOFF_SAFETY / overshoot``: the predictions undercount by about that
+    much), by half when the measurement does not say. Returns the accepted plan's quantization, its folder (under
+    ``work``) and every candidate measured."""
     candidates: list[Candidate] = []
     seen: set[str] = set()
     for attempt in range(rounds):
-        chosen = solve(choices, budget)
+        chosen = solve_apart(choices, budget, format_sets)
         formats: dict[int, dict[str, str]] = {}
         for (index, point), choice in chosen.items():
             formats.setdefault(index, {})[point] = choice.format

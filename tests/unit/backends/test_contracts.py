@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compress.backends.edgellm.contracts import RULES, check_kernel_nodes, int4_shape_ok
+from compress.backends.edgellm.contracts import RULES, check_kernel_nodes, check_mixed_plan, int4_shape_ok, mixed_format_sets
+from compress.core.errors import UsageError
 
 
 def _gemm(n=128, k=256, group=128, scales=None, weights=None, op="Int4GroupwiseGemmPluginV2"):
@@ -50,3 +51,12 @@ def test_int4_shapes_follow_the_group_and_the_tiles():
 
 def test_every_rule_cites_where_it_was_read():
     assert all(rule.source and rule.rule for rule in RULES.values())
+
+
+def test_nvfp4_is_kept_apart_from_the_integer_formats_in_one_bundle():
+    assert mixed_format_sets(["int8", "int4", "fp8", "nvfp4"]) == [("int8", "int4", "fp8"), ("fp8", "nvfp4")]
+    assert mixed_format_sets(["int8", "int4"]) == [("int8", "int4")]
+    assert mixed_format_sets(["nvfp4", "int4"]) == [("nvfp4",), ("int4",)]
+    check_mixed_plan(["fp8", "nvfp4", "fp16"])
+    with pytest.raises(UsageError, match="mixes int4 and nvfp4"):
+        check_mixed_plan(["int4", "fp8", "nvfp4"])

@@ -196,3 +196,37 @@ def test_a_mixed_precision_plan_is_read_by_edgellm_linear_by_linear_and_exported
     metrics = export_bundle(quantized, tmp_path / "work")
     assert metrics["checkpoint"]["quant_algo"] == "MIXED_PRECISION" and metrics["custody"]["mismatches"] == 0
     assert metrics["custody"]["tensors_compared"] > len(linears)
+
+
+def test_edgellm_misreads_int8_beside_nvfp4_so_a_plan_mixing_them_is_refused(tiny_wide, tmp_path):
+    """The contract is real: with one NVFP4 linear in a MIXED_PRECISION checkpoint, Edge-LLM 0.11's exporter turns every INT8
+    weight into FP4 of twice the width (the custody check sees it); so the bundle stage refuses such a plan before
+    exporting, naming the rule. This proves compress's refusal and custody check, not a TensorRT engine."""
+    from compress.backends.edgellm.bundle import check_custody, export_bundle, run_export
+    from compress.backends.edgellm.contracts import RULES
+    from compress.models.loading import load_tokenizer, save_side_files
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_folder
+    from compress.transforms.quantize.mixed import FLOAT, MixedPlan, candidate_configs
+
+    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
+    points = {"attn_in": "nvfp4", "attn_out": FLOAT, "mlp_in": "int8", "mlp_hidden": FLOAT}
+    plan = MixedPlan({0: points, 1: points}, candidate_configs(["int8", "nvfp4"], shared))
+    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(5))
+    quantized = tmp_path / "quantized"
+    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
+                    plan=plan)
+    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    with pytest.raises(UsageError, match="mixes int8 and nvfp4.*reinterprets every int8 weight initializer"):
+        export_bundle(quantized, tmp_path / "refused")
+    assert not (tmp_path / "refused" / "checkpoint").exists()
+
+    work = tmp_path / "work"
+    write_unified_checkpoint(quantized, work / "checkpoint")
+    run_export(work / "checkpoint", work / "bundle", work / "export.log")
+    with pytest.raises(Exception, match=r"mlp\.(gate|up)_proj\.weight: shape \[256, 256\] instead of \[256, 128\]"):
+        check_custody(quantized, work / "bundle", work)
+    report = json.loads((work / "custody.json").read_text())
+    misread = {entry["tensor"] for entry in report["mismatches"]}
+    assert misread == {f"_model.model.layers.{layer}.mlp.{name}.weight" for layer in (0, 1) for name in ("gate_proj", "up_proj")}
+    assert "_fix_nvfp4_weight_dtype" in RULES["mixed-nvfp4-integers"].source

@@ -22,6 +22,7 @@ from compress.transforms.quantize.mixed import (
     output_fisher,
     sensitivity,
     solve,
+    solve_apart,
 )
 from compress.transforms.quantize.saved import (
     MIXED,
@@ -122,6 +123,26 @@ def test_the_solver_finds_the_exact_optimum_of_a_small_table():
         best = min(sum(c.cost for c in combo) for combo in itertools.product(*choices.values())
                    if sum(c.kl for c in combo) <= budget + 1e-12)
         assert sum(c.cost for c in chosen.values()) == pytest.approx(best, abs=1e-9), budget
+
+
+def test_formats_one_bundle_cannot_hold_together_are_never_chosen_together():
+    """The exact optimum over plans drawn from one format set, against every assignment; here the unconstrained optimum
+    would mix nvfp4 with int8, which one Edge-LLM bundle cannot hold."""
+    from compress.backends.edgellm.contracts import mixed_conflict, mixed_format_sets
+
+    rng = random.Random(11)
+    names = ("int8", "int4", "fp8", "nvfp4")
+    sets = mixed_format_sets(list(names))
+    choices = {(group, "p"): [Choice(FLOAT, 0.0, 10.0), *(Choice(n, rng.randint(1, 12) / 1000, rng.uniform(1.0, 9.0)) for n in names)]
+               for group in range(5)}
+    for budget in (0.005, 0.02, 0.06):
+        free = solve(choices, budget)
+        chosen = solve_apart(choices, budget, sets)
+        assert mixed_conflict(c.format for c in chosen.values()) is None and sum(c.kl for c in chosen.values()) <= budget + 1e-12
+        best = min(sum(c.cost for c in combo) for combo in itertools.product(*choices.values())
+                   if sum(c.kl for c in combo) <= budget + 1e-12 and mixed_conflict(c.format for c in combo) is None)
+        assert sum(c.cost for c in chosen.values()) == pytest.approx(best, abs=1e-9), budget
+    assert mixed_conflict(c.format for c in free.values()) is not None  # the constraint bound at the largest budget
 
 
 def test_a_budget_of_zero_keeps_everything_float_and_a_large_one_takes_the_cheapest():
