@@ -260,15 +260,22 @@ def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir:
              config.prompt_new_tokens)
     eos = model_eos_ids(model_dir, tokenizer)
     with phase_peak(peaks, "prompts_teacher"):
-        teacher = load_causal_lm(teacher_dir, own_dtype=True)
-        with computed_in_float32(teacher):
-            answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)),
-                                     config.prompt_new_tokens, progress, "teacher")
-        del teacher
-        release_freed_memory()
+        answers = teacher_answers(cases, tokenizer, teacher_dir, eos, config.prompt_new_tokens, progress)
     with phase_peak(peaks, "prompts_deployed"), deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos)) as generate:
         deployed = answer_prompts(cases, tokenizer, generate, config.prompt_new_tokens, progress, "deployed")
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
+
+
+def teacher_answers(cases, tokenizer, teacher_dir: Path, eos: list[int], new_tokens: int, progress: bool,
+                    trust_remote_code: bool = False) -> list[list[int]]:
+    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype, computed in float32."""
+    teacher = load_causal_lm(teacher_dir, own_dtype=True, trust_remote_code=trust_remote_code)
+    with computed_in_float32(teacher):
+        answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)), new_tokens,
+                                 progress, "teacher")
+    del teacher
+    release_freed_memory()
+    return answers
 
 
 def pad_id_of(tokenizer, eos: list[int]) -> int:

@@ -29,6 +29,8 @@ from compress.eval.gate import Check, lower_bound_check, upper_bound_check
 log = logging.getLogger(__name__)
 
 DEFAULT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_evaluation.jsonl"
+# The chat calibration set's prompts (one per line): never the gate's, so a search may choose by them.
+SELECTION_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_calibration.txt"
 PROMPTS_OFF = "off"
 Generate = Callable[[list[int], int], list[int]]  # one prompt's ids, new tokens -> the greedy answer's ids
 BatchGenerate = Callable[[list[list[int]], int], list[list[int]]]  # the same for a list of prompts at once
@@ -87,6 +89,12 @@ def resolve_prompts(value: str | None, tokenizer) -> tuple[list[PromptCase], str
     if has_chat_template(tokenizer):
         return load_prompts(DEFAULT_PROMPTS), "the shipped assistant prompts (the model has a chat template)"
     return [], "none: the model has no chat template and no prompts= file was given"
+
+
+def selection_prompts(count: int) -> list[PromptCase]:
+    """The first ``count`` of the shipped chat calibration prompts (:data:`SELECTION_PROMPTS`)."""
+    lines = [line.strip() for line in SELECTION_PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
+    return [PromptCase(f"calibration-{number}", text) for number, text in enumerate(lines[:count], start=1)]
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -154,6 +162,32 @@ def answer_pair(teacher: list[int], model: list[int]) -> dict[str, Any]:
     return {"identical": identical, "first_divergence": None if identical else diverges,
             "prefix_fraction": 1.0 if identical else diverges / max(1, len(teacher)),
             "first_token_match": bool(teacher and model and teacher[0] == model[0])}
+
+
+def forced_answer_pairs(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                        logits_of: Callable[[int], Any]) -> list[dict[str, Any]]:
+    """:func:`answer_pair` of a model's greedy answers without decoding them: greedy decoding follows the teacher's answer
+    exactly as long as the model's most likely next token, given the prompt and the teacher's tokens so far, is the
+    teacher's next one. So one pass over each prompt followed by the teacher's answer (``logits_of(i)``: row ``i``'s
+    ``(tokens, vocab)`` logits, the row right-padded) gives where the model's answer would first differ, whether its first
+    token matches, and whether it is identical (it also stops where the teacher stopped, or runs to the same length)."""
+    pairs = []
+    for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
+        logits = logits_of(index)
+        start = len(prompt) - 1
+        chosen = [int(logits[start + step].argmax()) for step in range(len(answer))]
+        diverges = next((step for step, (ours, theirs) in enumerate(zip(chosen, answer, strict=True)) if ours != theirs), None)
+        identical = diverges is None
+        pairs.append({"identical": identical, "first_divergence": diverges,
+                      "prefix_fraction": 1.0 if identical else diverges / max(1, len(answer)),
+                      "first_token_match": bool(answer) and chosen[0] == answer[0]})
+    return pairs
+
+
+def forced_rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
+    """Each prompt followed by its answer, right-padded to one length (padding after a token does not change its logits)."""
+    width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
+    return torch.tensor([[*p, *a] + [pad_id] * (width - len(p) - len(a)) for p, a in zip(prompts, answers, strict=True)])
 
 
 def _passes(expect: str | None, text: str) -> bool | None:

@@ -13,9 +13,11 @@ need from the run:
   (``ln(1 + max_ppl_increase_pct / 100)``), and no more than ``margin`` times its mean-KL budget;
 * the measurement: every candidate plan against the teacher, block by block on the compute device,
   on calibration windows calibration did not read (:func:`compress.core.text.held_out_windows`),
-  never on the evaluation text the gate later judges. A plan is accepted when its worst domain's
-  perplexity change stays within ``margin`` of the gate's budget and its top-1 agreement and mean
-  KL within the gate's.
+  never on the evaluation text the gate later judges; for a chat model also its answers to the chat
+  calibration prompts (never the gate's), against the teacher's greedy answers, read in one pass
+  (:func:`compress.eval.prompts.forced_answer_pairs`). A plan is accepted when its worst domain's
+  perplexity change stays within ``margin`` of the gate's budget, its top-1 agreement and mean KL
+  within the gate's, and its answers clear the gate's prompt limits by two standard errors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from __future__ import annotations
 import logging
 import math
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +35,11 @@ from compress.algorithms.formats import PRECISIONS
 from compress.backends.edgellm import contracts
 from compress.core.config import Target
 from compress.core.files import read_json
-from compress.core.text import TextSource, held_out_windows
+from compress.core.text import TextSource, has_chat_template, held_out_windows
+from compress.eval.decoder import model_eos_ids, pad_id_of, teacher_answers
 from compress.eval.fidelity import compare_window_pairs, worst_domain
 from compress.eval.perf_model import ModelShape, linear_ms_per_param, predict_mixed
+from compress.eval.prompts import forced_answer_pairs, forced_rows, prompt_ids, selection_prompts
 from compress.models.families import decoder_blocks, family_of, linear_shapes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
@@ -54,6 +59,9 @@ from compress.transforms.quantize.mixed import (
 from compress.transforms.walk import StreamedBlocks
 
 log = logging.getLogger(__name__)
+# A plan's answers to the held-out chat prompts must clear each of the gate's prompt limits by this many standard errors of
+# their mean: the gate asks other prompts, so the search's figure is one sample of what the gate will see.
+ANSWER_STANDARD_ERRORS = 2.0
 
 
 def candidate_formats(config: AutoConfig, target: Target) -> list[str]:
@@ -118,7 +126,8 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
              rows.shape[0], ", ".join(d for d, _ in selection), budget)
     reference = window_logits(teacher, rows, device, progress, desc="teacher")
-    measure = _measurer(reference, selection, rows, target, config.margin, device, progress)
+    answers = _held_out_answers(config, tokenizer, teacher, progress, trust_remote_code)
+    measure = _measurer(reference, selection, rows, answers, target, config.margin, device, progress)
 
     def quantize(plan: MixedPlan, folder: Path):
         log.info("auto precision: quantizing a plan (%s)", ", ".join(f"{n} {c}" for n, c in plan.counts().items()))
@@ -163,9 +172,49 @@ def _sensitivities(source: Path, windows: torch.Tensor, configs, allowed, fisher
     return sensitivity(model, windows, configs, allowed, fisher, device, progress, blocks=StreamedBlocks(model, reader))
 
 
-def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.Tensor, target: Target, margin: float, device: str,
-              progress: bool):
-    """A plan's figures against the teacher on the held-out windows, and whether they are within the budgets."""
+@dataclass(frozen=True)
+class HeldOutAnswers:
+    """Chat prompts the gate does not evaluate, as token ids, and the teacher's greedy answers to them."""
+
+    prompts: list[list[int]]
+    answers: list[list[int]]
+    pad_id: int
+
+
+def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bool, trust_remote_code: bool) -> HeldOutAnswers | None:
+    """The teacher's answers to the chat calibration prompts, for a chat model (None otherwise, or with no prompts asked)."""
+    if not config.selection_prompts or not has_chat_template(tokenizer):
+        return None
+    cases = selection_prompts(config.selection_prompts)
+    eos = model_eos_ids(teacher, tokenizer)
+    log.info("auto precision: plans also measured on the answers to %d chat calibration prompts (%d tokens, the teacher's "
+             "greedy answers)", len(cases), config.answer_tokens)
+    answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, progress, trust_remote_code)
+    return HeldOutAnswers([prompt_ids(tokenizer, case.prompt) for case in cases], answers, pad_id_of(tokenizer, eos))
+
+
+def _answer_figures(folder: Path, held_out: HeldOutAnswers, budgets, device: str, progress: bool) -> tuple[dict[str, float], list[float]]:
+    """A plan's answers to the held-out prompts (read in one pass, :func:`forced_answer_pairs`) and, per prompt check of the
+    gate, how far it is from clearing its limit by :data:`ANSWER_STANDARD_ERRORS` standard errors."""
+    rows = forced_rows(held_out.prompts, held_out.answers, held_out.pad_id)
+    logits = window_logits(folder, rows, device, progress, desc="candidate answers")
+    pairs = forced_answer_pairs(held_out.prompts, held_out.answers, logits.logits)
+    figures, ratios = {}, []
+    for key, field, limit in (("answer_prefix_agreement", "prefix_fraction", budgets.min_answer_prefix_agreement),
+                              ("first_token_agreement", "first_token_match", budgets.min_first_token_agreement),
+                              ("identical_answers", "identical", budgets.min_identical_answers)):
+        values = torch.tensor([float(pair[field]) for pair in pairs])
+        mean = float(values.mean())
+        error = float(values.std(unbiased=True)) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+        figures[key] = mean
+        if limit > 0:
+            ratios.append((limit + ANSWER_STANDARD_ERRORS * error) / max(mean, 1e-9))
+    return figures, ratios
+
+
+def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.Tensor, held_out: HeldOutAnswers | None,
+              target: Target, margin: float, device: str, progress: bool):
+    """A plan's figures against the teacher on the held-out windows (and prompts), and whether they are within the budgets."""
     budgets = target.budgets
 
     def measure(folder: Path) -> tuple[bool, dict[str, Any]]:
@@ -175,13 +224,18 @@ def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.
         worst = worst_domain(per_domain)
         figures = {"worst_domain": worst, "worst_increase_pct": per_domain[worst]["perplexity_increase_pct"],
                    "top1_agreement": mixed["top1_agreement"], "mean_kl": mixed["mean_kl"]}
-        ratios = (figures["worst_increase_pct"] / (margin * budgets.max_ppl_increase_pct),
-                  budgets.min_top1_agreement / max(figures["top1_agreement"], 1e-9), figures["mean_kl"] / budgets.max_mean_kl)
+        ratios = [figures["worst_increase_pct"] / (margin * budgets.max_ppl_increase_pct),
+                  budgets.min_top1_agreement / max(figures["top1_agreement"], 1e-9), figures["mean_kl"] / budgets.max_mean_kl]
+        if held_out is not None:
+            answers, answer_ratios = _answer_figures(folder, held_out, budgets, device, progress)
+            figures.update(answers)
+            ratios += answer_ratios
         figures["overshoot"] = max(ratios)
         passed = figures["overshoot"] <= 1.0
-        log.info("auto precision: worst held-out domain %s %+.2f%% (limit %+.2f%%), top-1 %.1f%%, KL %.4f: %s", worst,
+        answered = (f", answer prefix {100 * figures['answer_prefix_agreement']:.1f}%" if held_out is not None else "")
+        log.info("auto precision: worst held-out domain %s %+.2f%% (limit %+.2f%%), top-1 %.1f%%, KL %.4f%s: %s", worst,
                  figures["worst_increase_pct"], margin * budgets.max_ppl_increase_pct, 100 * figures["top1_agreement"],
-                 figures["mean_kl"], "accepted" if passed else "backing off")
+                 figures["mean_kl"], answered, "accepted" if passed else "backing off")
         return passed, figures
 
     return measure

@@ -15,7 +15,8 @@ from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, Choice, se
 from tests.conftest import TINY_SMOKE, build_tiny_llama
 
 SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
-         "quantize.fisher_windows=2", "quantize.selection_windows=4", "validate.prompt_new_tokens=6"]
+         "quantize.fisher_windows=2", "quantize.selection_windows=4", "quantize.selection_prompts=12", "quantize.answer_tokens=6",
+         "validate.prompt_new_tokens=6"]
 
 
 def _run(tmp_path: Path, target: str, **shape) -> tuple[int, Path]:
@@ -43,6 +44,7 @@ def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_chec
     assert sum(quantize["mix"].values()) == pytest.approx(1.0)
     accepted = quantize["search"]["candidates"][-1]
     assert accepted["passed"] and all(not c["passed"] for c in quantize["search"]["candidates"][:-1])
+    assert all(0.0 <= c["measured"]["answer_prefix_agreement"] <= 1.0 for c in quantize["search"]["candidates"])  # a chat model
     bundle = _stage(out, "export_edgellm")["metrics"]
     if quantize["formats_chosen"].keys() - {FLOAT}:
         assert bundle["checkpoint"]["quant_algo"] == "MIXED_PRECISION" and bundle["custody"]["mismatches"] == 0

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, PositiveInt, Tag, TypeAdapter, model_validator
+from pydantic import Discriminator, Field, NonNegativeInt, PositiveInt, Tag, TypeAdapter, model_validator
 
 from compress.algorithms.formats import (
     ACTIVATION_FORMATS,
@@ -269,6 +269,8 @@ class AutoConfig(QuantizeConfig):
     margin: float = Field(0.5, gt=0.0, le=1.0)  # the share of the gate's perplexity budget a plan may use
     fisher_windows: PositiveInt = 4  # windows of the Fisher pass (the sensitivity's weights)
     selection_windows: PositiveInt = 8  # held-out calibration windows each candidate plan is measured on
+    selection_prompts: NonNegativeInt = 60  # chat calibration prompts whose answers each plan is measured on (0: none)
+    answer_tokens: PositiveInt = 32  # the teacher's greedy answer length to each of them
     max_rounds: PositiveInt = 5  # plans measured before the search gives up on quantizing anything
 
     def precision(self) -> Precision:

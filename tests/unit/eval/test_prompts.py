@@ -137,3 +137,31 @@ def test_prompts_decoded_together_get_the_answers_they_get_alone(chat_llama):
         alone = [torch_greedy(model, eos)(ids, 10) for ids in prompts]
         together = torch_greedy_batched(model, eos, tokenizer.pad_token_id)(prompts, 10)
     assert together == alone
+
+
+def test_answers_read_in_one_pass_are_what_greedy_decoding_gives(chat_llama):
+    """forced_answer_pairs (the prompt and the teacher's answer in one pass) against the deployed model's own greedy answers,
+    prompt by prompt: where they first part, whether the first token matches, whether the answer is identical."""
+    from compress.eval.prompts import forced_answer_pairs, forced_rows
+
+    teacher, tokenizer = load_causal_lm(chat_llama), load_tokenizer(chat_llama)
+    eos = [tokenizer.eos_token_id]
+    prompts = [prompt_ids(tokenizer, text) for text in ("Hi.", "Tell me about the weather on the coast today.", "Count to ten.",
+                                                       "Name a colour.", "What is rain?", "Describe a robot in a few words.")]
+    answers = [torch_greedy(teacher, eos)(ids, 12) for ids in prompts]
+    parted = []
+    for scale in (0.02, 0.1, 0.4):
+        deployed = load_causal_lm(chat_llama)
+        generator = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for layer in deployed.model.layers:
+                weight = layer.mlp.down_proj.weight
+                weight.add_(scale * weight.std() * torch.randn(weight.shape, generator=generator))
+            logits = deployed(forced_rows(prompts, answers, tokenizer.pad_token_id)).logits
+        forced = forced_answer_pairs(prompts, answers, lambda i, logits=logits: logits[i])
+        decoded = [answer_pair(answer, torch_greedy(deployed, eos)(ids, 12)) for ids, answer in zip(prompts, answers, strict=True)]
+        for ours, theirs in zip(forced, decoded, strict=True):
+            assert {k: ours[k] for k in ("identical", "prefix_fraction", "first_token_match")} == \
+                   {k: theirs[k] for k in ("identical", "prefix_fraction", "first_token_match")}
+        parted += [pair["prefix_fraction"] for pair in forced]
+    assert any(0 < fraction < 1 for fraction in parted) and 1.0 in parted  # answers that part midway and whole ones
