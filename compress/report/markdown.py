@@ -101,18 +101,22 @@ def _search_section(report: dict[str, Any]) -> list[str]:
     search = figure(report, PRECISION_SEARCH)
     if not search:
         return []
+    answered = any("answer_prefix_agreement" in c["measured"] for c in search["candidates"])
     lines = ["", "## Precision search (quantize.method=auto)", "",
              f"Formats the target's deployment runs: {', '.join(search['formats'])}. First budget: predicted KL "
              f"{search['budget_kl']:.4g} nats/token ({search['margin']:g} of the gate's). Each plan is measured against the teacher "
              f"on {search['selection']['windows']} held-out calibration windows ({', '.join(search['selection']['domains'])}); "
-             "the evaluation text stays for the gate.", "",
-             "| plan | formats (groups) | predicted KL | predicted tok/s | held-out worst domain | top-1 | KL | accepted |",
-             "|---|---|---|---|---|---|---|---|"]
+             "the evaluation text stays for the gate" + ("; a chat model's answers to the chat calibration prompts, not the gate's, "
+                                                          "against the teacher's." if answered else "."), "",
+             "| plan | formats (groups) | predicted KL | predicted tok/s | held-out worst domain | top-1 | KL | answer prefix | "
+             "accepted |", "|---|---|---|---|---|---|---|---|---|"]
     for c in search["candidates"]:
         measured = c["measured"]
+        prefix = measured.get("answer_prefix_agreement")
         lines.append(f"| {c['round']} | {', '.join(f'{n} {k}' for n, k in c['formats'].items())} | {c['predicted_kl']:.4g} | "
                      f"{c['predicted_tokens_per_s']:.1f} | {measured['worst_domain']} {measured['worst_increase_pct']:+.2f}% | "
-                     f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | {'yes' if c['passed'] else 'no'} |")
+                     f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | "
+                     f"{'-' if prefix is None else f'{100 * prefix:.1f}%'} | {'yes' if c['passed'] else 'no'} |")
     rejected = [c for c in search["candidates"] if not c["passed"]]
     if rejected:
         faster = rejected[-1]

@@ -51,7 +51,7 @@ def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_chec
     validate = json.loads((out / "06_validate" / "validation.json").read_text())
     assert validate["precision"] == "mixed" and validate["predictions"]["chosen"]["precision"] == "mixed"
     markdown = (out / "report.md").read_text()
-    assert "## Precision search (quantize.method=auto)" in markdown and "uniform int8" in markdown
+    assert "## Precision search (quantize.method=auto)" in markdown and "uniform int8" in markdown and "| answer prefix |" in markdown
     assert (out / report["plots"]["precision_search"]).is_file()
     code = main(["validate", str(out), "target=jetson-agx-thor"])  # re-gated elsewhere from the stored mix
     regated = json.loads(next(out.glob("validate-jetson-agx-thor-*.json")).read_text())
