@@ -230,3 +230,51 @@ def test_edgellm_misreads_int8_beside_nvfp4_so_a_plan_mixing_them_is_refused(tin
     misread = {entry["tensor"] for entry in report["mismatches"]}
     assert misread == {f"_model.model.layers.{layer}.mlp.{name}.weight" for layer in (0, 1) for name in ("gate_proj", "up_proj")}
     assert "_fix_nvfp4_weight_dtype" in RULES["mixed-nvfp4-integers"].source
+
+
+@pytest.mark.parametrize("points", [
+    ({"attn_in": "fp8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int4"},
+     {"attn_in": "int8", "attn_out": "fp8", "mlp_in": "fp16", "mlp_hidden": "fp8"}),
+    ({"attn_in": "nvfp4", "attn_out": "fp8", "mlp_in": "nvfp4", "mlp_hidden": "fp16"},
+     {"attn_in": "fp8", "attn_out": "nvfp4", "mlp_in": "fp8", "mlp_hidden": "nvfp4"}),
+], ids=["int8+int4+fp8", "fp8+nvfp4"])
+def test_edgellm_loads_each_linear_of_a_mixed_plan_in_its_own_format(tiny_wide, tmp_path, points):
+    """Both sets of formats one Thor bundle may hold: Edge-LLM's loader builds each linear as the plan says (FP8, NVFP4, INT8,
+    INT4 or FP16) and holds our FP8 values and packed FP4 codes; the set with NVFP4 also exports with every number in custody."""
+    from compress.algorithms.formats import e2m1_codes, pack_fp4
+    from compress.backends.edgellm.bundle import export_bundle
+    from compress.models.loading import load_tokenizer, save_side_files
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_folder
+    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
+
+    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
+    used = sorted({name for block in points for name in block.values()} - {"fp16"})
+    plan = MixedPlan(dict(enumerate(points)), candidate_configs(used, shared))
+    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(6))
+    quantized = tmp_path / "quantized"
+    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
+                    plan=plan)
+    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    loaded, metadata = _probe(tmp_path / "ckpt", tmp_path)
+    _, linears = load_quantization(quantized)
+    formats = json.loads(metadata["formats"])
+    family_linears = [f"model.layers.{i}.{part}" for i in range(2) for part in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    expected = {name: linears[name].precision if name in linears else "fp16" for name in family_linears}
+    for fused in [name for name in formats if name.endswith(".qkv_proj_fused")]:  # NVFP4 q/k/v fused into one linear
+        parts = [fused.replace("qkv_proj_fused", part) for part in ("q_proj", "k_proj", "v_proj")]
+        assert {expected.pop(part) for part in parts} == {formats[fused]}
+        expected[fused] = formats[fused]
+        packed = torch.cat([pack_fp4(e2m1_codes(grid_values(part, linears[part]))) for part in parts])
+        assert torch.equal(loaded[f"{fused}.loaded.weight"].view(torch.uint8), packed), fused
+    assert formats == expected and {*used, "fp16"} >= set(formats.values()) >= set(used)
+    for name, quant in linears.items():
+        if quant.precision == "fp8":
+            assert torch.equal(loaded[f"{name}.loaded.weight"].float(), grid_values(name, quant).float()), name
+        elif quant.precision == "nvfp4" and f"{name}.loaded.weight" in loaded:
+            ours = pack_fp4(e2m1_codes(grid_values(name, quant)))
+            assert torch.equal(loaded[f"{name}.loaded.weight"].view(torch.uint8), ours), name
+    if "nvfp4" in used:
+        assert export_bundle(quantized, tmp_path / "work")["custody"]["mismatches"] == 0
