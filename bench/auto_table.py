@@ -9,6 +9,13 @@ format) and the quantize stage's time (for auto: the search). Runs go to ``bench
     .venv/bin/python bench/auto_table.py                       # both targets
     .venv/bin/python bench/auto_table.py --targets jetson-orin-nano-8gb
     .venv/bin/python bench/auto_table.py --targets jetson-agx-thor --recipes thor-fp8 auto
+
+``--shape NAME`` runs the same rows on a random-weight bf16 checkpoint of a published shape instead (built by
+``bench/scale_table.py``'s builder, e.g. ``qwen3-0.6b``): quality there means nothing, but the search's cost, what it
+chooses and whether Edge-LLM's exporter and the custody check accept it are real. ``--with KEY=VALUE ...`` adds words
+to every ``compress run``.
+
+    .venv/bin/python bench/auto_table.py --shape qwen3-0.6b --targets jetson-orin-nano-8gb --recipes auto default
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from runs import REPO, compress_run  # noqa: E402
+from scale_table import SHAPES, build  # noqa: E402
 
 # SmolLM2's 576-wide inputs are not multiples of INT4's group of 128, which Edge-LLM's INT4 kernels need: the uniform
 # INT4 recipe is refused at plan time as it ships, so it runs with only the 1,536-wide down_proj in INT4 (the README's way).
@@ -48,7 +56,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--targets", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--recipes", nargs="+", help="only these rows (a recipe name, or the INT4 row's name)")
+    parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight checkpoint of this published shape")
+    parser.add_argument("--with", dest="extra", nargs="*", default=[], metavar="KEY=VALUE", help="more words for compress run")
     args = parser.parse_args()
+    model = [f"model={build(args.shape, weights=True)}"] if args.shape else []
+    prefix = f"{args.shape}-" if args.shape else ""
     lines = ["| target | recipe | worst domain | top-1 | KL | answer prefix | predicted tok/s | predicted ms/token | "
              "checkpoint MB | formats (groups, or linears) | quantize min | gate |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for target in args.targets:
@@ -57,7 +69,8 @@ def main() -> None:
             name = recipe + ("-down-proj-only" if extra else "")
             if args.recipes and name not in args.recipes:
                 continue
-            report = compress_run(recipe, REPO / "bench_runs" / "auto" / f"{target}-{name}", *extra, target=target)
+            report = compress_run(recipe, REPO / "bench_runs" / "auto" / f"{prefix}{target}-{name}", *extra, *model, *args.extra,
+                                  target=target)
             lines.append(row(target, name, report))
             print("\n".join(lines), flush=True)
     print("\n".join(lines))

@@ -241,10 +241,16 @@ def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.
     return measure
 
 
+def _predicted(target: Target, shape: ModelShape, mix: dict[str, float], power_mode: str) -> dict[str, float]:
+    """The latency model's figures for one mix of formats at the run's power mode, as the search records them."""
+    prediction = predict_mixed(target, shape, mix, power_mode)
+    return {"predicted_decode_ms": prediction.decode_latency_ms, "predicted_tokens_per_s": prediction.decode_tokens_per_s,
+            "predicted_memory_gb": prediction.memory_gb, "predicted_joules_per_token": prediction.joules_per_token}
+
+
 def _candidate_json(candidate: Candidate, model_config, target: Target, power_mode: str, shape: ModelShape) -> dict[str, Any]:
-    prediction = predict_mixed(target, shape, mix_of(candidate.plan, model_config), power_mode)
-    return {**candidate.to_json(), "predicted_decode_ms": prediction.decode_latency_ms,
-            "predicted_tokens_per_s": prediction.decode_tokens_per_s, "mix": mix_of(candidate.plan, model_config)}
+    mix = mix_of(candidate.plan, model_config)
+    return {**candidate.to_json(), **_predicted(target, shape, mix, power_mode), "mix": mix}
 
 
 def _uniform_references(table, formats: list[str], model_config, target: Target, power_mode: str, shape: ModelShape,
@@ -259,7 +265,5 @@ def _uniform_references(table, formats: list[str], model_config, target: Target,
             formats_by_block.setdefault(index, {})[point] = chosen
             kl += values.get(chosen, 0.0)
         mix = mix_of(MixedPlan(formats_by_block, {}), model_config)
-        prediction = predict_mixed(target, shape, mix, power_mode)
-        rows.append({"name": f"uniform {name}", "mix": mix, "predicted_kl": kl, "predicted_decode_ms": prediction.decode_latency_ms,
-                     "predicted_tokens_per_s": prediction.decode_tokens_per_s})
+        rows.append({"name": f"uniform {name}", "mix": mix, "predicted_kl": kl, **_predicted(target, shape, mix, power_mode)})
     return rows

@@ -108,13 +108,14 @@ def _search_section(report: dict[str, Any]) -> list[str]:
              f"on {search['selection']['windows']} held-out calibration windows ({', '.join(search['selection']['domains'])}); "
              "the evaluation text stays for the gate" + ("; a chat model's answers to the chat calibration prompts, not the gate's, "
                                                           "against the teacher's." if answered else "."), "",
-             "| plan | formats (groups) | predicted KL | predicted tok/s | held-out worst domain | top-1 | KL | answer prefix | "
-             "accepted |", "|---|---|---|---|---|---|---|---|---|"]
+             "| plan | formats (groups) | predicted KL | predicted tok/s | predicted GB | predicted J/token | held-out worst domain | "
+             "top-1 | KL | answer prefix | accepted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in search["candidates"]:
         measured = c["measured"]
         prefix = measured.get("answer_prefix_agreement")
         lines.append(f"| {c['round']} | {', '.join(f'{n} {k}' for n, k in c['formats'].items())} | {c['predicted_kl']:.4g} | "
-                     f"{c['predicted_tokens_per_s']:.1f} | {measured['worst_domain']} {measured['worst_increase_pct']:+.2f}% | "
+                     f"{c['predicted_tokens_per_s']:.1f} | {_fmt(c.get('predicted_memory_gb'))} | "
+                     f"{_fmt(c.get('predicted_joules_per_token'))} | {measured['worst_domain']} {measured['worst_increase_pct']:+.2f}% | "
                      f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | "
                      f"{'-' if prefix is None else f'{100 * prefix:.1f}%'} | {'yes' if c['passed'] else 'no'} |")
     rejected = [c for c in search["candidates"] if not c["passed"]]
@@ -123,8 +124,9 @@ def _search_section(report: dict[str, Any]) -> list[str]:
         lines += ["", f"The next-faster plan measured ({faster['predicted_tokens_per_s']:.1f} tok/s predicted) lost "
                       f"{faster['measured']['worst_increase_pct']:+.2f}% on {faster['measured']['worst_domain']}."]
     lines += ["", "Uniform references (each format wherever the shapes allow it, FP16 elsewhere; predicted):", "",
-              "| reference | predicted KL | predicted tok/s |", "|---|---|---|"]
-    lines += [f"| {r['name']} | {r['predicted_kl']:.4g} | {r['predicted_tokens_per_s']:.1f} |" for r in search["references"]]
+              "| reference | predicted KL | predicted tok/s | predicted GB | predicted J/token |", "|---|---|---|---|---|"]
+    lines += [f"| {r['name']} | {r['predicted_kl']:.4g} | {r['predicted_tokens_per_s']:.1f} | {_fmt(r.get('predicted_memory_gb'))} | "
+              f"{_fmt(r.get('predicted_joules_per_token'))} |" for r in search["references"]]
     plan = search["plan"]
     points = sorted({point for groups in plan.values() for point in groups})
     lines += ["", "The chosen plan, per block:", "", "| block | " + " | ".join(points) + " |", "|---|" + "---|" * len(points)]

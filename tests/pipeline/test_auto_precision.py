@@ -49,9 +49,16 @@ def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_chec
     if quantize["formats_chosen"].keys() - {FLOAT}:
         assert bundle["checkpoint"]["quant_algo"] == "MIXED_PRECISION" and bundle["custody"]["mismatches"] == 0
     validate = json.loads((out / "06_validate" / "validation.json").read_text())
-    assert validate["precision"] == "mixed" and validate["predictions"]["chosen"]["precision"] == "mixed"
+    chosen = validate["predictions"]["chosen"]
+    assert validate["precision"] == "mixed" and chosen["precision"] == "mixed"
+    # Each plan's memory and energy per token, as the gate predicts them for the plan it ships.
+    assert accepted["predicted_memory_gb"] == pytest.approx(chosen["memory_gb"], abs=6e-5)  # to_json keeps 4 decimals
+    assert accepted["predicted_joules_per_token"] == pytest.approx(chosen["joules_per_token"], abs=6e-5)
+    references = {r["name"]: r for r in quantize["search"]["references"]}
+    assert references["uniform fp16"]["predicted_memory_gb"] > references["uniform int8"]["predicted_memory_gb"]
     markdown = (out / "report.md").read_text()
     assert "## Precision search (quantize.method=auto)" in markdown and "uniform int8" in markdown and "| answer prefix |" in markdown
+    assert "| predicted J/token |" in markdown
     assert (out / report["plots"]["precision_search"]).is_file()
     code = main(["validate", str(out), "target=jetson-agx-thor"])  # re-gated elsewhere from the stored mix
     regated = json.loads(next(out.glob("validate-jetson-agx-thor-*.json")).read_text())
