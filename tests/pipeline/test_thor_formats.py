@@ -230,7 +230,7 @@ def test_thor_runs_the_default_its_target_names(capsys):
     assert main(["run", "target=jetson-agx-thor", "--dry-run"]) == 0
     plan = json.loads(capsys.readouterr().out)
     quantize = next(s for s in plan["stages"] if s["name"] == "quantize")["config"]
-    assert plan["recipe"] == "auto" and quantize["method"] == "auto"
+    assert plan["recipe"] == "thor-fp8" and quantize["method"] == "fp8"
     assert "export_edgellm" in [s["name"] for s in plan["stages"]]
 
 
