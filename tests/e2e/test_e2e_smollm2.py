@@ -48,7 +48,7 @@ def test_onnx_runtime_reproduces_torch(smoke_run):
     # torch's greedy tokens agree with ONNX Runtime's up to the first that differs (recorded last), or all of them
     assert torch_tokens and torch_tokens[:-1] == onnx_tokens[: len(torch_tokens) - 1]
     assert parity["greedy_match"] == (torch_tokens == onnx_tokens)
-    assert stages["export_onnx"]["metrics"]["quantized_linears"] == 30 * 7
+    assert stages["export_onnx"]["metrics"]["quantized_linears"] == 30 * 6  # down_proj stays FP16, as in the default
     metrics = stages["validate"]["metrics"]
     assert metrics["onnx_vs_torch_quantized_pct"] < 1.0
     assert metrics["perplexity_increase_pct"] < 5.0
