@@ -5,8 +5,8 @@ uses, plus the setting), then runs ``--tokens`` random tokens through the graph 
 validation's parity check does) and greedily decodes ``--decode`` more. It prints the process's peak
 resident memory once the session is open and after the tokens (and how much of what is resident at the end is
 the graph's external data file mapped into memory), the seconds each part took, and the
-largest difference of its logits from the first setting's (which must be the options validation used
-when the figures were taken).
+largest difference of its logits from the first setting's (validation's own options,
+``compress.backends.onnx.runtime.session_options``).
 
     .venv/bin/python bench/session_memory.py bench_runs/scale/qwen3-0.6b-default/03_export_onnx/onnx
 """
@@ -43,9 +43,7 @@ def peak_gib():
 
 folder, setting, tokens, chunk, decode, reference = Path(sys.argv[1]), json.loads(sys.argv[2]), *map(int, sys.argv[3:6]), sys.argv[6]
 layout = runtime.DecoderLayout.load(folder)
-options = ort.SessionOptions()
-options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-options.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", "0")
+options = runtime.session_options(int8_activations=layout.int8_activations)
 options.enable_cpu_mem_arena = setting.get("arena", True)
 for key, value in setting.get("config", {}).items():
     options.add_session_config_entry(key, value)

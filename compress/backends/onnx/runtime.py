@@ -90,13 +90,12 @@ def thread_cap() -> int | None:
     return int(value) if value.isdigit() and int(value) > 0 else None
 
 
-def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False, fp4_weights: bool = False):
-    """An ONNX Runtime CPU session.
+def session_options(threads: int | None = None, int8_activations: bool = False):
+    """The ONNX Runtime session options every compress session uses.
 
     INT4 weight-only matrices run in fp32 (``accuracy_level`` 0), matching the torch reference.
     For W8A8 graphs on x86 CPUs without VNNI, ONNX Runtime's fused integer kernels saturate
     16-bit intermediate sums and break accuracy, so the Q/DQ graph is run unfused there.
-    NVFP4 weights are read through :func:`fp4_as_fp8`.
     """
     import onnxruntime as ort
 
@@ -108,8 +107,15 @@ def make_session(model_path: Path, threads: int | None = None, int8_activations:
     threads = threads or thread_cap()
     if threads:
         options.intra_op_num_threads = threads
+    return options
+
+
+def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False, fp4_weights: bool = False):
+    """An ONNX Runtime CPU session with :func:`session_options`; NVFP4 weights are read through :func:`fp4_as_fp8`."""
+    import onnxruntime as ort
+
     source = fp4_as_fp8(model_path) if fp4_weights else str(model_path)
-    return ort.InferenceSession(source, options, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(source, session_options(threads, int8_activations), providers=["CPUExecutionProvider"])
 
 
 def greedy_stream(decoder, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
