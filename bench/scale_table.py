@@ -26,6 +26,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,8 +57,9 @@ def _tokenizer_folder() -> Path:
     return materialize(resolve_model("smollm2-135m-instruct"))
 
 
-def build(name: str, weights: bool) -> Path:
-    """The model folder of ``name``: config and tokenizer, and random bf16 weights when ``weights``."""
+def build(name: str, weights: bool, tokenizer: Path | None = None) -> Path:
+    """The model folder of ``name``: config and ``tokenizer``'s files (the embedded model's by default), and random bf16
+    weights when ``weights`` (drawn on the GPU where there is one: an 8B model's on the CPU take minutes)."""
     import torch
     import transformers
 
@@ -68,22 +70,28 @@ def build(name: str, weights: bool) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     config = getattr(transformers, f"{family}Config")(**shape, max_position_embeddings=32768, rms_norm_eps=1e-6, dtype="bfloat16")
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        source = _tokenizer_folder() / file
+        source = (tokenizer or _tokenizer_folder()) / file
         if source.is_file():
             shutil.copy(source, folder / file)
     if not weights:
         config.save_pretrained(folder)
         return folder
     torch.manual_seed(0)
-    model = getattr(transformers, f"{family}ForCausalLM")._from_config(config, dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        model = getattr(transformers, f"{family}ForCausalLM")._from_config(config, dtype=torch.bfloat16)
     model.save_pretrained(folder, max_shard_size="4GB")
     return folder
+
+
+def _env() -> dict[str, str]:
+    """This checkout first on the path (packages carried beside it stay reachable)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
 def estimate(folder: Path, recipe: str, extra: list[str]) -> list[dict]:
     proc = subprocess.run([*COMPRESS, "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}",
                            f"out={RUNS / 'plan-only'}", "--dry-run", *extra], cwd=REPO, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
+                          env=_env())
     if proc.returncode != 0:
         return [{"stage": "refused", "reason": proc.stderr.strip().splitlines()[-1]}]
     plan = json.loads(proc.stdout)
@@ -97,18 +105,21 @@ def measure(folder: Path, name: str, recipe: str, extra: list[str]) -> dict:
     out = RUNS / f"{name}-{recipe}"
     if out.exists():
         shutil.rmtree(out)  # this script's own earlier run: a measurement computes every stage afresh
-    command = ["/usr/bin/time", "-v", *COMPRESS, "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}", f"out={out}",
+    timer = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").is_file() else []  # else the stages' own peaks alone
+    command = [*timer, *COMPRESS, "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}", f"out={out}",
                "--no-progress", *extra]
     print("$", " ".join(command), flush=True)
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    started = time.monotonic()
+    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=_env())
+    seconds = time.monotonic() - started
     peak_kb = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
-    wall = re.search(r"Elapsed \(wall clock\) time \(h:mm:ss or m:ss\): ([\d:.]+)", proc.stderr)
     stages = {}
     for record in sorted(out.glob("0*/stage.json")):
         data = json.loads(record.read_text())
-        child = data.get("peak_subprocess_rss_mb")
+        child, device = data.get("peak_subprocess_rss_mb"), data.get("peak_device_memory_mb")
         stages[data["stage"]] = {"s": data["duration_s"], "peak_gb": round(data["peak_rss_mb"] / 1024, 2),
-                                 "subprocess_gb": round(child / 1024, 2) if child else None}
+                                 "subprocess_gb": round(child / 1024, 2) if child else None,
+                                 "device_gb": round(device / 1024, 2) if device is not None else None}
     size = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     # compress resets the kernel's high-water mark at each stage (to record each stage's peak), which also lowers what
@@ -116,7 +127,7 @@ def measure(folder: Path, name: str, recipe: str, extra: list[str]) -> dict:
     stage_peak = max((max(s["peak_gb"], s["subprocess_gb"] or 0.0) for s in stages.values()), default=0.0)
     time_peak = int(peak_kb.group(1)) / 1024**2 if peak_kb else 0.0
     return {"exit": proc.returncode, "peak_rss_gb": max(time_peak, stage_peak) or None,
-            "wall": wall.group(1) if wall else None, "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
+            "wall": f"{int(seconds // 60)}:{seconds % 60:04.1f}", "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
             "stages": stages, "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1, 3) else None}
 
 
@@ -125,12 +136,14 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s != "llama-3.1-8b"], choices=list(SHAPES))
     parser.add_argument("--measure", nargs="*", default=[], choices=list(SHAPES))
     parser.add_argument("--recipe", default="default")
+    parser.add_argument("--tokenizer", type=Path, help="a folder whose tokenizer files the models get (default: the embedded "
+                        "model's, which needs its package)")
     parser.add_argument("--with", dest="extra", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more words for compress run (export_onnx=off, quantize.calib_windows=16, ...)")
     args = parser.parse_args()
     print("| shape | parameters | stage | estimated peak GB | estimated disk GB | estimated min |\n|---|---|---|---|---|---|")
     for name in args.shapes:
-        folder = build(name, weights=name in args.measure)
+        folder = build(name, weights=name in args.measure, tokenizer=args.tokenizer)
         sys.path.insert(0, str(REPO))
         from compress.pipeline.resources import parameter_count
 
@@ -141,14 +154,15 @@ def main() -> None:
                 continue
             print(f"| {name} | {params / 1e9:.2f}B | {row['stage']} | {row['peak_host_gb']} | {row['disk_gb']} | {row['minutes']} |")
     for name in args.measure:
-        result = measure(build(name, weights=True), name, args.recipe, args.extra)
+        result = measure(build(name, weights=True, tokenizer=args.tokenizer), name, args.recipe, args.extra)
         print(f"\n{name}, recipe={args.recipe} {' '.join(args.extra)}: exit {result['exit']}, wall {result['wall']}, peak RSS "
               f"{result['peak_rss_gb']:.2f} GB ({result['peak_rss_gb'] * 1.073741824 / result['checkpoint_gb']:.1f}x the "
               f"{result['checkpoint_gb']:.2f} GB bf16 checkpoint), run directory {result['run_dir_gb']:.2f} GB "
               f"({result['run_dir_gb'] / result['checkpoint_gb']:.1f}x)" + (f"; error: {result['error']}" if result["error"] else ""))
-        print("| stage | wall s | peak GB (compress) | peak GB (a program it ran) |\n|---|---|---|---|")
+        print("| stage | wall s | peak GB (compress) | peak GB (a program it ran) | peak GB (CUDA device) |\n|---|---|---|---|---|")
         for stage, row in result["stages"].items():
-            print(f"| {stage} | {row['s']:.1f} | {row['peak_gb']} | {row['subprocess_gb'] or '—'} |")
+            device = "—" if row["device_gb"] is None else row["device_gb"]
+            print(f"| {stage} | {row['s']:.1f} | {row['peak_gb']} | {row['subprocess_gb'] or '—'} | {device} |")
 
 
 if __name__ == "__main__":

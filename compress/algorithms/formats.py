@@ -67,17 +67,17 @@ _CODE_OF_LEVEL = {level: code for code, level in enumerate(E2M1_LEVELS)}
 def e2m1_codes(values: torch.Tensor) -> torch.Tensor:
     """4-bit codes (sign bit 8, magnitude index 0-7) of E2M1 values; zero is +0."""
     magnitude = values.abs()
-    codes = torch.zeros(values.shape, dtype=torch.uint8)
+    codes = torch.zeros(values.shape, dtype=torch.uint8, device=values.device)
     for level, code in _CODE_OF_LEVEL.items():
         codes[magnitude == level] = code
-    if not torch.isin(magnitude, torch.tensor(E2M1_LEVELS)).all():
+    if not torch.isin(magnitude, torch.tensor(E2M1_LEVELS, device=values.device)).all():
         raise ValueError("values are not on the E2M1 grid")
     return codes | ((values < 0).to(torch.uint8) << 3)
 
 
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`e2m1_codes`."""
-    levels = torch.tensor(E2M1_LEVELS)[(codes & 0x7).long()]
+    levels = torch.tensor(E2M1_LEVELS, device=codes.device)[(codes & 0x7).long()]
     return torch.where((codes & 0x8) != 0, -levels, levels)
 
 
@@ -88,7 +88,7 @@ def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
 
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`pack_fp4`."""
-    codes = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8)
+    codes = torch.empty(packed.shape[0], packed.shape[1] * 2, dtype=torch.uint8, device=packed.device)
     codes[:, 0::2] = packed & 0xF
     codes[:, 1::2] = packed >> 4
     return codes

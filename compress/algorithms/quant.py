@@ -79,7 +79,7 @@ def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], grid: Weight
 
 
 def _group_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
-    sums = torch.zeros(int(groups.max()) + 1, dtype=values.dtype).index_add_(0, groups, values)
+    sums = values.new_zeros(int(groups.max()) + 1).index_add_(0, groups, values)
     counts = torch.zeros_like(sums).index_add_(0, groups, torch.ones_like(values))
     return (sums / counts)[groups]
 
@@ -98,7 +98,7 @@ def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, ste
     groups = in_features // group_size
     w = weight.reshape(out_features, groups, group_size)
     if hessian is not None:
-        index = torch.arange(groups)
+        index = torch.arange(groups, device=weight.device)
         blocks = hessian.reshape(groups, group_size, groups, group_size)[index, :, index, :]  # (groups, g, g)
 
         def group_error(wq: torch.Tensor) -> torch.Tensor:
@@ -111,8 +111,8 @@ def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, ste
         def group_error(wq: torch.Tensor) -> torch.Tensor:
             return (torch.einsum("tng,ong->tno", xg, wq.reshape(out_features, groups, group_size)) - reference).pow(2).mean(dim=0)
 
-    best_error = torch.full((groups, out_features), math.inf)
-    best_ratio = torch.ones(out_features, groups)
+    best_error = weight.new_full((groups, out_features), math.inf, dtype=torch.float32)
+    best_ratio = weight.new_ones(out_features, groups, dtype=torch.float32)
     for step in range(steps):
         ratio = 1 - max_shrink * step / steps
         wq, _ = quantize_dequantize(weight, grid, ratio)
@@ -134,7 +134,7 @@ def prepare_obs(weight: torch.Tensor, hessian: torch.Tensor, damp: float) -> tup
     dead = torch.diag(h) == 0
     h[dead, dead] = 1
     w[:, dead] = 0
-    h += torch.eye(h.shape[0], dtype=h.dtype) * damp * torch.diag(h).mean()
+    h += torch.eye(h.shape[0], dtype=h.dtype, device=h.device) * damp * torch.diag(h).mean()
     return w, torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True).float()
 
 
@@ -166,7 +166,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid,
         scales = grid.scales(w, clip_ratio)
         column_scale = scales[:, None] if scales.dim() else scales
     else:
-        scales = torch.zeros(out_features, in_features // group)
+        scales = w.new_zeros(out_features, in_features // group)
         block_size = max(group, block_size - block_size % group)
     levels = torch.zeros_like(w)
     for start in range(0, in_features, block_size):

@@ -37,7 +37,7 @@ def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     if shape[-1] % block:
         raise ValueError(f"Hadamard block {block} does not divide width {shape[-1]}")
     blocks = x.reshape(*shape[:-1], shape[-1] // block, block)
-    return (blocks @ hadamard(block).to(x.dtype)).reshape(shape)
+    return (blocks @ hadamard(block).to(x.device, x.dtype)).reshape(shape)
 
 
 def rotate_gram(gram: torch.Tensor, block: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Peak resident memory of this process, per stage and per phase of a stage.
+"""Peak resident memory of this process, per stage and per phase of a stage, and of the CUDA device a run computes on.
 
 The kernel keeps one high-water mark per process (``VmHWM``), which writing ``5`` to
 ``/proc/self/clear_refs`` resets. The runner starts one at each stage to record the stage's own
@@ -32,16 +32,29 @@ def _reset_high_water() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
-def reset_peak() -> None:
-    """Start measuring a new peak (the runner, at each stage)."""
+def reset_peak(device: str = "cpu") -> None:
+    """Start measuring a new peak (the runner, at each stage); on a CUDA ``device``, its allocator's peak too."""
     global _before_phases_mb
     _before_phases_mb = 0.0
     _reset_high_water()
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.reset_peak_memory_stats(device)
 
 
 def peak_mb() -> float:
     """The peak resident memory (MB) since :func:`reset_peak`, over every phase measured since."""
     return max(_before_phases_mb, _high_water_mb())
+
+
+def device_peak_mb(device: str) -> float | None:
+    """The most memory torch's allocator held on a CUDA ``device`` (MB) since :func:`reset_peak`; None on the CPU."""
+    if not device.startswith("cuda"):
+        return None
+    import torch
+
+    return torch.cuda.max_memory_reserved(device) / 2**20
 
 
 @contextlib.contextmanager

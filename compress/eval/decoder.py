@@ -61,7 +61,7 @@ from compress.eval.prompts import (
     torch_greedy_batched,
 )
 from compress.models.compute import computed_in_float32
-from compress.models.loading import load_causal_lm, load_tokenizer
+from compress.models.loading import load_tokenizer
 from compress.transforms.checkpoint_logits import WindowLogits, window_logits
 from compress.transforms.quantize.saved import held_deployed_causal_lm
 from compress.transforms.walk import release_freed_memory
@@ -203,7 +203,7 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
     cases, prompt_source = resolve_prompts(prompts, tokenizer)
     answers = None
     if cases and teacher_dir is not None:
-        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, config, progress, peaks)
+        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, config, progress, peaks, device)
     parity = latency = None
     if onnx_dir is not None:  # ONNX Runtime's session (float32 copies of the 16-bit tensors) is alone in memory
         with phase_peak(peaks, "onnx_runtime"):
@@ -253,23 +253,24 @@ def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list
 
 
 def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir: Path, config: ValidateConfig,
-                    progress: bool, peaks: dict[str, float]) -> dict[str, Any]:
+                    progress: bool, peaks: dict[str, float], device: str) -> dict[str, Any]:
     """The teacher's greedy answers to the app prompts, then the deployed numbers' in torch (one model held at a time;
     each phase's peak memory in ``peaks``)."""
     log.info("app prompts: %d from %s, greedy %d tokens, deployed numbers vs teacher, both in torch", len(cases), source,
              config.prompt_new_tokens)
     eos = model_eos_ids(model_dir, tokenizer)
     with phase_peak(peaks, "prompts_teacher"):
-        answers = teacher_answers(cases, tokenizer, teacher_dir, eos, config.prompt_new_tokens, progress)
-    with phase_peak(peaks, "prompts_deployed"), deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos)) as generate:
+        answers = teacher_answers(cases, tokenizer, teacher_dir, eos, config.prompt_new_tokens, progress, device=device)
+    with phase_peak(peaks, "prompts_deployed"), deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos), device) as generate:
         deployed = answer_prompts(cases, tokenizer, generate, config.prompt_new_tokens, progress, "deployed")
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
 
 
 def teacher_answers(cases, tokenizer, teacher_dir: Path, eos: list[int], new_tokens: int, progress: bool,
-                    trust_remote_code: bool = False) -> list[list[int]]:
-    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype, computed in float32."""
-    teacher = load_causal_lm(teacher_dir, own_dtype=True, trust_remote_code=trust_remote_code)
+                    trust_remote_code: bool = False, device: str = "cpu") -> list[list[int]]:
+    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype (on ``device`` where it fits
+    there), computed in float32."""
+    teacher, _ = held_deployed_causal_lm(teacher_dir, trust_remote_code, device)
     with computed_in_float32(teacher):
         answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)), new_tokens,
                                  progress, "teacher")
@@ -296,10 +297,11 @@ def model_eos_ids(folder: Path, tokenizer) -> list[int]:
 
 
 @contextlib.contextmanager
-def deployed_generator(model_dir: Path, eos: list[int], pad_id: int) -> Iterator[BatchGenerate]:
-    """Batched greedy decoding of the deployed numbers in torch: the quantized checkpoint held as its levels, each linear
-    rebuilt while its block computes (the numbers the custody check proves the bundle holds)."""
-    model, rebuilt = held_deployed_causal_lm(model_dir)
+def deployed_generator(model_dir: Path, eos: list[int], pad_id: int, device: str = "cpu") -> Iterator[BatchGenerate]:
+    """Batched greedy decoding of the deployed numbers in torch: the quantized checkpoint held as its levels (on ``device``
+    where it fits there), each linear rebuilt while its block computes (the numbers the custody check proves the bundle
+    holds)."""
+    model, rebuilt = held_deployed_causal_lm(model_dir, device=device)
     with computed_in_float32(model, rebuilt):
         yield torch_greedy_batched(model, eos, pad_id)
     del model

@@ -142,8 +142,9 @@ def torch_greedy_batched(model, eos_ids: Sequence[int], pad_id: int) -> BatchGen
     @torch.no_grad()
     def generate(prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
         width = max(len(ids) for ids in prompts)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        device = next(model.parameters()).device  # where the model is held, so where it computes
+        ids = torch.tensor([[pad_id] * (width - len(p)) + list(p) for p in prompts], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
                              eos_token_id=sorted(stop) or None, pad_token_id=pad_id)
         answers = []

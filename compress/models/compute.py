@@ -17,12 +17,15 @@ their own dtype and converts only them (the same numbers), and the LM head is ta
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
 
 from compress.models.families import decoder_blocks
+
+log = logging.getLogger(__name__)
 
 Rebuild = Callable[[], torch.Tensor]  # a parameter's float32 value, computed when its part runs
 HEAD_ROWS = 16384  # rows of a large output linear (the LM head) taken in float32 at once
@@ -96,6 +99,34 @@ def linear_in_row_slices(inputs: torch.Tensor, weight: torch.Tensor, bias: torch
         stop = min(start + HEAD_ROWS, weight.shape[0])
         out[..., start:stop] = F.linear(inputs, weight[start:stop].float(), None if bias is None else bias[start:stop].float())
     return out
+
+
+def tensor_bytes(tensors) -> int:
+    """The bytes ``tensors`` hold (each storage once: tied weights count once)."""
+    seen: dict[int, int] = {}
+    for tensor in tensors:
+        if tensor is not None and tensor.numel():
+            seen[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def holding_device(device: str, held_bytes: int, float32_part_bytes: int) -> str:
+    """Where a model of ``held_bytes`` (as held: 16-bit tensors, levels) computes in float32 a part at a time: ``device``
+    when that is the CPU, or when the CUDA device has room for the model, its largest part in float32 and as much again
+    for activations; else the CPU (slower, and said so in the log)."""
+    if not device.startswith("cuda"):
+        return "cpu"
+    free, _total = torch.cuda.mem_get_info(device)
+    needed = held_bytes + 2 * float32_part_bytes
+    if needed > 0.9 * free:
+        log.info("the model needs %.1f GB on %s, which has %.1f GB free: computed on the CPU", needed / 1e9, device, free / 1e9)
+        return "cpu"
+    return device
+
+
+def largest_part_float32_bytes(model: torch.nn.Module) -> int:
+    """The float32 size of the largest part :func:`computed_in_float32` upcasts at once (a decoder block, usually)."""
+    return max((4 * sum(p.numel() for p in part.parameters()) for part in _parts(model)), default=0)
 
 
 def _give_back(held: list[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:

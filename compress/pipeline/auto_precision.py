@@ -126,7 +126,7 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
              rows.shape[0], ", ".join(d for d, _ in selection), budget)
     reference = window_logits(teacher, rows, device, progress, desc="teacher")
-    answers = _held_out_answers(config, tokenizer, teacher, progress, trust_remote_code)
+    answers = _held_out_answers(config, tokenizer, teacher, progress, trust_remote_code, device)
     measure = _measurer(reference, selection, rows, answers, target, config.margin, device, progress)
 
     def quantize(plan: MixedPlan, folder: Path):
@@ -181,7 +181,8 @@ class HeldOutAnswers:
     pad_id: int
 
 
-def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bool, trust_remote_code: bool) -> HeldOutAnswers | None:
+def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bool, trust_remote_code: bool,
+                      device: str) -> HeldOutAnswers | None:
     """The teacher's answers to the chat calibration prompts, for a chat model (None otherwise, or with no prompts asked)."""
     if not config.selection_prompts or not has_chat_template(tokenizer):
         return None
@@ -189,7 +190,7 @@ def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bo
     eos = model_eos_ids(teacher, tokenizer)
     log.info("auto precision: plans also measured on the answers to %d chat calibration prompts (%d tokens, the teacher's "
              "greedy answers)", len(cases), config.answer_tokens)
-    answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, progress, trust_remote_code)
+    answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, progress, trust_remote_code, device)
     return HeldOutAnswers([prompt_ids(tokenizer, case.prompt) for case in cases], answers, pad_id_of(tokenizer, eos))
 
 

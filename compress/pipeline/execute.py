@@ -37,7 +37,7 @@ from compress.core.files import (
     staging_dir,
     written_path,
 )
-from compress.core.memory import peak_mb, reset_peak
+from compress.core.memory import device_peak_mb, peak_mb, reset_peak
 from compress.core.records import FileRecords, record_file, record_folder
 from compress.core.rundir import (
     MANIFEST_FILE,
@@ -125,7 +125,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
         ctx.stage_dir = tmp
         ctx.stage_name = planned.dirname
         ctx.fingerprint = planned.fingerprint
-        reset_peak()
+        reset_peak(ctx.device)
         children_before = _childrenpeak_mb()
         started = time.perf_counter()
         result = planned.variant.run(previous, planned.config, ctx)
@@ -149,6 +149,7 @@ def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final
             "duration_s": round(duration, 3),
             "peak_rss_mb": round(peak_mb(), 1),
             "peak_subprocess_rss_mb": _stage_children_peak(children_before),
+            "peak_device_memory_mb": None if (device_mb := device_peak_mb(ctx.device)) is None else round(device_mb, 1),
             "metrics": artifact.meta.get("metrics", {}),
             "summary": result.summary,
             "figures": result.figures,

@@ -51,6 +51,10 @@ DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "spars
 # Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
 # of this class of machine.
 SECONDS_PER_PARAM_TOKEN = {"quantize": 4.5e-11, "sparsify": 4.5e-11, "validate": 6.5e-11, "distill": 6.0e-10}
+# The same on a CUDA device (the block-by-block work there, the rest of the stage on the host), measured on one H200 with
+# `bench/gpu_checks.sh`: W8A8 SmoothQuant + GPTQ on a Qwen3-1.7B shape (160 s; INT4 AWQ + GPTQ on Llama-3.1-8B's width
+# took a quarter of that per parameter) and its validation (99 s). A smaller GPU is slower by about its arithmetic rate.
+CUDA_SECONDS_PER_PARAM_TOKEN = {"quantize": 5.7e-12, "sparsify": 5.7e-12, "validate": 4.7e-12}
 SECONDS_PER_PARAM = {"load": 8e-9, "prune_heads": 1e-7, "export_onnx": 5e-8, "export_edgellm": 3e-8}
 FIXED_SECONDS = {"export_onnx": 15.0, "export_edgellm": 30.0}
 
@@ -129,7 +133,8 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         quantized = any(other == "quantize" for other, _ in stages)
         disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
         disk = _kept_copies(base, config, disk, model_config, params, checkpoint_bytes)
-        seconds = (SECONDS_PER_PARAM_TOKEN.get(base, 0.0) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
+        rates = CUDA_SECONDS_PER_PARAM_TOKEN if on_device else SECONDS_PER_PARAM_TOKEN
+        seconds = (rates.get(base, SECONDS_PER_PARAM_TOKEN.get(base, 0.0)) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
                    + FIXED_SECONDS.get(base, 0.0))
         estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
     return estimates

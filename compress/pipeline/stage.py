@@ -103,6 +103,7 @@ class StageVariant:
     # For a union config: the key choosing the class, and each choice's class (to drop a recipe's options of another choice).
     choice_key: str | None = None
     choices: dict[str, type[StrictModel]] | None = None
+    input_kind: tuple[str, ...] | None = None  # what this variant takes, where it is narrower than the stage's
 
     def make_config(self, where: str, options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
         """Validate ``options`` (the recipe's, with ``explicit`` the keys given on the command line); an unknown key or wrong
@@ -158,8 +159,11 @@ class StageDef:
     def model_kinds(self) -> tuple[str, ...]:
         return tuple(kind for kind in MODEL_KINDS if kind in self.variants)
 
-    def accepts(self, kind: str) -> bool:
-        """Whether the stage takes an artifact of ``kind``."""
+    def accepts(self, kind: str, model_kind: str | None = None) -> bool:
+        """Whether the stage (its variant for ``model_kind``, when given) takes an artifact of ``kind``."""
+        variant = self.variants.get(model_kind) if model_kind else None
+        if variant is not None and variant.input_kind is not None:
+            return kind in variant.input_kind
         return kind in self.input_kind if isinstance(self.input_kind, tuple) else kind == self.input_kind
 
     def variant(self, model_kind: str) -> StageVariant | None:

@@ -42,6 +42,7 @@ def _stage_entries(run: RunDir) -> list[dict[str, Any]]:
         record = record or {}
         entries.append({"name": entry["name"], "dir": entry["dir"], "status": entry["status"],
                         "duration_s": record.get("duration_s"), "peak_rss_mb": record.get("peak_rss_mb"),
+                        "peak_device_memory_mb": record.get("peak_device_memory_mb"),
                         "metrics": record.get("metrics", {}), "summary": record.get("summary", ""),
                         "figures": record.get("figures", {}),
                         "output": record.get("output", {"kind": None, "path": "", "meta": {}})})
@@ -61,7 +62,8 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         "target": {"name": manifest["target"], "power_mode": manifest["power_mode"], "budgets": manifest["budgets"]},
         "model": {"spec": manifest["model"]["spec"], "license": manifest["model"].get("license", "unknown")},
         "recipe": manifest["recipe"]["name"],
-        "stages": [{key: stage[key] for key in ("name", "dir", "status", "duration_s", "peak_rss_mb", "metrics", "summary", "figures")}
+        "stages": [{key: stage[key] for key in ("name", "dir", "status", "duration_s", "peak_rss_mb", "peak_device_memory_mb", "metrics",
+                                                  "summary", "figures")}
                    | {"kind": stage["output"]["kind"]} for stage in stages],
         "artifacts": {"onnx": _artifact_path(stages, ONNX, run.path), "engine": _artifact_path(stages, ENGINE, run.path),
                       "engine_build_plan": _artifact_path(stages, ENGINE, run.path, deferred=True),

@@ -189,10 +189,14 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += _prompt_table(report)
     lines += _search_section(report)
     lines += _on_device_section(report)
-    lines += ["", "## Stages", "", "| # | stage | status | time (s) | peak RSS (MB) | summary |", "|---|---|---|---|---|---|"]
+    on_gpu = any(stage.get("peak_device_memory_mb") is not None for stage in report["stages"])
+    device_column = (" peak device memory (MB) |", "---|") if on_gpu else ("", "")
+    lines += ["", "## Stages", "", f"| # | stage | status | time (s) | peak RSS (MB) |{device_column[0]} summary |",
+              f"|---|---|---|---|---|{device_column[1]}---|"]
     for index, stage in enumerate(report["stages"], start=1):
+        device = f" {_fmt(stage.get('peak_device_memory_mb'))} |" if on_gpu else ""
         lines.append(f"| {index} | {stage['name']} | {stage['status']} | {_fmt(stage['duration_s'])} | "
-                     f"{_fmt(stage['peak_rss_mb'])} | {stage.get('summary', '')} |")
+                     f"{_fmt(stage['peak_rss_mb'])} |{device} {stage.get('summary', '')} |")
     predictions = decoder_predictions(report)
     lines += _encoder_predictions(report)
     if predictions:

@@ -155,8 +155,12 @@ def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tm
         assert expected[:common] == ids[:common] and len(expected) == (len(ids) if len(ids) < 8 else 24)
 
 
+def test_a_decoder_recipe_without_its_onnx_validates_the_quantized_checkpoint(capsys, tmp_path):
+    plan = _dry_run(capsys, "recipe=int8", "export_onnx=off", f"out={tmp_path / 'run'}")
+    assert [stage["name"] for stage in plan["stages"]] == ["load", "quantize", "validate"]
+
+
 @pytest.mark.parametrize(("words", "needle"), [
-    (["export_onnx=off", "recipe=int8"], "recipe int8 with export_onnx=off: stage validate takes"),
     (["validate=off"], "stage validate cannot be left out of recipe 'default' (optional: export_onnx)"),
     (["sparsify=off"], "stage sparsify is not in recipe 'default'"),
     (["export_onnx=on"], "export_onnx=on: a stage takes only export_onnx=off"),
@@ -164,3 +168,15 @@ def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tm
 def test_only_an_optional_stage_of_the_recipe_is_left_out(capsys, tmp_path, words, needle):
     assert main(["run", "target=jetson-orin", *words, f"out={tmp_path / 'run'}", "--dry-run"]) == 2
     assert needle in capsys.readouterr().err
+
+
+def test_the_estimate_on_a_cuda_device_puts_the_block_work_there_and_takes_its_rates():
+    from compress.pipeline.resources import estimate_stages
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+
+    config = {**QWEN3_06B, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    stages = [("quantize", QUANTIZE_CONFIG.validate_python({"method": "int8"}))]
+    cpu, = estimate_stages(stages, config, 1.2e9, "cpu")
+    gpu, = estimate_stages(stages, config, 1.2e9, "cuda:0")
+    assert cpu.device_bytes == 0 and gpu.device_bytes > 0 and gpu.host_bytes < cpu.host_bytes
+    assert gpu.seconds < cpu.seconds / 4  # the calibration and searches run on the GPU

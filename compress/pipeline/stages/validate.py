@@ -32,7 +32,7 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     onnx_dir = Path(onnx.path) if onnx is not None else None
     metrics = decoder.measure(model_dir, Path(teacher.path) if teacher else None, ctx.evaluation, config, ctx.progress, onnx_dir,
                               ctx.unseen_domains, ctx.prompts, ctx.device)
-    metrics["model_size_bytes"] = _deployed_size(ctx, onnx_dir)
+    metrics["model_size_bytes"] = _deployed_size(ctx, onnx_dir, model_dir)
     if onnx is not None and "onnx_pattern_24_fraction" in onnx.meta.get("metrics", {}):
         metrics["onnx_pattern_24_fraction"] = onnx.meta["metrics"]["onnx_pattern_24_fraction"]
     if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
@@ -72,10 +72,10 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     return StageResult(Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate}), line, figures)
 
 
-def _deployed_size(ctx: RunContext, onnx_dir: Path | None) -> int:
-    """Bytes of what ships: the Edge-LLM bundle where there is one, else the portable ONNX."""
+def _deployed_size(ctx: RunContext, onnx_dir: Path | None, model_dir: Path) -> int:
+    """Bytes of what ships: the Edge-LLM bundle where there is one, else the portable ONNX, else the checkpoint."""
     bundle = ctx.last_artifact(EDGELLM_BUNDLE)
-    return path_size(Path(bundle.path)) if bundle is not None else path_size(onnx_dir)
+    return path_size(Path(bundle.path) if bundle is not None else onnx_dir or model_dir)
 
 
 def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, model_dir: Path, metrics: dict) -> None:
@@ -84,7 +84,7 @@ def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, mod
     log.info("host greedy reference for the on-device check: %d domains and the app prompts, %d new tokens", len(ctx.evaluation),
              config.device_new_tokens)
     eos = decoder.model_eos_ids(model_dir, tokenizer)
-    with decoder.deployed_generator(model_dir, eos, decoder.pad_id_of(tokenizer, eos)) as generate:
+    with decoder.deployed_generator(model_dir, eos, decoder.pad_id_of(tokenizer, eos), ctx.device) as generate:
         reference = decoder.device_reference(generate, tokenizer, ctx.evaluation, config, metrics.get("prompts"),
                                              "the quantized checkpoint in torch (the numbers the bundle holds)")
     atomic_write_json(ctx.stage_dir / DEVICE_REFERENCE, reference)
@@ -124,9 +124,11 @@ def run_validate_encoder(source: Artifact, config: encoder.ValidateEncoderConfig
 STAGE = register(StageDef(
     name="validate",
     summary="measure quality (per domain, or embeddings/labels for an encoder), latency and memory; gate them against the budgets",
-    input_kind=(ONNX, ENGINE, EDGELLM_BUNDLE),
+    # A decoder's figures are taken in torch from the checkpoint (the ONNX only adds its parity and host latency), so a
+    # decoder recipe may validate the quantized checkpoint itself; an encoder is measured in ONNX Runtime.
+    input_kind=(ONNX, ENGINE, EDGELLM_BUNDLE, HF_MODEL),
     output_kind=REPORT,
     variants={DECODER: StageVariant(decoder.ValidateConfig, run_validate),
-              ENCODER: StageVariant(encoder.ValidateEncoderConfig, run_validate_encoder)},
+              ENCODER: StageVariant(encoder.ValidateEncoderConfig, run_validate_encoder, input_kind=(ONNX, ENGINE))},
     uses_target=True,
 ), aliases={"validate_encoder": ENCODER})

@@ -79,9 +79,10 @@ def _kv_groups(block, config) -> torch.Tensor:
     """For each attention-output channel, the value channel (row of the value part) it is computed from."""
     family = family_of(config)
     heads, kv, head_dim = attention_geometry(config)
-    n_heads = block.get_submodule(family.attn_output).in_features // head_dim
-    head = torch.arange(n_heads).repeat_interleave(head_dim)
-    dim = torch.arange(head_dim).repeat(n_heads)
+    output = block.get_submodule(family.attn_output)
+    n_heads = output.in_features // head_dim
+    head = torch.arange(n_heads, device=output.weight.device).repeat_interleave(head_dim)
+    dim = torch.arange(head_dim, device=output.weight.device).repeat(n_heads)
     return (head // (n_heads // kv)) * head_dim + dim
 
 
@@ -99,7 +100,7 @@ def fold_scales(block, point: ActivationPoint, scales: torch.Tensor, kv_groups: 
             if point.name == "attn_out":
                 # One scale per attention-output channel; every query head of a KV group reads the same value row.
                 width = rows.stop - rows.start
-                scales_out = torch.zeros(width).index_copy_(0, kv_groups, scales)
+                scales_out = scales.new_zeros(width).index_copy_(0, kv_groups, scales)
             else:
                 scales_out = scales
             _scale_rows(producer, rows, 1.0 / scales_out)
@@ -126,9 +127,9 @@ def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, red
     if reduce is None:
         return smoothquant_scales(stats.absmax, weights, alpha)
     size = int(reduce.max()) + 1
-    act = torch.zeros(size).index_reduce_(0, reduce, stats.absmax, "amax", include_self=False)[reduce]
+    act = stats.absmax.new_zeros(size).index_reduce_(0, reduce, stats.absmax, "amax", include_self=False)[reduce]
     wmax = torch.stack([w.abs().amax(dim=0) for w in weights]).amax(dim=0)
-    wmax = torch.zeros(size).index_reduce_(0, reduce, wmax, "amax", include_self=False)[reduce]
+    wmax = wmax.new_zeros(size).index_reduce_(0, reduce, wmax, "amax", include_self=False)[reduce]
     return (act.clamp(min=1e-5).pow(alpha) / wmax.clamp(min=1e-5).pow(1 - alpha)).clamp(min=1e-5)
 
 
@@ -193,7 +194,7 @@ def _rotation_candidate(config: QuantizeConfig, stats: InputStats, weights: list
     rotated = stats.rotated_view()
     samples = rotated.sample_matrix(config.sample_tokens)
     rotated_weights = [rotate(w, stats.rotation) for w in weights]
-    ones = torch.ones(samples.shape[1])
+    ones = samples.new_ones(samples.shape[1])
     return _w8a8_candidate(samples, rotated_weights, ones, rotated.absmax, config, _gptq_hessian(config, rotated))
 
 

@@ -47,6 +47,7 @@ from compress.algorithms.formats import (
 from compress.algorithms.rotation import rotate
 from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, read_json
+from compress.models.compute import holding_device, largest_part_float32_bytes, tensor_bytes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader, empty_causal_lm, set_parameter
 from compress.transforms.quantize.config import QuantizeConfig
@@ -307,15 +308,24 @@ def held_quantized_causal_lm(folder: Path, trust_remote_code: bool = False,
     return model, rebuilt
 
 
-def held_deployed_causal_lm(folder: Path, trust_remote_code: bool = False
+def held_deployed_causal_lm(folder: Path, trust_remote_code: bool = False, device: str = "cpu"
                             ) -> tuple[Any, dict[str, Callable[[], torch.Tensor]] | None]:
     """What a folder deploys, held in its own dtype for :func:`~compress.models.compute.computed_in_float32`: a float
-    model as it is, a quantized one as its levels with its input quantizers and FP8 KV cache attached."""
+    model as it is, a quantized one as its levels with its input quantizers and FP8 KV cache attached; held on
+    ``device`` where it fits there (:func:`~compress.models.compute.holding_device`), else on the CPU."""
     loaded = load_quantization(folder)
     if loaded is None:
-        return load_causal_lm(folder, trust_remote_code=trust_remote_code, own_dtype=True), None
+        model = load_causal_lm(folder, trust_remote_code=trust_remote_code, own_dtype=True)
+        return model.to(holding_device(device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model))), None
     model, rebuilt = held_quantized_causal_lm(folder, trust_remote_code, loaded)
     attach_quantization(model, *loaded)
+    linears = loaded[1].values()
+    held = tensor_bytes([*model.parameters(), *(q.levels for q in linears), *(q.weight_scales for q in linears)])
+    where = holding_device(device, held, largest_part_float32_bytes(model))
+    if where != "cpu":
+        model.to(where)
+        for quant in linears:  # each weight is rebuilt from these where its block computes
+            quant.levels, quant.weight_scales = quant.levels.to(where), quant.weight_scales.to(where)
     return model, rebuilt
 
 

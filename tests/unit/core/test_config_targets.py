@@ -76,8 +76,8 @@ def test_recipe_short_forms():
 
 def test_plan_refuses_wrong_stage_order(tmp_path):
     bad = tmp_path / "bad.yaml"
-    bad.write_text("name: bad\nstages: [load, validate]\n")
-    with pytest.raises(UsageError, match="stage validate takes onnx or engine or edgellm-bundle but the step before it gives hf-model"):
+    bad.write_text("name: bad\nstages: [load, build_engine]\n")
+    with pytest.raises(UsageError, match="stage build_engine takes edgellm-bundle or onnx but the step before it gives hf-model"):
         build_plan(RunOptions(target="jetson-orin", recipe=str(bad)))
 
 

@@ -122,9 +122,13 @@ def test_quantizing_on_a_named_device_gives_the_numbers_of_the_model_s_own_devic
     quantize_model(here, windows, config, progress=False)
     quantize_model(there, windows, config, progress=False, device=device)
     assert {str(p.device) for p in there.parameters()} == {"cpu"}
-    tolerance = 0.0 if device == "cpu" else 1e-3  # another device sums in another order
-    for (name, a), (_, b) in zip(here.state_dict().items(), there.state_dict().items(), strict=True):
-        assert torch.allclose(a, b, atol=tolerance * float(a.abs().max()), rtol=0), name
+    if device == "cpu":
+        for (name, a), (_, b) in zip(here.state_dict().items(), there.state_dict().items(), strict=True):
+            assert torch.equal(a, b), name
+    else:  # another device sums in another order, which moves some weights to the next level: the model computes the same
+        with torch.no_grad():
+            a, b = here(windows).logits, there(windows).logits
+        assert (a - b).abs().mean() < 0.02 * a.std()
 
 
 def test_a_model_held_in_bf16_is_computed_in_float32_one_block_at_a_time(tiny_llama, windows):
