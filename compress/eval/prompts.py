@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 DEFAULT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_evaluation.jsonl"
 # The chat calibration set's prompts (one per line): never the gate's, so a search may choose by them.
 SELECTION_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_calibration.txt"
+# Prompts with an expected answer that neither the gate nor calibration uses: what a search checks expected answers on.
+SELECTION_EXPECT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_selection.jsonl"
 PROMPTS_OFF = "off"
 Generate = Callable[[list[int], int], list[int]]  # one prompt's ids, new tokens -> the greedy answer's ids
 BatchGenerate = Callable[[list[list[int]], int], list[list[int]]]  # the same for a list of prompts at once
@@ -95,6 +97,12 @@ def selection_prompts(count: int) -> list[PromptCase]:
     """The first ``count`` of the shipped chat calibration prompts (:data:`SELECTION_PROMPTS`)."""
     lines = [line.strip() for line in SELECTION_PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]
     return [PromptCase(f"calibration-{number}", text) for number, text in enumerate(lines[:count], start=1)]
+
+
+def selection_expect_prompts(count: int) -> list[PromptCase]:
+    """The first ``count`` of the shipped held-out prompts with an expected answer (:data:`SELECTION_EXPECT_PROMPTS`)."""
+    cases = load_prompts(SELECTION_EXPECT_PROMPTS)[:count]
+    return [PromptCase(f"selection-{number}", case.prompt, case.expect) for number, case in enumerate(cases, start=1)]
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
@@ -191,7 +199,8 @@ def forced_rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int
     return torch.tensor([[*p, *a] + [pad_id] * (width - len(p) - len(a)) for p, a in zip(prompts, answers, strict=True)])
 
 
-def _passes(expect: str | None, text: str) -> bool | None:
+def passes_expect(expect: str | None, text: str) -> bool | None:
+    """Whether an answer's text matches its prompt's ``expect`` regular expression (None: the prompt has none)."""
     return None if expect is None else re.search(expect, text, re.IGNORECASE) is not None
 
 
@@ -217,7 +226,7 @@ def compare_answers(cases: list[PromptCase], tokenizer, teacher: list[list[int]]
         rows.append({"id": case.id, "order": order, "prompt": case.prompt, "expect": case.expect,
                      "prompt_ids": prompt_ids(tokenizer, case.prompt), **pair, "teacher_ids": teacher_ids, "model_ids": model_ids,
                      "teacher_answer": teacher_text, "model_answer": model_text, "common_prefix": common,
-                     "teacher_passes": _passes(case.expect, teacher_text), "model_passes": _passes(case.expect, model_text)})
+                     "teacher_passes": passes_expect(case.expect, teacher_text), "model_passes": passes_expect(case.expect, model_text)})
     rows.sort(key=lambda r: (r["prefix_fraction"], r["order"]))
     return {"source": source, "new_tokens": new_tokens, "rows": rows, **summary(rows)}
 

@@ -36,10 +36,18 @@ from compress.backends.edgellm import contracts
 from compress.core.config import Target
 from compress.core.files import read_json
 from compress.core.text import TextSource, has_chat_template, held_out_windows
-from compress.eval.decoder import model_eos_ids, pad_id_of, teacher_answers
+from compress.eval.decoder import deployed_generator, model_eos_ids, pad_id_of, teacher_answers
 from compress.eval.fidelity import compare_window_pairs, worst_domain
 from compress.eval.perf_model import ModelShape, linear_ms_per_param, predict_mixed
-from compress.eval.prompts import forced_answer_pairs, forced_rows, prompt_ids, selection_prompts
+from compress.eval.prompts import (
+    PROMPT_BATCH,
+    forced_answer_pairs,
+    forced_rows,
+    passes_expect,
+    prompt_ids,
+    selection_expect_prompts,
+    selection_prompts,
+)
 from compress.models.families import decoder_blocks, family_of, linear_shapes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
@@ -174,24 +182,40 @@ def _sensitivities(source: Path, windows: torch.Tensor, configs, allowed, fisher
 
 @dataclass(frozen=True)
 class HeldOutAnswers:
-    """Chat prompts the gate does not evaluate, as token ids, and the teacher's greedy answers to them."""
+    """Chat prompts the gate does not evaluate, as token ids, the teacher's greedy answers to them, and, for those with an
+    expected answer, its regular expression and whether the teacher's answer matches it."""
 
     prompts: list[list[int]]
     answers: list[list[int]]
     pad_id: int
+    eos: list[int]
+    expect: list[str | None]
+    teacher_passes: list[bool | None]
+    tokenizer: Any
+    new_tokens: int  # the answers' length (the teacher's stop earlier where it ends them)
 
 
 def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bool, trust_remote_code: bool,
                       device: str) -> HeldOutAnswers | None:
-    """The teacher's answers to the chat calibration prompts, for a chat model (None otherwise, or with no prompts asked)."""
-    if not config.selection_prompts or not has_chat_template(tokenizer):
+    """The teacher's answers to the chat calibration prompts and to the held-out prompts with expected answers, for a chat
+    model (None otherwise, or with no prompts asked)."""
+    if not (config.selection_prompts or config.expect_prompts) or not has_chat_template(tokenizer):
         return None
-    cases = selection_prompts(config.selection_prompts)
+    cases = selection_prompts(config.selection_prompts) + selection_expect_prompts(config.expect_prompts)
     eos = model_eos_ids(teacher, tokenizer)
-    log.info("auto precision: plans also measured on the answers to %d chat calibration prompts (%d tokens, the teacher's "
-             "greedy answers)", len(cases), config.answer_tokens)
+    log.info("auto precision: plans also measured on their answers to %d chat prompts (%d of them with an expected answer; %d "
+             "tokens, against the teacher's greedy answers)", len(cases), config.expect_prompts, config.answer_tokens)
     answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, progress, trust_remote_code, device)
-    return HeldOutAnswers([prompt_ids(tokenizer, case.prompt) for case in cases], answers, pad_id_of(tokenizer, eos))
+    passes = [passes_expect(case.expect, tokenizer.decode(ids, skip_special_tokens=True)) for case, ids in zip(cases, answers, strict=True)]
+    return HeldOutAnswers([prompt_ids(tokenizer, case.prompt) for case in cases], answers, pad_id_of(tokenizer, eos), eos,
+                          [case.expect for case in cases], passes, tokenizer, config.answer_tokens)
+
+
+def _mean_and_error(values: list[float]) -> tuple[float, float]:
+    """The mean of ``values`` and its standard error."""
+    tensor = torch.tensor(values, dtype=torch.float64)
+    error = float(tensor.std(unbiased=True)) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+    return float(tensor.mean()), error
 
 
 def _answer_figures(folder: Path, held_out: HeldOutAnswers, budgets, device: str, progress: bool) -> tuple[dict[str, float], list[float]]:
@@ -204,13 +228,34 @@ def _answer_figures(folder: Path, held_out: HeldOutAnswers, budgets, device: str
     for key, field, limit in (("answer_prefix_agreement", "prefix_fraction", budgets.min_answer_prefix_agreement),
                               ("first_token_agreement", "first_token_match", budgets.min_first_token_agreement),
                               ("identical_answers", "identical", budgets.min_identical_answers)):
-        values = torch.tensor([float(pair[field]) for pair in pairs])
-        mean = float(values.mean())
-        error = float(values.std(unbiased=True)) / math.sqrt(len(values)) if len(values) > 1 else 0.0
+        mean, error = _mean_and_error([float(pair[field]) for pair in pairs])
         figures[key] = mean
         if limit > 0:
             ratios.append((limit + ANSWER_STANDARD_ERRORS * error) / max(mean, 1e-9))
+    expected = [i for i, expect in enumerate(held_out.expect) if expect is not None]
+    if expected:
+        passes = _plan_passes(folder, held_out, expected, pairs, device)
+        drops = [100.0 * (float(held_out.teacher_passes[i]) - float(passes[i])) for i in expected]
+        drop, error = _mean_and_error(drops)
+        figures.update(expect_pass_teacher=sum(bool(held_out.teacher_passes[i]) for i in expected) / len(expected),
+                       expect_pass_model=sum(passes[i] for i in expected) / len(expected), expect_pass_drop_pct=drop)
+        ratios.append((drop + ANSWER_STANDARD_ERRORS * error) / max(budgets.max_expect_pass_drop_pct, 1e-9))
     return figures, ratios
+
+
+def _plan_passes(folder: Path, held_out: HeldOutAnswers, expected: list[int], pairs: list[dict[str, Any]], device: str
+                 ) -> dict[int, bool]:
+    """Whether the plan's greedy answer to each prompt of ``expected`` matches its expected answer: the teacher's verdict
+    where the answers are identical (the forced pass says so), else the plan's own answer, decoded with its deployed numbers."""
+    passes = {i: bool(held_out.teacher_passes[i]) for i in expected if pairs[i]["identical"]}
+    differ = [i for i in expected if not pairs[i]["identical"]]
+    if differ:
+        with deployed_generator(folder, held_out.eos, held_out.pad_id, device) as generate:
+            for start in range(0, len(differ), PROMPT_BATCH):
+                chunk = differ[start:start + PROMPT_BATCH]
+                for i, ids in zip(chunk, generate([held_out.prompts[i] for i in chunk], held_out.new_tokens), strict=True):
+                    passes[i] = bool(passes_expect(held_out.expect[i], held_out.tokenizer.decode(ids, skip_special_tokens=True)))
+    return passes
 
 
 def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.Tensor, held_out: HeldOutAnswers | None,
@@ -234,6 +279,9 @@ def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.
         figures["overshoot"] = max(ratios)
         passed = figures["overshoot"] <= 1.0
         answered = (f", answer prefix {100 * figures['answer_prefix_agreement']:.1f}%" if held_out is not None else "")
+        if "expect_pass_drop_pct" in figures:
+            answered += (f", expected answers {100 * figures['expect_pass_model']:.0f}% (teacher "
+                         f"{100 * figures['expect_pass_teacher']:.0f}%)")
         log.info("auto precision: worst held-out domain %s %+.2f%% (limit %+.2f%%), top-1 %.1f%%, KL %.4f%s: %s", worst,
                  figures["worst_increase_pct"], margin * budgets.max_ppl_increase_pct, 100 * figures["top1_agreement"],
                  figures["mean_kl"], answered, "accepted" if passed else "backing off")

@@ -4,6 +4,7 @@ in the report; and the search's back-off on its own."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, Choice, se
 from tests.conftest import TINY_SMOKE, build_tiny_llama
 
 SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
-         "quantize.fisher_windows=2", "quantize.selection_windows=4", "quantize.selection_prompts=12", "quantize.answer_tokens=6",
+         "quantize.fisher_windows=2", "quantize.selection_windows=4", "quantize.selection_prompts=12", "quantize.expect_prompts=8", "quantize.answer_tokens=6",
          "validate.prompt_new_tokens=6"]
 
 
@@ -44,7 +45,10 @@ def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_chec
     assert sum(quantize["mix"].values()) == pytest.approx(1.0)
     accepted = quantize["search"]["candidates"][-1]
     assert accepted["passed"] and all(not c["passed"] for c in quantize["search"]["candidates"][:-1])
-    assert all(0.0 <= c["measured"]["answer_prefix_agreement"] <= 1.0 for c in quantize["search"]["candidates"])  # a chat model
+    for candidate in quantize["search"]["candidates"]:  # a chat model: each plan's answers, and its expected answers
+        measured = candidate["measured"]
+        assert 0.0 <= measured["answer_prefix_agreement"] <= 1.0
+        assert measured["expect_pass_drop_pct"] == pytest.approx(100 * (measured["expect_pass_teacher"] - measured["expect_pass_model"]))
     bundle = _stage(out, "export_edgellm")["metrics"]
     if quantize["formats_chosen"].keys() - {FLOAT}:
         assert bundle["checkpoint"]["quant_algo"] == "MIXED_PRECISION" and bundle["custody"]["mismatches"] == 0
@@ -130,3 +134,43 @@ def test_a_search_that_never_passes_says_so(tmp_path):
     with pytest.raises(StageError, match="no mixed-precision plan held the budgets"):
         search(_choices(), {}, budget=0.03, rounds=3, quantize=lambda plan, folder: folder.mkdir(parents=True),
                measure=lambda folder: (False, {}), work=tmp_path)
+
+
+def test_a_plan_s_expected_answers_are_those_of_its_own_greedy_answers(tmp_path):
+    """The search reads a plan's answers in one forced pass and decodes only those that leave the teacher's: the verdicts
+    must be those of the plan's full greedy answers, decoded with its deployed numbers."""
+    import torch
+
+    from compress.core.config import load_target
+    from compress.eval.decoder import deployed_generator
+    from compress.models.loading import load_tokenizer
+    from compress.pipeline.auto_precision import HeldOutAnswers, _answer_figures
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_folder
+
+    teacher = build_tiny_llama(tmp_path / "teacher", chat_template=True, initializer_range=0.3)
+    config = QUANTIZE_CONFIG.validate_python({"method": "int4", "group_size": 32, "calib_windows": 3, "calib_window": 24,
+                                              "min_calib_tokens": 1, "sample_tokens": 64})
+    windows = torch.randint(0, 400, (3, 24), generator=torch.Generator().manual_seed(0))
+    other = build_tiny_llama(tmp_path / "other", chat_template=True, seed=1, initializer_range=0.3)  # answers differently
+    quantize_folder(other, tmp_path / "plan", windows, config, progress=False)
+    tokenizer = load_tokenizer(teacher)
+    prompts = [tokenizer(text).input_ids for text in ("the sea", "a house", "one two", "we went", "she said", "in the")]
+    with deployed_generator(teacher, [], 0) as generate:
+        teacher_ids = generate(prompts, 6)
+    with deployed_generator(tmp_path / "plan", [], 0) as generate:
+        plan_ids = generate(prompts, 6)
+    teacher_text = [tokenizer.decode(ids, skip_special_tokens=True) for ids in teacher_ids]
+    plan_text = [tokenizer.decode(ids, skip_special_tokens=True) for ids in plan_ids]
+    # Expect each of the teacher's first words, and for the last prompt the plan's own, so verdicts go both ways.
+    words = [text.split()[0] if text.split() else "x" for text in teacher_text[:-1]] + [plan_text[-1].split()[0]]
+    expect = [re.escape(word) for word in words]
+    # The first prompt's "teacher" answer is the plan's own: the forced pass finds it identical and keeps that verdict.
+    answers, texts = [plan_ids[0], *teacher_ids[1:]], [plan_text[0], *teacher_text[1:]]
+    held_out = HeldOutAnswers(prompts, answers, 0, [], expect, [re.search(e, t) is not None for e, t in zip(expect, texts)],
+                              tokenizer, 6)
+    figures, _ = _answer_figures(tmp_path / "plan", held_out, load_target("jetson-orin").budgets, "cpu", progress=False)
+    own = [re.search(e, t) is not None for e, t in zip(expect, plan_text, strict=True)]
+    assert figures["expect_pass_model"] == pytest.approx(sum(own) / len(own))
+    assert figures["expect_pass_teacher"] == pytest.approx(sum(held_out.teacher_passes) / len(own))
+    assert plan_ids[1:] != teacher_ids[1:]  # the plan answers differently elsewhere: the decoded path was taken

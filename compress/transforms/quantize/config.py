@@ -270,6 +270,8 @@ class AutoConfig(QuantizeConfig):
     fisher_windows: PositiveInt = 4  # windows of the Fisher pass (the sensitivity's weights)
     selection_windows: PositiveInt = 8  # held-out calibration windows each candidate plan is measured on
     selection_prompts: NonNegativeInt = 60  # chat calibration prompts whose answers each plan is measured on (0: none)
+    # Held-out prompts with an expected answer (neither the gate's nor calibration's) each plan's answers must keep passing.
+    expect_prompts: NonNegativeInt = 32
     answer_tokens: PositiveInt = 32  # the teacher's greedy answer length to each of them
     max_rounds: PositiveInt = 5  # plans measured before the search gives up on quantizing anything
 
