@@ -16,7 +16,8 @@ from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, Choice, se
 from tests.conftest import TINY_SMOKE, build_tiny_llama
 
 SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
-         "quantize.fisher_windows=2", "quantize.selection_windows=4", "quantize.selection_prompts=12", "quantize.expect_prompts=8", "quantize.answer_tokens=6",
+         "quantize.fisher_windows=2", "quantize.selection_windows=4", "quantize.selection_prompts=12",
+         "quantize.expect_prompts=8", "quantize.answer_tokens=6",
          "validate.prompt_new_tokens=6"]
 
 
@@ -167,7 +168,7 @@ def test_a_plan_s_expected_answers_are_those_of_its_own_greedy_answers(tmp_path)
     expect = [re.escape(word) for word in words]
     # The first prompt's "teacher" answer is the plan's own: the forced pass finds it identical and keeps that verdict.
     answers, texts = [plan_ids[0], *teacher_ids[1:]], [plan_text[0], *teacher_text[1:]]
-    held_out = HeldOutAnswers(prompts, answers, 0, [], expect, [re.search(e, t) is not None for e, t in zip(expect, texts)],
+    held_out = HeldOutAnswers(prompts, answers, 0, [], expect, [re.search(e, t) is not None for e, t in zip(expect, texts, strict=True)],
                               tokenizer, 6)
     figures, _ = _answer_figures(tmp_path / "plan", held_out, load_target("jetson-orin").budgets, "cpu", progress=False)
     own = [re.search(e, t) is not None for e, t in zip(expect, plan_text, strict=True)]
