@@ -6,8 +6,9 @@ compress's own validation code (:func:`compress.eval.decoder.measure`, torch): p
 evaluation domains against the unquantized model (the worst one is what the gate reads), top-1
 agreement and KL on the mixed text, and the app prompts' answers.
 
-The peers run in their own virtual environment (``.venv-peers``: llm-compressor and AutoRound, whose
-pins differ from ours; never a dependency of compress). Each writes its weights quantized and
+The peers run in their own virtual environments (``.venv-peers``: llm-compressor and AutoRound;
+``.venv-edgellm-quant``: TensorRT Edge-LLM's quantizer, Model Optimizer underneath; their pins differ
+from ours, and neither is ever a dependency of compress). Each writes its weights quantized and
 dequantized (dense, float32; the child checks every quantized linear's groups hold at most 16
 values) so they are measured on the same code path as a float model. Weight-only rows only:
 llm-compressor's W8A8 quantizes activations per token at run time, which dense weights cannot show.
@@ -15,15 +16,31 @@ llm-compressor's W8A8 quantizes activations per token at run time, which dense w
 Group size 64: SmolLM2's 576-wide inputs are not a multiple of 128 (Edge-LLM's INT4 group), so
 no INT4 recipe of any tool ships this model through Edge-LLM; the table compares the quantizers.
 
+The ``edgellm-*`` rows are what a Jetson user runs instead of compress: Edge-LLM's own quantization
+(``tensorrt_edgellm.quantization``: its ``build_quant_config`` for each format it offers, applied by
+Model Optimizer's ``mtq.quantize`` on the same calibration windows, as its ``quantize_and_export``
+does before exporting). They quantize activations too (W8A8 SmoothQuant, FP8), so they are measured
+in that environment on Model Optimizer's own fake quantization (its simulation of the numbers it
+exports), by compress's fidelity code on the same evaluation windows, and their greedy answers to
+the app prompts are compared with the teacher's by compress; beside them, compress's own rows for
+the same formats (``compress-int8``: the ``edgellm-int8`` recipe's quantization; ``compress-fp8``:
+``thor-fp8``'s), measured on the deployed numbers. On a machine without CUDA Model Optimizer 0.45
+cannot calibrate NVFP4 (``amax must be a CUDA tensor for dynamic block quantization``): that row
+says so.
+
     python3 -m venv .venv-peers && .venv-peers/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1 auto-round==0.15.1
-    .venv/bin/python bench/peer_table.py                     # every row (about 30 min on 2 cores)
+    python3 -m venv .venv-edgellm-quant && .venv-edgellm-quant/bin/pip install "tensorrt-edgellm[export]==0.11.0" \
+        torch==2.13.0 nvidia-modelopt==0.45.0 datasets==5.0.0 einops==0.8.2 peft==0.19.1 tqdm
+    .venv/bin/python bench/peer_table.py                     # every row (hours on 2 cores: Model Optimizer's AWQ)
     .venv/bin/python bench/peer_table.py compress-int4 llm-compressor-gptq
+    .venv/bin/python bench/peer_table.py compress-int8 edgellm-int8_sq compress-fp8 edgellm-fp8
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -32,6 +49,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 OUT = REPO / "bench_runs" / "peers"
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
+EDGELLM_QUANT_PYTHON = REPO / ".venv-edgellm-quant" / "bin" / "python"
 GROUP = 64
 AUTOROUND_ITERS = 50  # AutoRound's "light" setting; its default (200) takes hours on two cores
 
@@ -41,6 +59,12 @@ ROWS = {
     "llm-compressor-rtn": ("peer", {"tool": "llmcompressor-rtn"}),
     "llm-compressor-gptq": ("peer", {"tool": "llmcompressor-gptq"}),
     "autoround": ("peer", {"tool": "autoround", "iters": AUTOROUND_ITERS}),
+    "compress-int8": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0}),
+    "edgellm-int8_sq": ("edgellm", {"quantization": "int8_sq"}),
+    "compress-fp8": ("compress", {"method": "fp8"}),
+    "edgellm-fp8": ("edgellm", {"quantization": "fp8"}),
+    "edgellm-int4_awq": ("edgellm", {"quantization": "int4_awq"}),
+    "edgellm-nvfp4": ("edgellm", {"quantization": "nvfp4"}),
 }
 
 _PEER = r'''
@@ -99,6 +123,52 @@ print(json.dumps({"linears": len(names)}))
 '''
 
 
+_EDGELLM = r'''
+import json, sys, time, warnings
+from pathlib import Path
+import torch
+warnings.filterwarnings("ignore")
+import modelopt.torch.quantization as mtq
+from transformers import AutoModelForCausalLM
+from tensorrt_edgellm.quantization.quantization_configs import build_quant_config
+from compress.eval.fidelity import compare_window_pairs
+
+teacher, work, quantization = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+calibration = torch.load(work / "windows.pt", weights_only=True)
+inputs = torch.load(work / "evaluation.pt", weights_only=True)
+torch.manual_seed(0)
+reference = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+def calibrate(m):
+    with torch.no_grad():
+        for window in calibration:
+            m(window[None])
+started = time.perf_counter()
+try:
+    model = mtq.quantize(model, build_quant_config(quantization, None, None), forward_loop=calibrate)
+except AssertionError as exc:  # Model Optimizer's own refusal (NVFP4's block calibration asks for CUDA)
+    print(json.dumps({"not_run": f"Model Optimizer: {exc}"}))
+    raise SystemExit(0)
+seconds = time.perf_counter() - started
+quantized = sum(1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
+domains = [(name, windows) for name, windows in inputs["domains"]]
+rows = torch.cat([w for _, w in domains])
+with torch.no_grad():
+    def pair(i):
+        return model(rows[i][None]).logits[0].numpy(), reference(rows[i][None]).logits[0].numpy()
+    per_domain = compare_window_pairs(pair, domains, progress=False)
+    answers = []
+    for ids in inputs["prompts"]:
+        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=inputs["new_tokens"], do_sample=False, eos_token_id=inputs["eos"] or None,
+                             pad_token_id=inputs["pad"])
+        answer = out[0, len(ids):].tolist()
+        cut = next((i + 1 for i, token in enumerate(answer) if token in inputs["eos"]), len(answer))
+        answers.append(answer[:cut])
+print(json.dumps({"per_domain": per_domain, "answers": answers, "quantized_linears": quantized, "seconds": seconds}))
+'''
+
+
 def _teacher() -> Path:
     from compress.models.sources import materialize, resolve_model
 
@@ -141,13 +211,49 @@ def quantize_row(name: str, teacher: Path, windows, out: Path) -> tuple[Path, fl
     return out / "model", time.perf_counter() - started
 
 
-def measure_row(folder: Path, teacher: Path) -> dict:
+def _evaluation():
     from compress.core.text import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, load_calibration, load_evaluation, unseen_domains
-    from compress.eval.decoder import ValidateConfig, measure
 
     evaluation = load_evaluation(DEFAULT_EVALUATION)
-    unseen = unseen_domains(load_calibration(DEFAULT_CALIBRATION), evaluation)
+    return evaluation, unseen_domains(load_calibration(DEFAULT_CALIBRATION), evaluation)
+
+
+def measure_row(folder: Path, teacher: Path) -> dict:
+    from compress.eval.decoder import ValidateConfig, measure
+
+    evaluation, unseen = _evaluation()
     return measure(folder, teacher, evaluation, ValidateConfig(), progress=False, unseen=unseen)
+
+
+def edgellm_row(quantization: str, teacher: Path, windows, out: Path) -> tuple[dict | None, float, str | None]:
+    """Edge-LLM's quantization of the teacher, measured in its own environment on Model Optimizer's fake quantization: the
+    metrics validation computes (its prompts compared here with the teacher's answers), the seconds, or why it did not run."""
+    import torch
+
+    from compress.eval.decoder import ValidateConfig, domain_quality, evaluation_windows, model_eos_ids, pad_id_of, teacher_answers
+    from compress.eval.prompts import DEFAULT_PROMPTS, compare_answers, load_prompts, prompt_ids
+    from compress.models.loading import load_tokenizer
+
+    if not EDGELLM_QUANT_PYTHON.is_file():
+        raise SystemExit(f"edgellm-{quantization}: {EDGELLM_QUANT_PYTHON} is missing; create it as this script's docstring says")
+    config, tokenizer = ValidateConfig(), load_tokenizer(teacher)
+    evaluation, unseen = _evaluation()
+    cases = load_prompts(DEFAULT_PROMPTS)
+    eos = model_eos_ids(teacher, tokenizer)
+    torch.save(windows, out / "windows.pt")
+    torch.save({"domains": evaluation_windows(tokenizer, evaluation, config), "prompts": [prompt_ids(tokenizer, c.prompt) for c in cases],
+                "new_tokens": config.prompt_new_tokens, "eos": eos, "pad": pad_id_of(tokenizer, eos)}, out / "evaluation.pt")
+    proc = subprocess.run([str(EDGELLM_QUANT_PYTHON), "-c", _EDGELLM, str(teacher), str(out), quantization], capture_output=True,
+                          text=True, cwd=out, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if proc.returncode != 0:
+        raise SystemExit(f"edgellm-{quantization} failed:\n{proc.stderr[-3000:]}")
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "not_run" in result:
+        return None, 0.0, result["not_run"]
+    teacher_ids = teacher_answers(cases, tokenizer, teacher, eos, config.prompt_new_tokens, progress=False)
+    prompts = compare_answers(cases, tokenizer, teacher_ids, result["answers"], config.prompt_new_tokens, "the shipped app prompts")
+    quality = {**domain_quality(result["per_domain"], unseen), "prompts": prompts, "quantized_linears": result["quantized_linears"]}
+    return quality, result["seconds"], None
 
 
 def main() -> None:
@@ -162,8 +268,16 @@ def main() -> None:
         out = OUT / name
         subprocess.run(["rm", "-rf", str(out)], check=True)  # this script's own earlier row
         out.mkdir(parents=True)
-        folder, seconds = quantize_row(name, teacher, windows, out)
-        metrics = measure_row(folder, teacher)
+        kind, options = ROWS[name]
+        if kind == "edgellm":
+            metrics, seconds, why = edgellm_row(options["quantization"], teacher, windows, out)
+            if metrics is None:
+                print(json.dumps({"row": name, "not_run": why}), flush=True)
+                results.append({"row": name, "not_run": why})
+                continue
+        else:
+            folder, seconds = quantize_row(name, teacher, windows, out)
+            metrics = measure_row(folder, teacher)
         row = {"row": name, "seconds": round(seconds, 1), "worst_domain": metrics["worst_domain"],
                "worst_pct": metrics["perplexity_increase_pct"], "top1": metrics["top1_agreement"], "kl": metrics["mean_kl"],
                "prefix": (metrics["prompts"] or {}).get("answer_prefix_agreement"),
@@ -171,10 +285,13 @@ def main() -> None:
         (out / "row.json").write_text(json.dumps(row, indent=2))
         results.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\nSmolLM2-135M-Instruct, W4A16 group {GROUP}, {len(windows)} calibration windows of {windows.shape[1]} tokens; "
-          "measured by compress's validation (torch) against the unquantized model\n")
+    print(f"\nSmolLM2-135M-Instruct, {len(windows)} calibration windows of {windows.shape[1]} tokens; measured by compress's "
+          "validation code against the unquantized model (edgellm rows: on Model Optimizer's fake quantization)\n")
     print("| row | worst domain | top-1 | KL | app-prompt answer prefix | quantize s |\n|---|---|---|---|---|---|")
     for row in results:
+        if "not_run" in row:
+            print(f"| {row['row']} | not run: {row['not_run']} | | | | |")
+            continue
         prefix = f"{100 * row['prefix']:.1f}%" if row["prefix"] is not None else "—"
         print(f"| {row['row']} | {row['worst_pct']:+.2f}% ({row['worst_domain']}) | {100 * row['top1']:.1f}% | {row['kl']:.4f} | "
               f"{prefix} | {row['seconds']:.0f} |")
