@@ -143,29 +143,30 @@ def calibrate(m):
     with torch.no_grad():
         for window in calibration:
             m(window[None])
-started = time.perf_counter()
-try:
+def measure(model):
+    started = time.perf_counter()
     model = mtq.quantize(model, build_quant_config(quantization, None, None), forward_loop=calibrate)
-except AssertionError as exc:  # Model Optimizer's own refusal (NVFP4's block calibration asks for CUDA)
+    seconds = time.perf_counter() - started
+    quantized = sum(1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
+    domains = [(name, windows) for name, windows in inputs["domains"]]
+    rows = torch.cat([w for _, w in domains])
+    with torch.no_grad():
+        def pair(i):
+            return model(rows[i][None]).logits[0].numpy(), reference(rows[i][None]).logits[0].numpy()
+        per_domain = compare_window_pairs(pair, domains, progress=False)
+        answers = []
+        for ids in inputs["prompts"]:
+            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                                 max_new_tokens=inputs["new_tokens"], do_sample=False, eos_token_id=inputs["eos"] or None,
+                                 pad_token_id=inputs["pad"])
+            answer = out[0, len(ids):].tolist()
+            cut = next((i + 1 for i, token in enumerate(answer) if token in inputs["eos"]), len(answer))
+            answers.append(answer[:cut])
+    return {"per_domain": per_domain, "answers": answers, "quantized_linears": quantized, "seconds": seconds}
+try:
+    print(json.dumps(measure(model)))
+except AssertionError as exc:  # Model Optimizer's own refusal (NVFP4's dynamic block quantization asks for CUDA)
     print(json.dumps({"not_run": f"Model Optimizer: {exc}"}))
-    raise SystemExit(0)
-seconds = time.perf_counter() - started
-quantized = sum(1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
-domains = [(name, windows) for name, windows in inputs["domains"]]
-rows = torch.cat([w for _, w in domains])
-with torch.no_grad():
-    def pair(i):
-        return model(rows[i][None]).logits[0].numpy(), reference(rows[i][None]).logits[0].numpy()
-    per_domain = compare_window_pairs(pair, domains, progress=False)
-    answers = []
-    for ids in inputs["prompts"]:
-        out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=inputs["new_tokens"], do_sample=False, eos_token_id=inputs["eos"] or None,
-                             pad_token_id=inputs["pad"])
-        answer = out[0, len(ids):].tolist()
-        cut = next((i + 1 for i, token in enumerate(answer) if token in inputs["eos"]), len(answer))
-        answers.append(answer[:cut])
-print(json.dumps({"per_domain": per_domain, "answers": answers, "quantized_linears": quantized, "seconds": seconds}))
 '''
 
 
