@@ -149,7 +149,7 @@ def _cmd_ls(args: argparse.Namespace) -> int:
         from compress.pipeline.stage import all_stages  # lazy: see above
 
         for stage in all_stages().values():
-            kinds = "|".join(stage.input_kind) if isinstance(stage.input_kind, tuple) else stage.input_kind
+            kinds = "|".join(stage.takes())
             models = "/".join(f"{kind}s" for kind in stage.model_kinds)
             print(f"{stage.name:<20} {kinds} -> {stage.output_kind} ({models}): {stage.summary}")
     return 0

@@ -207,7 +207,12 @@ def passes_expect(expect: str | None, text: str) -> bool | None:
 def answer_prompts(cases: list[PromptCase], tokenizer, generate: BatchGenerate, new_tokens: int, progress: bool = True,
                    desc: str = "answers") -> list[list[int]]:
     """One model's greedy answer (token ids) to every prompt, :data:`PROMPT_BATCH` prompts at a time."""
-    ids = [prompt_ids(tokenizer, case.prompt) for case in cases]
+    return answer_ids([prompt_ids(tokenizer, case.prompt) for case in cases], generate, new_tokens, progress, desc)
+
+
+def answer_ids(ids: list[list[int]], generate: BatchGenerate, new_tokens: int, progress: bool = False,
+               desc: str = "answers") -> list[list[int]]:
+    """One model's greedy answer to each prompt given as token ids, :data:`PROMPT_BATCH` prompts at a time."""
     answers: list[list[int]] = []
     for start in tqdm(range(0, len(ids), PROMPT_BATCH), desc=f"app prompts ({desc})", disable=not progress, leave=False):
         answers += generate(ids[start:start + PROMPT_BATCH], new_tokens)

@@ -40,7 +40,7 @@ from compress.eval.decoder import deployed_generator, model_eos_ids, pad_id_of, 
 from compress.eval.fidelity import compare_window_pairs, worst_domain
 from compress.eval.perf_model import ModelShape, linear_ms_per_param, predict_mixed
 from compress.eval.prompts import (
-    PROMPT_BATCH,
+    answer_ids,
     forced_answer_pairs,
     forced_rows,
     passes_expect,
@@ -251,10 +251,9 @@ def _plan_passes(folder: Path, held_out: HeldOutAnswers, expected: list[int], pa
     differ = [i for i in expected if not pairs[i]["identical"]]
     if differ:
         with deployed_generator(folder, held_out.eos, held_out.pad_id, device) as generate:
-            for start in range(0, len(differ), PROMPT_BATCH):
-                chunk = differ[start:start + PROMPT_BATCH]
-                for i, ids in zip(chunk, generate([held_out.prompts[i] for i in chunk], held_out.new_tokens), strict=True):
-                    passes[i] = bool(passes_expect(held_out.expect[i], held_out.tokenizer.decode(ids, skip_special_tokens=True)))
+            answers = answer_ids([held_out.prompts[i] for i in differ], generate, held_out.new_tokens)
+        for i, ids in zip(differ, answers, strict=True):
+            passes[i] = bool(passes_expect(held_out.expect[i], held_out.tokenizer.decode(ids, skip_special_tokens=True)))
     return passes
 
 

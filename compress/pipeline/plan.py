@@ -344,10 +344,10 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
         if spec.name in seen:
             raise UsageError(f"recipe {recipe.name}: stage {spec.name} appears twice")
         seen.add(spec.name)
-        variant = stage.variant(kind)
         if not stage.accepts(previous_kind, kind):
-            takes = variant.input_kind if variant is not None and variant.input_kind is not None else stage.input_kind
-            raise UsageError(f"{label}: stage {spec.name} takes {_kinds(takes)} but the step before it gives {previous_kind}")
+            raise UsageError(f"{label}: stage {spec.name} takes {' or '.join(stage.takes(kind))} but the step before it gives "
+                             f"{previous_kind}")
+        variant = stage.variant(kind)
         if variant is None:
             raise _wrong_kind(stage, stage.model_kinds, kind, model_spec, config)
         try:
@@ -396,10 +396,6 @@ def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelS
 
 def _article(word: str) -> str:
     return "an" if word[0] in "aeiou" else "a"
-
-
-def _kinds(kind: str | tuple[str, ...]) -> str:
-    return " or ".join(kind) if isinstance(kind, tuple) else kind
 
 
 def _assign_fingerprints(plan: Plan) -> None:

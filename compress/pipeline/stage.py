@@ -159,12 +159,16 @@ class StageDef:
     def model_kinds(self) -> tuple[str, ...]:
         return tuple(kind for kind in MODEL_KINDS if kind in self.variants)
 
-    def accepts(self, kind: str, model_kind: str | None = None) -> bool:
-        """Whether the stage (its variant for ``model_kind``, when given) takes an artifact of ``kind``."""
+    def takes(self, model_kind: str | None = None) -> tuple[str, ...]:
+        """The artifact kinds the stage takes (its variant's for ``model_kind``, where that one takes less)."""
         variant = self.variants.get(model_kind) if model_kind else None
         if variant is not None and variant.input_kind is not None:
-            return kind in variant.input_kind
-        return kind in self.input_kind if isinstance(self.input_kind, tuple) else kind == self.input_kind
+            return variant.input_kind
+        return self.input_kind if isinstance(self.input_kind, tuple) else (self.input_kind,)
+
+    def accepts(self, kind: str, model_kind: str | None = None) -> bool:
+        """Whether the stage (its variant for ``model_kind``, when given) takes an artifact of ``kind``."""
+        return kind in self.takes(model_kind)
 
     def variant(self, model_kind: str) -> StageVariant | None:
         """The variant for ``model_kind``, or None when the stage does not work on that kind of model."""
