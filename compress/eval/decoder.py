@@ -378,8 +378,9 @@ def target_predictions(model: dict[str, Any] | Path, precision: str, target: Tar
     quantization = meta.get("quantization") or {}
     shape = replace(ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.get("kv_cache", "fp16")])
     if quantization.get("mix"):  # a mixed-precision plan: each precision's share of the linears
-        all_modes = [predict_mixed(target, shape, quantization["mix"], mode.name) for mode in target.power_modes]
-        chosen = predict_mixed(target, shape, quantization["mix"], power_mode).to_json()
+        head = quantization.get("lm_head", "fp16")
+        all_modes = [predict_mixed(target, shape, quantization["mix"], mode.name, head=head) for mode in target.power_modes]
+        chosen = predict_mixed(target, shape, quantization["mix"], power_mode, head=head).to_json()
     else:
         options = {"float_fraction": meta.get("float_linear_fraction", 0.0), "group_size": quantization.get("group_size") or 128}
         all_modes = predict_all_modes(target, shape, precision, **options)

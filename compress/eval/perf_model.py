@@ -451,11 +451,15 @@ def linear_ms_per_param(target: Target, mode_name: str | None, precision: str, g
     the mode's bandwidth and the precision's fitted efficiency; NVFP4 weight-only also writes and reads back its FP16
     copy): what a mixed-precision search weighs each group of linears by."""
     mode = target.power_mode(mode_name)
-    bits = 16 if precision == "fp16" else device_bits(precision)
-    scales = {"int4": 2 / group_size, "nvfp4": 1 / NVFP4_BLOCK, "nvfp4_a16": 1 / NVFP4_BLOCK}.get(precision, 0.0)
     copy = 4.0 if precision == "nvfp4_a16" else 0.0
-    per_param = bits / 8 + scales + copy
+    per_param = stored_bytes_per_param(precision, group_size) + copy
     return per_param / (mode_bandwidth_gbps(target, mode) * 1e9 * decode_fit_for(target, precision).efficiency) * 1000
+
+
+def stored_bytes_per_param(precision: str, group_size: int = 128) -> float:
+    """Bytes one linear parameter at ``precision`` holds in device memory, its share of the scales included."""
+    bits = 16 if precision == "fp16" else device_bits(precision)
+    return bits / 8 + {"int4": 2 / group_size, "nvfp4": 1 / NVFP4_BLOCK, "nvfp4_a16": 1 / NVFP4_BLOCK}.get(precision, 0.0)
 
 
 def _mix_precisions(mix: dict[str, float]) -> list[tuple[str, float]]:
@@ -463,11 +467,13 @@ def _mix_precisions(mix: dict[str, float]) -> list[tuple[str, float]]:
 
 
 def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode_name: str | None = None,
-                  prompt_len: int | None = None, context: int | None = None, group_size: int = 128) -> Prediction:
+                  prompt_len: int | None = None, context: int | None = None, group_size: int = 128,
+                  head: str = "fp16") -> Prediction:
     """:func:`predict` for decoder linears in several precisions: ``mix`` maps each precision (``fp16`` included) to the
     share of the decoder-linear parameters it holds. Each share's bytes move at its precision's fitted efficiency; the
     fixed per-layer cost and the KV cache's reads are those of the precision holding most parameters; prefill runs each
-    share's FLOPs at its precision's tensor-core rate."""
+    share's FLOPs at its precision's tensor-core rate. ``head``: the LM head's precision; a quantized head is a linear of
+    its own beside the FP16 embedding table, read at its precision's efficiency."""
     mode = target.power_mode(mode_name)
     prompt_len = prompt_len or target.budgets.prompt_length
     context = context or target.budgets.context_length
@@ -477,11 +483,16 @@ def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode
     bandwidth = mode_bandwidth_gbps(target, mode) * 1e9
     linears = sum(linear_ms_per_param(target, mode.name, p, group_size) * fraction * shape.decoder_linear_params()
                   for p, fraction in parts)
-    head = shape.lm_head_params() * 2 / (bandwidth * fit.efficiency) * 1000
+    if head == "fp16":
+        head_ms = shape.lm_head_params() * 2 / (bandwidth * fit.efficiency) * 1000
+        head_stored = 0 if shape.tie_word_embeddings else shape.lm_head_params() * 2
+    else:
+        head_ms = linear_ms_per_param(target, mode.name, head, group_size) * shape.lm_head_params()
+        head_stored = stored_bytes_per_param(head, group_size) * shape.lm_head_params()
     kv = shape.kv_bytes_read(context) / (bandwidth * fit.efficiency) * 1000
-    latency_ms = linears + head + kv + _layer_units(target, mode, shape) * fit.per_layer_ms
+    latency_ms = linears + head_ms + kv + _layer_units(target, mode, shape) * fit.per_layer_ms
     ttft_ms = sum(fraction * prefill_ms(target, mode, shape, p, prompt_len) for p, fraction in parts)
-    stored = (shape.vocab_size * shape.hidden_size * 2 + (0 if shape.tie_word_embeddings else shape.lm_head_params() * 2)
+    stored = (shape.vocab_size * shape.hidden_size * 2 + head_stored
               + sum(fraction * _linear_bytes(shape, p, group_size) for p, fraction in parts))
     return Prediction(
         power_mode=mode.name, watts=mode.watts, precision=MIXED, decode_tokens_per_s=1000.0 / latency_ms,

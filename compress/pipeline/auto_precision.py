@@ -53,9 +53,11 @@ from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.config import AutoConfig
-from compress.transforms.quantize.decoder import quantize_folder
+from compress.transforms.quantize.decoder import lm_head_of, quantize_folder
 from compress.transforms.quantize.mixed import (
     FLOAT,
+    HEAD,
+    HEAD_INDEX,
     Candidate,
     MixedPlan,
     candidate_configs,
@@ -81,15 +83,16 @@ def candidate_formats(config: AutoConfig, target: Target) -> list[str]:
 
 
 def point_shapes(model_config: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
-    """Each activation point's linears as (out, in) shapes."""
+    """Each activation point's linears as (out, in) shapes, and the LM head's (``HEAD``)."""
     shapes = linear_shapes(model_config)
     family = family_of(model_config)
-    return {point.name: [shapes[name.rsplit(".", 1)[-1]] for name in point.consumers] for point in family.points}
+    points = {point.name: [shapes[name.rsplit(".", 1)[-1]] for name in point.consumers] for point in family.points}
+    return {**points, HEAD: [(int(model_config["vocab_size"]), int(model_config["hidden_size"]))]}
 
 
 def mix_of(plan: MixedPlan, model_config: dict[str, Any]) -> dict[str, float]:
     """The share of the decoder-linear parameters each precision holds (``fp16`` for the float groups)."""
-    params = {point: sum(out * inp for out, inp in shapes) for point, shapes in point_shapes(model_config).items()}
+    params = {point: sum(out * inp for out, inp in shapes) for point, shapes in point_shapes(model_config).items() if point != HEAD}
     totals: dict[str, float] = {}
     for index in range(int(model_config["num_hidden_layers"])):
         for point, count in params.items():
@@ -114,11 +117,15 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     shapes = point_shapes(model_config)
 
     def allowed(index: int, point: str, name: str) -> bool:
+        if point == HEAD and (not config.lm_head or name not in contracts.LM_HEAD_FORMATS):
+            return False
         return name in formats and contracts.mixed_format_fits(name, shapes[point])
 
     configs = candidate_configs(formats, config.shared_options())
-    log.info("auto precision: candidate formats %s on %s", ", ".join(formats), target.name)
-    fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code)
+    head_formats = [name for name in formats if allowed(HEAD_INDEX, HEAD, name)]
+    log.info("auto precision: candidate formats %s on %s (the LM head: %s)", ", ".join(formats), target.name,
+             ", ".join([FLOAT, *head_formats]))
+    fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code, bool(head_formats))
     table = _sensitivities(source, windows, configs, allowed, fisher, device, progress, trust_remote_code)
     ms_per_param = {name: linear_ms_per_param(target, power_mode, name) for name in [FLOAT, *formats]}
     params = {point: sum(o * i for o, i in group) for point, group in shapes.items()}
@@ -155,17 +162,22 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
         "selection": {"windows": int(rows.shape[0]), "domains": [d for d, _ in selection]},
         "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in candidates],
         "references": _uniform_references(table, formats, model_config, target, power_mode, shape, allowed),
-        "sensitivity": table.to_json(), "plan": result.plan.to_json(), "mix": mix_of(result.plan, model_config),
+        "sensitivity": table.to_json(), "plan": result.plan.to_json(), "lm_head": result.plan.head,
+        "mix": mix_of(result.plan, model_config),
     }
     return result, found
 
 
-def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], trust_remote_code: bool) -> dict[str, torch.Tensor]:
-    """The output Fisher information of every decoder linear, from the model held in its own dtype."""
+def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], trust_remote_code: bool,
+            head: bool) -> dict[str, torch.Tensor]:
+    """The output Fisher information of every decoder linear (and of the LM head, with ``head``), from the model held in its
+    own dtype."""
     model = load_causal_lm(source, trust_remote_code=trust_remote_code, own_dtype=True)
     family = family_of(model_config)
     prefix = module_prefix(model, decoder_blocks(model))
     linears = [f"{prefix}.{index}.{name}" for index in range(len(decoder_blocks(model))) for name in family.linears()]
+    if head:
+        linears.append(module_prefix(model, model.get_output_embeddings()))
     log.info("auto precision: output Fisher information of %d linears on %d windows", len(linears), windows.shape[0])
     return output_fisher(model, windows, linears)
 
@@ -177,7 +189,8 @@ def _sensitivities(source: Path, windows: torch.Tensor, configs, allowed, fisher
     reader = CheckpointReader(source)
     embeddings = model.get_input_embeddings()
     materialize(embeddings, module_prefix(model, embeddings), reader)
-    return sensitivity(model, windows, configs, allowed, fisher, device, progress, blocks=StreamedBlocks(model, reader))
+    head = lm_head_of(model, reader) if any(allowed(HEAD_INDEX, HEAD, name) for name in configs) else None
+    return sensitivity(model, windows, configs, allowed, fisher, device, progress, blocks=StreamedBlocks(model, reader), head=head)
 
 
 @dataclass(frozen=True)
@@ -289,26 +302,30 @@ def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.
     return measure
 
 
-def _predicted(target: Target, shape: ModelShape, mix: dict[str, float], power_mode: str) -> dict[str, float]:
-    """The latency model's figures for one mix of formats at the run's power mode, as the search records them."""
-    prediction = predict_mixed(target, shape, mix, power_mode)
+def _predicted(target: Target, shape: ModelShape, mix: dict[str, float], power_mode: str, head: str = FLOAT) -> dict[str, float]:
+    """The latency model's figures for one mix of formats (and the head's) at the run's power mode, as the search records
+    them."""
+    prediction = predict_mixed(target, shape, mix, power_mode, head=head)
     return {"predicted_decode_ms": prediction.decode_latency_ms, "predicted_tokens_per_s": prediction.decode_tokens_per_s,
             "predicted_memory_gb": prediction.memory_gb, "predicted_joules_per_token": prediction.joules_per_token}
 
 
 def _candidate_json(candidate: Candidate, model_config, target: Target, power_mode: str, shape: ModelShape) -> dict[str, Any]:
     mix = mix_of(candidate.plan, model_config)
-    return {**candidate.to_json(), **_predicted(target, shape, mix, power_mode), "mix": mix}
+    return {**candidate.to_json(), **_predicted(target, shape, mix, power_mode, candidate.plan.head), "mix": mix}
 
 
 def _uniform_references(table, formats: list[str], model_config, target: Target, power_mode: str, shape: ModelShape,
                         allowed) -> list[dict[str, Any]]:
-    """Every uniform assignment as a reference point: each format wherever it is legal (FP16 elsewhere), predicted."""
+    """Every uniform assignment as a reference point: each format wherever it is legal (FP16 elsewhere, the LM head
+    included, as the uniform recipes ship it), predicted."""
     rows = []
     for name in [FLOAT, *formats]:
         formats_by_block: dict[int, dict[str, str]] = {}
         kl = 0.0
         for (index, point), values in table.kl.items():
+            if point == HEAD:
+                continue
             chosen = name if name in values and allowed(index, point, name) else FLOAT
             formats_by_block.setdefault(index, {})[point] = chosen
             kl += values.get(chosen, 0.0)

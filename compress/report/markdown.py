@@ -131,6 +131,7 @@ def _search_section(report: dict[str, Any]) -> list[str]:
     points = sorted({point for groups in plan.values() for point in groups})
     lines += ["", "The chosen plan, per block:", "", "| block | " + " | ".join(points) + " |", "|---|" + "---|" * len(points)]
     lines += [f"| {block} | " + " | ".join(plan[block][p] for p in points) + " |" for block in sorted(plan, key=int)]
+    lines += ["", f"The LM head: {search.get('lm_head', 'fp16')}."]
     return lines
 
 

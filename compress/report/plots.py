@@ -210,7 +210,7 @@ def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
                 vmax=len(names) - 0.5, interpolation="nearest")
     heat.set_yticks(range(len(points)), points, fontsize=8)
     heat.set_xlabel("decoder block")
-    heat.set_title("Format chosen per block: " + ", ".join(names), fontsize=9)
+    heat.set_title("Format chosen per block: " + ", ".join(names) + f"; the LM head: {search.get('lm_head', 'fp16')}", fontsize=9)
     handles = [plt.Rectangle((0, 0), 1, 1, color=FORMAT_COLOURS.get(n, "#000000")) for n in names]
     heat.legend(handles, names, fontsize=7, loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=len(names))
     return _save(fig, path)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +32,7 @@ from compress.transforms.quantize.saved import (
     LinearQuant,
     attach_activation_quant,
     dequantized_weight,
+    input_quantizer,
     kv_cache_scales,
     load_quantization,
     quantization_meta,
@@ -49,6 +50,7 @@ class WindowLogits:
     head_weight: torch.Tensor  # (vocab, hidden) as stored; computed with in float32, one window at a time
     head_bias: torch.Tensor | None
     softcap: float | None
+    head_input: Callable[[torch.Tensor], torch.Tensor] | None = None  # a quantized head's input quantizer
 
     def __len__(self) -> int:
         return len(self.hidden)
@@ -57,7 +59,10 @@ class WindowLogits:
         """Window ``index``'s ``(tokens, vocab)`` logits in float32, the head taken in float32 a slice of rows at a time (a
         float32 copy of a 150k-token vocabulary's head is as large as a 0.3B model's blocks)."""
         with torch.no_grad():
-            logits = linear_in_row_slices(self.hidden[index][0], self.head_weight, self.head_bias)
+            hidden = self.hidden[index][0]
+            if self.head_input is not None:
+                hidden = self.head_input(hidden)
+            logits = linear_in_row_slices(hidden, self.head_weight, self.head_bias)
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.cpu().numpy()
@@ -109,6 +114,11 @@ def window_logits(folder: Path, windows: torch.Tensor, device: torch.device | st
         hidden = [norm(h) for h in visitor.outputs]
     head = model.get_output_embeddings()
     head_name = module_prefix(model, head)
+    quantized_head = load_quantization(folder, head_name) if meta is not None and head_name in meta["linears"] else None
+    if quantized_head is not None:  # the head as deployed: its weight rebuilt from its levels, its input quantized
+        head_meta, (quant,) = quantized_head[0], quantized_head[1].values()
+        return WindowLogits(hidden, dequantized_weight(head_meta, quant).to(device), None,
+                            getattr(model.config, "final_logit_softcapping", None), input_quantizer(quant))
     if f"{head_name}.weight" in reader:
         head_tensors = reader.read(name for name in (f"{head_name}.weight", f"{head_name}.bias") if name in reader)
         weight, bias = head_tensors[f"{head_name}.weight"], head_tensors.get(f"{head_name}.bias")

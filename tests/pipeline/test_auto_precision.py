@@ -12,7 +12,7 @@ import pytest
 from compress.backends.edgellm.contracts import mixed_conflict
 from compress.cli.main import main
 from compress.core.errors import StageError
-from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, Choice, search
+from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, HEAD, Choice, search
 from tests.conftest import TINY_SMOKE, build_tiny_llama
 
 SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
@@ -26,6 +26,11 @@ def _run(tmp_path: Path, target: str, **shape) -> tuple[int, Path]:
     model = build_tiny_llama(tmp_path / "model", layers=2, heads=heads, kv_heads=1, chat_template=True, **shape)
     out = tmp_path / "run"
     return main(["run", f"target={target}", "recipe=auto", f"model={model}", f"out={out}", "--no-progress", *SMALL, *TINY_SMOKE]), out
+
+
+def _shipped_meta(out: Path) -> dict:
+    """What the quantize stage's artifact says of how it ships (what validation reads)."""
+    return json.loads((out / "02_quantize" / "stage.json").read_text())["output"]["meta"]
 
 
 def _stage(out: Path, name: str) -> dict:
@@ -80,6 +85,14 @@ def test_auto_on_thor_may_choose_fp8_and_nvfp4(tmp_path):
     assert mixed_conflict(quantize["formats_chosen"]) is None  # one bundle holds no NVFP4 beside INT8 or INT4
     assert _stage(out, "export_edgellm")["metrics"]["custody"]["mismatches"] == 0
     assert code == json.loads((out / "report.json").read_text())["exit_code"]
+    # The LM head is a group too, in the formats Edge-LLM quantizes a head in (never INT8), and the gate predicts what ships.
+    head = next(row for row in quantize["search"]["sensitivity"] if row["point"] == HEAD)
+    assert set(head["kl"]) == {FLOAT, "int4", "fp8", "nvfp4"}
+    accepted = quantize["search"]["candidates"][-1]
+    assert accepted["lm_head"] == quantize["search"]["lm_head"] == _shipped_meta(out)["quantization"]["lm_head"]
+    validate = json.loads((out / "06_validate" / "validation.json").read_text())
+    assert accepted["predicted_memory_gb"] == pytest.approx(validate["predictions"]["chosen"]["memory_gb"], abs=6e-5)
+    assert accepted["predicted_decode_ms"] == pytest.approx(validate["predictions"]["chosen"]["decode_latency_ms"], rel=1e-3)
 
 
 def test_formats_the_bundle_would_misread_or_the_target_lacks_are_refused(capsys, tmp_path):
@@ -106,11 +119,11 @@ def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp
 
     def measure(folder):  # this model cannot take INT4 anywhere
         plan = next(p for p, f in written if f == folder)
-        return "int4" not in plan.block_formats(), {"formats": sorted(plan.block_formats())}
+        return "int4" not in plan.quantized_formats(), {"formats": sorted(plan.quantized_formats())}
 
     plan, folder, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
-    assert "int4" in candidates[0].plan.block_formats() and not candidates[0].passed
-    assert candidates[-1].passed and "int4" not in plan.block_formats()
+    assert "int4" in candidates[0].plan.quantized_formats() and not candidates[0].passed
+    assert candidates[-1].passed and "int4" not in plan.quantized_formats()
     assert [c.budget for c in candidates] == sorted((c.budget for c in candidates), reverse=True)  # each back-off halves it
     assert folder.is_dir() and not any(f.exists() for _, f in written[:-1])  # rejected plans leave nothing behind
 
@@ -123,12 +136,12 @@ def test_the_back_off_is_sized_by_how_far_over_its_limits_a_plan_measured(tmp_pa
 
     def quantize(plan, folder):
         folder.mkdir(parents=True)
-        (folder / "formats").write_text(" ".join(sorted(plan.block_formats())))
+        (folder / "formats").write_text(" ".join(sorted(plan.quantized_formats())))
 
     _, _, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
     assert not candidates[0].passed and candidates[-1].passed
     assert candidates[1].budget == pytest.approx(0.03 * BACKOFF_SAFETY / 4)
-    assert "int4" not in candidates[1].plan.block_formats() and candidates[1].plan.block_formats() == {"int8"}
+    assert "int4" not in candidates[1].plan.quantized_formats() and candidates[1].plan.quantized_formats() == {"int8"}
 
 
 def test_a_search_that_never_passes_says_so(tmp_path):

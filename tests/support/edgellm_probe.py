@@ -6,7 +6,7 @@ For every quantized linear it writes the buffers Edge-LLM's loader left in the m
 integers Edge-LLM's own unpacking reads from the checkpoint's bytes (``<name>.integers``); for
 every decoder linear it loaded as a plain float linear, its weight (``<name>.float.weight``). The
 metadata's ``formats`` names the kind of linear the loader built for each decoder linear (fp16, int8,
-int4, fp8, nvfp4).
+int4, fp8, nvfp4), and ``head`` the LM head's.
 """
 
 import json
@@ -55,7 +55,8 @@ def main(checkpoint: str, out: str) -> None:
         elif isinstance(module, FP16Linear) and ".layers." in name:
             dumped[f"{name}.float.weight"] = module.weight.detach().contiguous()
     save_file(dumped, out, metadata={"quant_type": quant.quant_type, "group_size": str(quant.group_size),
-                                     "excluded": ",".join(quant.excluded), "formats": json.dumps(formats)})
+                                     "excluded": ",".join(quant.excluded), "formats": json.dumps(formats),
+                                     "head": str(_kind(model.lm_head))})
 
 
 def _kind(module) -> str | None:

@@ -183,7 +183,8 @@ def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False
     numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""
     checkpoint, bundle = work / "checkpoint", work / "bundle"
     meta = quantization_meta(quantized_dir) or {}
-    check_mixed_plan(name for points in (meta.get("plan") or {}).values() for name in points.values())
+    check_mixed_plan([*(name for points in (meta.get("plan") or {}).values() for name in points.values()),
+                      meta.get("lm_head", "fp16")])
     summary = write_unified_checkpoint(quantized_dir, checkpoint)
     arguments = exporter_arguments(summary.quant_algo)
     seconds = run_export(checkpoint, bundle, work / "export.log", arguments)

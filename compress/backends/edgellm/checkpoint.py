@@ -10,6 +10,8 @@ its ``config.py``, ``checkpoint/loader.py`` and ``models/linear.py`` are the spe
   (Edge-LLM also treats a linear with no ``weight_scale`` as FP16). A mixed-precision plan
   (``quantize.method=auto``) is ``MIXED_PRECISION`` with ``quantized_layers``: each quantized
   linear by name with its own ``quant_algo`` (and ``group_size`` for INT4); a linear not listed is FP16.
+  A plan may quantize ``lm_head`` too: it is then listed there with its tensors, and the model is
+  written untied (Edge-LLM builds a quantized head from its own tensors, never from the embedding).
 * W8A8 linear: ``weight`` int8 ``[out, in]``, ``weight_scale`` float32 ``[out]``, ``input_scale``
   float32 ``[]`` (the QuantizeLinear scale, amax / 127), ``pre_quant_scale`` float16 ``[in]``.
 * W4A16 linear: ``weight`` uint8 ``[out / 2, in]``, two's-complement nibbles (even output rows in
@@ -151,8 +153,9 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     weight_map: dict[str, str] = {}
     float_linears: list[str] = []
     out.mkdir(parents=True, exist_ok=True)
+    outside = [name for name in meta["linears"] if not any(name.startswith(p) for p in prefixes)]  # a quantized LM head
     for number, prefix in enumerate([*prefixes, None], start=1):
-        _, linears = load_quantization(quantized_dir, prefix) if prefix else (meta, {})
+        linears = load_quantization(quantized_dir, prefix)[1] if prefix else _outside_blocks(quantized_dir, outside)
         if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
             raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
                              "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
@@ -185,7 +188,7 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                                                     indent=2) + "\n")
     quant_algo = quant_algorithm(meta)
     quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
-                   "exclude_modules": ["lm_head", *sorted(float_linears)]}
+                   "exclude_modules": [*(["lm_head"] if "lm_head" not in outside else []), *sorted(float_linears)]}
     if mixed:  # each quantized linear with its own algorithm; any linear not listed is FP16
         quant_block["quantized_layers"] = quantized_layers
     elif bits == 4:
@@ -202,6 +205,14 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     return CheckpointSummary(quant_algo, group if bits == 4 else None, len(meta["linears"]), totals["quantized"], totals["fp16"],
                              len(float_linears))
 
+
+
+def _outside_blocks(quantized_dir: Path, names: list[str]) -> dict[str, LinearQuant]:
+    """The quantized linears outside the decoder blocks (the LM head, where a plan quantized it), read by name."""
+    linears: dict[str, LinearQuant] = {}
+    for name in names:
+        linears.update({key: quant for key, quant in load_quantization(quantized_dir, name)[1].items() if key == name})
+    return linears
 
 
 def quant_algorithm(meta: dict[str, Any]) -> str:

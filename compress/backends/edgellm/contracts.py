@@ -45,6 +45,7 @@ INT4_PLUGINS = ("Int4GroupwiseGemmPluginV2", "Int4GroupwiseGemmPlugin")  # the e
 HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
 LM_HEAD_QUANTIZATIONS = ("fp8", "int4_awq", "nvfp4", "mxfp8")
+LM_HEAD_FORMATS = ("fp8", "int4", "nvfp4")  # compress's formats among them (a target runs those its GPU has: Orin INT4 only)
 
 RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
     KernelRule("int4-group-size", f"INT4 weights in groups of {INT4_GROUP_SIZE} input channels only",
@@ -85,8 +86,11 @@ RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
                "is NVFP4 the exporter reinterprets every int8 weight initializer as packed FP4 (an INT8 [N, K] weight becomes "
                "FP4 [N, 2K]), so the INT8 and INT4 linears would be misread",
                f"{EXPORTER} onnx/export.py _fix_nvfp4_weight_dtype, run when config.quant.uses_nvfp4_weights"),
-    KernelRule("lm-head", f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); compress keeps it FP16",
-               f"{EXPORTER} scripts/quantize.py --lm_head_quantization"),
+    KernelRule("lm-head", f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); a MIXED_PRECISION "
+               "checkpoint lists lm_head with its own quant_algo and tensors, and a tied head that is quantized is built from them "
+               "(not cloned from the embedding table); compress quantizes it only in quantize.method=auto",
+               f"{EXPORTER} scripts/quantize.py --lm_head_quantization; config.py module_quant_type; checkpoint/loader.py "
+               "load_weights (tie_weights only for an FP16 lm_head)"),
 )}
 
 

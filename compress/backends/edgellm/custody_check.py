@@ -35,6 +35,7 @@ from safetensors.numpy import load_file
 _PREFIX = "_model."
 _PASS_THROUGH = {"Cast", "Transpose", "Reshape"}
 _FUSED_QKV = ("q_proj", "k_proj", "v_proj")
+_PRODUCTS = {"MatMul", "Gemm"}  # the decoder linears are MatMuls; Edge-LLM writes a quantized lm_head as a Gemm
 _QUANTIZERS = {"QuantizeLinear", "TRT_FP4DynamicQuantize"}
 # The plugin nodes whose attributes say how the runtime's kernels will read the tensors (held against compress's contract table).
 _KERNEL_OPS = {"Int4GroupwiseGemmPlugin", "Int4GroupwiseGemmPluginV2", "AttentionPlugin"}
@@ -97,16 +98,16 @@ class Graph:
         return next((n for n in self.consumers.get(weight, []) if n.op_type == "DequantizeLinear"), None)
 
     def matmul_of(self, weight: str):
-        """The MatMul the dequantized ``weight`` feeds (through casts, transposes and reshapes), or None."""
+        """The MatMul (or Gemm) the dequantized ``weight`` feeds (through casts, transposes and reshapes), or None."""
         node = self.weight_dequantizer(weight)
-        while node is not None and node.op_type != "MatMul":
+        while node is not None and node.op_type not in _PRODUCTS:
             node = next(iter(self.consumers.get(node.output[0], [])), None)
-            if node is not None and node.op_type not in _PASS_THROUGH | {"MatMul"}:
+            if node is not None and node.op_type not in _PASS_THROUGH | _PRODUCTS:
                 return None
         return node
 
     def activation_input(self, weight: str):
-        """The other input of the MatMul ``weight`` takes part in, or None."""
+        """The other input of the MatMul (or Gemm) ``weight`` takes part in, or None."""
         matmul, dequantizer = self.matmul_of(weight), self.weight_dequantizer(weight)
         if matmul is None:
             return None

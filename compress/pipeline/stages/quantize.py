@@ -133,7 +133,7 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
         "precision": MIXED,
         "float_linear_fraction": found["mix"].get(FLOAT, 0.0),
         "quantization": {"method": "auto", "format": MIXED, "weight_bits": None, "group_size": 128, "activations": "per linear",
-                         "kv_cache": "fp16", "mix": found["mix"]},
+                         "kv_cache": "fp16", "mix": found["mix"], "lm_head": found["lm_head"]},
         "metrics": metrics,
     }
     chosen = found["candidates"][-1]

@@ -28,6 +28,7 @@ of its visitors.
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -45,7 +46,7 @@ from compress.core.errors import UsageError
 from compress.models.families import ActivationPoint, Family, attention_geometry, decoder_blocks, family_of, linear_shapes, part_rows
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.config import QuantizeConfig
-from compress.transforms.quantize.plan import MixedPlan
+from compress.transforms.quantize.plan import FLOAT, MixedPlan
 from compress.transforms.quantize.saved import LinearQuant, QuantizedCheckpointWriter, QuantResult, attach_activation_quant, grid_levels
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, collect_input_stats, walk_blocks
 
@@ -398,12 +399,62 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
                        output_mse=(output - reference).pow(2).mean(0).cpu())
 
 
+@dataclass
+class LmHead:
+    """What quantizing the LM head needs: the final norm its input comes out of, its weight as stored (a tied head's is the
+    embedding table, which is read, never changed) and its name."""
+
+    norm: torch.nn.Module
+    weight: torch.Tensor
+    name: str
+
+
+def lm_head_of(model, reader: CheckpointReader | None = None) -> LmHead:
+    """``model``'s LM head and final norm; ``reader``: a model built empty, whose norm and head are read from its checkpoint
+    (a tied head from its embedding table, already read)."""
+    norm, head = model.model.norm, model.get_output_embeddings()
+    name = module_prefix(model, head)
+    weight = head.weight.detach()
+    if reader is not None:
+        materialize(norm, module_prefix(model, norm), reader)
+        key = f"{name}.weight"
+        weight = reader.read([key])[key] if key in reader else model.get_input_embeddings().weight.detach()
+    return LmHead(norm, weight, name)
+
+
+def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeConfig) -> LinearQuant:
+    """Quantize the LM head on its inputs (the final norm of the last block's ``outputs``) without touching the model.
+
+    No migration: the only producer to fold scales into is the final norm, and a quantized head is shipped as a linear
+    of its own (untied), so its weight is simply taken to its grid with the format's weight search and its input scale
+    calibrated as any linear's."""
+    device = outputs[0].device
+    norm = copy.deepcopy(head.norm).to(device=device, dtype=torch.float32)
+    linear = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device=device)
+    with torch.no_grad():
+        linear.weight.copy_(head.weight)
+    stats = InputStats()
+    generator = torch.Generator().manual_seed(0)
+    per_window = max(1, config.sample_tokens // max(1, len(outputs)))
+    want_hessian = config.uses_gptq() or config.method == "nvfp4" or (config.uses_awq() and config.clip_tokens == "all")
+    with torch.no_grad():
+        for hidden in outputs:
+            stats.add(norm(hidden), want_hessian, per_window, generator)
+    samples = stats.sample_matrix(config.sample_tokens)
+    activation = config.activation_format()
+    input_scale = activation_scale(samples, float(stats.absmax.max()), config.act_scale, activation) if activation else None
+    grid = _consumer_grids(config, [linear.weight.detach()], stats)[0]
+    return _quantize_linear(config, linear, stats, samples, input_scale, Migration(), 0, grid, search_clip=True)
+
+
 class _Quantizer(BlockVisitor):
     """The walker's visitor that quantizes each block in place and records its scales."""
 
     def __init__(self, model, config: QuantizeConfig, result: QuantResult, writer: QuantizedCheckpointWriter | None = None,
-                 plan: MixedPlan | None = None) -> None:
+                 plan: MixedPlan | None = None, head: LmHead | None = None) -> None:
         self.model_config = model.config
+        self.last = len(decoder_blocks(model)) - 1
+        self.head = head
         self.config = config
         self.plan = plan
         self.result = result
@@ -440,14 +491,22 @@ class _Quantizer(BlockVisitor):
     def after(self, index: int, block, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
         if self.writer is not None:
             self.writer.add_block(index, f"{self.prefix}.{index}", block, self.quantized)
+        if index == self.last and self.plan is not None and self.plan.head != FLOAT:
+            quant = quantize_head(self.head, outputs, self.plan.configs[self.plan.head])
+            self.result.linears[self.head.name] = quant
+            log.info("LM head quantized to %s; SQNR %.1f dB", self.plan.head, quant.sqnr_db)
+            if self.writer is not None:
+                self.writer.add_head(self.head.name, quant)
 
 
 def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
                    device: torch.device | str | None = None, blocks: HeldBlocks | StreamedBlocks | None = None,
-                   writer: QuantizedCheckpointWriter | None = None, plan: MixedPlan | None = None) -> QuantResult:
+                   writer: QuantizedCheckpointWriter | None = None, plan: MixedPlan | None = None,
+                   head: LmHead | None = None) -> QuantResult:
     """Quantize every decoder block of ``model`` in place, block by block through the shared walker (``blocks``: where
     they come from; ``writer``: where each goes once quantized, its levels then let go; ``plan``: each point's own format,
-    ``config`` then giving only the calibration and KV-cache options).
+    ``config`` then giving only the calibration and KV-cache options, and the LM head's, quantized on the last block's
+    outputs (``head``: where it comes from, by default the model's own); the model's head itself is left as it is).
 
     With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
     are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
@@ -459,8 +518,10 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
     fp8_cache = config.kv_cache == "fp8"
     if fp8_cache:
         kv_cache.route_attention(model)
+    if plan is not None and plan.head != FLOAT and head is None:
+        head = lm_head_of(model)
     try:
-        walk_blocks(model, windows, [_Quantizer(model, config, result, writer, plan)], device=device, progress=progress,
+        walk_blocks(model, windows, [_Quantizer(model, config, result, writer, plan, head)], device=device, progress=progress,
                     desc=f"quantize {config.method}", blocks=blocks)
     finally:
         if fp8_cache:
@@ -486,9 +547,13 @@ def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: Quan
     embeddings = model.get_input_embeddings()
     materialize(embeddings, module_prefix(model, embeddings), reader)
     writer = QuantizedCheckpointWriter(out, len(decoder_blocks(model)), embeddings.weight.dtype)
+    head = lm_head_of(model, reader) if plan is not None and plan.head != FLOAT else None
     result = quantize_model(model, windows, config, progress, device, blocks=StreamedBlocks(model, reader), writer=writer,
-                            plan=plan)
+                            plan=plan, head=head)
     in_blocks = module_prefix(model, decoder_blocks(model)) + "."
-    writer.finish(reader.read(name for name in reader.names() if not name.startswith(in_blocks)), result)
+    head_weight = f"{head.name}.weight" if head is not None else None
+    writer.finish(reader.read(name for name in reader.names() if not name.startswith(in_blocks) and name != head_weight), result)
+    if head is not None:
+        model.config.tie_word_embeddings = False  # the quantized head is a linear of its own; the embedding stays as stored
     model.config.save_pretrained(out)
     return result

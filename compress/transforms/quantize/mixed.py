@@ -4,7 +4,9 @@ The unit of choice is an activation point of a block (:class:`~compress.models.f
 the linears reading one input share its format, so q/k/v share one, gate/up share one, o_proj and
 down_proj have their own. That is also what a deployment needs: Edge-LLM fuses q/k/v and gate/up
 into one GEMM behind one activation quantizer, and Model Optimizer's export wants one format per
-fused group.
+fused group. The LM head is a group of its own (``HEAD`` at block ``HEAD_INDEX``), quantized on the
+last block's outputs and shipped untied from the embedding table
+(:func:`compress.transforms.quantize.decoder.quantize_head`).
 
 * :class:`MixedPlan` says which format each point of each block ships in ("fp16" or a precision
   name); :func:`compress.transforms.quantize.decoder.quantize_model` quantizes a block point by
@@ -41,12 +43,12 @@ from compress.models.compute import computed_in_float32
 from compress.models.families import decoder_blocks, family_of
 from compress.models.weights import module_prefix
 from compress.transforms.quantize.config import QUANTIZE_CONFIG, QuantizeConfig
-from compress.transforms.quantize.decoder import quantize_block
-from compress.transforms.quantize.plan import FLOAT, MixedPlan
+from compress.transforms.quantize.decoder import LmHead, lm_head_of, quantize_block, quantize_head
+from compress.transforms.quantize.plan import FLOAT, HEAD, HEAD_INDEX, MixedPlan
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, walk_blocks
 
-__all__ = ["FLOAT", "Candidate", "Choice", "MixedPlan", "SensitivityTable", "candidate_configs", "choices_from", "output_fisher",
-           "search", "sensitivity", "solve", "solve_apart"]
+__all__ = ["FLOAT", "HEAD", "HEAD_INDEX", "Candidate", "Choice", "MixedPlan", "SensitivityTable", "candidate_configs", "choices_from",
+           "output_fisher", "search", "sensitivity", "solve", "solve_apart"]
 # Each candidate format's method and options (the shared calibration options are added by the caller).
 CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
     "int8": {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0},
@@ -130,8 +132,10 @@ class _Sensitivity(BlockVisitor):
     """Quantizes a copy of each block once per candidate format and records the KL each point would add."""
 
     def __init__(self, model, candidates: dict[str, QuantizeConfig], allowed: Callable[[int, str, str], bool],
-                 fisher: dict[str, torch.Tensor], table: SensitivityTable) -> None:
+                 fisher: dict[str, torch.Tensor], table: SensitivityTable, head: LmHead | None) -> None:
         self.model_config = model.config
+        self.last = len(decoder_blocks(model)) - 1
+        self.head = head
         self.family = family_of(model.config)
         self.prefix = module_prefix(model, decoder_blocks(model))
         self.candidates = candidates
@@ -156,16 +160,32 @@ class _Sensitivity(BlockVisitor):
                         kl += 0.5 * float((self.fisher[full].to(quant.output_mse.device) * quant.output_mse).sum())
                 self.table.add(index, point, name, kl)
 
+    def after(self, index: int, block, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
+        if index != self.last or self.head is None:
+            return
+        for name, config in self.candidates.items():
+            if self.allowed(HEAD_INDEX, HEAD, name):
+                quant = quantize_head(self.head, outputs, config)
+                fisher = self.fisher[self.head.name].to(quant.output_mse.device)
+                self.table.add(HEAD_INDEX, HEAD, name, 0.5 * float((fisher * quant.output_mse).sum()))
+
 
 def sensitivity(model, windows: torch.Tensor, candidates: dict[str, QuantizeConfig], allowed: Callable[[int, str, str], bool],
                 fisher: dict[str, torch.Tensor], device: torch.device | str | None = None, progress: bool = False,
-                blocks: HeldBlocks | StreamedBlocks | None = None) -> SensitivityTable:
-    """The predicted KL of every (block, point, candidate format) that ``allowed`` admits (see the module docstring)."""
+                blocks: HeldBlocks | StreamedBlocks | None = None, head: LmHead | None = None) -> SensitivityTable:
+    """The predicted KL of every (block, point, candidate format) that ``allowed`` admits (see the module docstring), and
+    of the LM head, as ``(HEAD_INDEX, HEAD)``, in each format ``allowed`` admits for it (``head``: where it comes from, by
+    default the model's own; ``fisher`` must then hold its output's)."""
     table = SensitivityTable()
     for index, _ in enumerate(decoder_blocks(model)):
         for point in family_of(model.config).points:
             table.kl.setdefault((index, point.name), {FLOAT: 0.0})
-    walk_blocks(model, windows, [_Sensitivity(model, candidates, allowed, fisher, table)], device=device, progress=progress,
+    if any(allowed(HEAD_INDEX, HEAD, name) for name in candidates):
+        table.kl[(HEAD_INDEX, HEAD)] = {FLOAT: 0.0}
+        head = head or lm_head_of(model)
+    else:
+        head = None
+    walk_blocks(model, windows, [_Sensitivity(model, candidates, allowed, fisher, table, head)], device=device, progress=progress,
                 desc="sensitivity", blocks=blocks)
     return table
 
@@ -219,7 +239,7 @@ class Candidate:
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "budget_kl": self.budget, "predicted_kl": self.predicted_kl,
                 "predicted_cost": self.predicted_cost, "formats": self.plan.counts(), "measured": self.measured,
-                "passed": self.passed, "plan": self.plan.to_json()}
+                "passed": self.passed, "plan": self.plan.to_json(), "lm_head": self.plan.head}
 
 
 # A quantized folder -> (within the budgets?, its figures); the figures may hold "overshoot", how many times over its
@@ -264,14 +284,11 @@ def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, Quan
     seen: set[str] = set()
     for attempt in range(rounds):
         chosen = solve_apart(choices, budget, format_sets)
-        formats: dict[int, dict[str, str]] = {}
-        for (index, point), choice in chosen.items():
-            formats.setdefault(index, {})[point] = choice.format
-        plan = MixedPlan(formats, configs)
-        key = json.dumps(plan.to_json(), sort_keys=True)
-        if not plan.block_formats() or key in seen:
+        plan = MixedPlan.from_groups({group: choice.format for group, choice in chosen.items()}, configs)
+        key = json.dumps([plan.to_json(), plan.head], sort_keys=True)
+        if not plan.quantized_formats() or key in seen:
             budget /= 2
-            if not plan.block_formats():
+            if not plan.quantized_formats():
                 break
             continue
         seen.add(key)

@@ -1,4 +1,4 @@
-"""A mixed-precision plan: the format each activation point of each block ships in (see :mod:`.mixed`)."""
+"""A mixed-precision plan: the format each activation point of each block ships in, and the LM head's (see :mod:`.mixed`)."""
 
 from __future__ import annotations
 
@@ -7,14 +7,30 @@ from dataclasses import dataclass
 from compress.transforms.quantize.config import QuantizeConfig
 
 FLOAT = "fp16"
+HEAD = "lm_head"  # the LM head's group: its point name, at block index HEAD_INDEX, in a sensitivity table and a solution
+HEAD_INDEX = -1
 
 
 @dataclass(frozen=True)
 class MixedPlan:
-    """The format of every activation point of every block (``FLOAT`` or a candidate format), and each format's config."""
+    """The format of every activation point of every block (``FLOAT`` or a candidate format), the LM head's, and each
+    format's config."""
 
     formats: dict[int, dict[str, str]]
     configs: dict[str, QuantizeConfig]
+    head: str = FLOAT
+
+    @classmethod
+    def from_groups(cls, chosen: dict[tuple[int, str], str], configs: dict[str, QuantizeConfig]) -> MixedPlan:
+        """A plan from a format per group, keyed ``(block, point)``, the head as ``(HEAD_INDEX, HEAD)``."""
+        formats: dict[int, dict[str, str]] = {}
+        head = FLOAT
+        for (index, point), name in chosen.items():
+            if (index, point) == (HEAD_INDEX, HEAD):
+                head = name
+            else:
+                formats.setdefault(index, {})[point] = name
+        return cls(formats, configs, head)
 
     def block_runs(self, index: int, point_order: list[str]) -> list[tuple[str, list[str]]]:
         """Block ``index``'s quantized points as runs of one format, in ``point_order`` (the family's points).
@@ -35,17 +51,19 @@ class MixedPlan:
                 runs.append((name, [point]))
         return runs
 
-    def block_formats(self) -> set[str]:
-        """Every format a point is quantized in (none: the plan leaves the model float)."""
-        return {name for points in self.formats.values() for name in points.values() if name != FLOAT}
+    def quantized_formats(self) -> set[str]:
+        """Every format a group (a point or the head) is quantized in (none: the plan leaves the model float)."""
+        names = {name for points in self.formats.values() for name in points.values()} | {self.head}
+        return names - {FLOAT}
 
     def counts(self) -> dict[str, int]:
-        """How many points ship in each format."""
+        """How many groups ship in each format: the points, and the head where it is quantized."""
         counts: dict[str, int] = {}
-        for points in self.formats.values():
-            for name in points.values():
-                counts[name] = counts.get(name, 0) + 1
+        head = [self.head] if self.head != FLOAT else []
+        for name in [*(n for points in self.formats.values() for n in points.values()), *head]:
+            counts[name] = counts.get(name, 0) + 1
         return dict(sorted(counts.items()))
 
     def to_json(self) -> dict[str, dict[str, str]]:
+        """Per block (by index) each point's format (the head's is :attr:`head`, recorded beside it)."""
         return {str(index): dict(points) for index, points in sorted(self.formats.items())}

@@ -117,19 +117,28 @@ class QuantResult:
         return [row for row in self.layer_errors() if row["sqnr_db"] < floor]
 
 
+def input_quantizer(quant: LinearQuant) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the deployed graph does to a linear's input: fake quantization with its static scale (in the rotated basis,
+    rotated back, for a rotated input), or None for a float input."""
+    if quant.input_scale is None:
+        return None
+    scale, block, fake_quantize = quant.input_scale, quant.rotation, ACTIVATION_FORMATS[quant.input_format].fake_quantize
+    if block:
+        # Quantized in the rotated basis, rotated back for the stored (rotated-back) weight.
+        return lambda x: rotate(fake_quantize(rotate(x, block), scale), block)
+    return lambda x: fake_quantize(x, scale)
+
+
 def attach_activation_quant(model, linears: dict[str, LinearQuant]) -> list:
     """Fake-quantize the inputs of W8A8 / W4A4 linears with their static scales (torch reference of the Q/DQ graph)."""
     handles = []
     for name, quant in linears.items():
-        if quant.input_scale is None:
+        quantizer = input_quantizer(quant)
+        if quantizer is None:
             continue
-        scale, block, fake_quantize = quant.input_scale, quant.rotation, ACTIVATION_FORMATS[quant.input_format].fake_quantize
 
-        def hook(_module, args, scale=scale, block=block, fake_quantize=fake_quantize):
-            if block:
-                # Quantized in the rotated basis, rotated back for the stored (rotated-back) weight.
-                return (rotate(fake_quantize(rotate(args[0], block), scale), block),) + tuple(args[1:])
-            return (fake_quantize(args[0], scale),) + tuple(args[1:])
+        def hook(_module, args, quantizer=quantizer):
+            return (quantizer(args[0]),) + tuple(args[1:])
 
         handles.append(model.get_submodule(name).register_forward_pre_hook(hook))
     return handles
@@ -171,6 +180,13 @@ class QuantizedCheckpointWriter:
         if levels:
             self._write("levels", _shard("quantized_weights", index + 1, self.blocks), levels, self.level_map)
 
+    def add_head(self, name: str, quant: LinearQuant) -> None:
+        """Write a quantized LM head's levels and scales (its float weight is never written)."""
+        levels = {f"{name}.weight_scale": quant.weight_scales.detach().float().cpu().contiguous(),
+                  f"{name}.weight_levels": quant.levels.cpu().contiguous()}
+        quant.levels = None
+        self._write("levels", f"quantized_weights-{name}.safetensors", levels, self.level_map)
+
     def finish(self, rest: dict[str, torch.Tensor], result: QuantResult) -> None:
         """Write ``rest`` (every tensor outside the blocks, as stored), the indexes and ``quantization.json``."""
         self._write("model", _shard("model", self.blocks + 1, self.blocks + 1), rest, self.model_map)
@@ -194,7 +210,7 @@ def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def _quantization_json(result: QuantResult) -> dict[str, Any]:
     if result.plan is not None:
         uniform = {"precision": MIXED, "format": MIXED, "weight_bits": None, "group_size": None, "activations": "per linear",
-                   "plan": result.plan.to_json()}
+                   "plan": result.plan.to_json(), "lm_head": result.plan.head}
     else:
         bits, _, group = result.config.scheme()
         activation = result.config.activation_format()

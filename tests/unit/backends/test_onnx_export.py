@@ -233,3 +233,34 @@ def test_tracing_computes_no_float32_copy_of_the_parameters(tmp_path):
 
 def _resident_mb() -> float:
     return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS")) / 1024
+
+
+@pytest.mark.parametrize("head", ["fp8", "int4"])
+def test_a_quantized_lm_head_is_a_qdq_linear_of_its_own_in_the_portable_onnx(tmp_path, head):
+    """A plan's quantized LM head (tied in the source) is exported untied: the head's grid values behind their
+    DequantizeLinear (and, for FP8, its input's Q/DQ pair), the embedding table as stored; ONNX Runtime computes the
+    logits validation measures."""
+    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
+
+    source = build_tiny_llama(tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256)
+    shared = {"calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1, "sample_tokens": 64}
+    points = {"attn_in": "int8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int8"}
+    plan = MixedPlan({0: points, 1: points}, candidate_configs(["int8", head], shared), head=head)
+    windows = torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(8))
+    folder = tmp_path / "q"
+    quantize_folder(source, folder, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False, plan=plan)
+    save_side_files(load_tokenizer(source), source, folder)
+    exported = export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=4)
+    _, linears = load_quantization(folder)
+    assert exported.qdq["quantized_linears"] == len(linears) == 7 * 2 + 1
+    graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE)).graph
+    initializers = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
+    head_levels = linears["lm_head"].levels.float().numpy()
+    dequantized = [initializers[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers]
+    assert any(array.shape == head_levels.T.shape and np.array_equal(array.astype(np.float32), head_levels.T)
+               for array in dequantized)  # the head's own grid values, transposed as the graph reads them
+    measured = window_logits(folder, windows)
+    decoder = OnnxDecoder(tmp_path / "onnx")
+    for index, row in enumerate(windows):
+        logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
+        assert float(np.abs(logits - measured.logits(index)).max()) < 0.02 * float(np.abs(measured.logits(index)).max())

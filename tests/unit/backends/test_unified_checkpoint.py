@@ -278,3 +278,41 @@ def test_edgellm_loads_each_linear_of_a_mixed_plan_in_its_own_format(tiny_wide, 
             assert torch.equal(loaded[f"{name}.loaded.weight"].view(torch.uint8), ours), name
     if "nvfp4" in used:
         assert export_bundle(quantized, tmp_path / "work")["custody"]["mismatches"] == 0
+
+
+@pytest.mark.parametrize("head", ["fp8", "int4"])
+def test_a_quantized_lm_head_is_built_by_edgellm_from_its_own_tensors_and_exported_in_custody(tiny_wide, tmp_path, head):
+    """A plan may quantize the (tied) LM head: the checkpoint is written untied with lm_head listed in its format; Edge-LLM's
+    loader builds the head in that format from our numbers (not from the embedding table) and the exported bundle holds
+    them (custody compares lm_head's tensors too)."""
+    from compress.backends.edgellm.bundle import export_bundle
+    from compress.models.loading import load_tokenizer, save_side_files
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_folder
+    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
+
+    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
+    points = {"attn_in": "int8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int8"}
+    plan = MixedPlan({0: points, 1: points}, candidate_configs(["int8", head], shared), head=head)
+    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(7))
+    quantized = tmp_path / "quantized"
+    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
+                    plan=plan)
+    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    write_unified_checkpoint(quantized, tmp_path / "ckpt")
+    quantization = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())["quantization"]
+    assert "lm_head" not in quantization["exclude_modules"]
+    assert quantization["quantized_layers"]["lm_head"]["quant_algo"] == ("FP8" if head == "fp8" else "W4A16_AWQ")
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text())["tie_word_embeddings"] is False
+    loaded, metadata = _probe(tmp_path / "ckpt", tmp_path)
+    assert metadata["head"] == head
+    _, linears = load_quantization(quantized)
+    if head == "fp8":
+        assert torch.equal(loaded["lm_head.loaded.weight"].float(), grid_values("lm_head", linears["lm_head"]).float())
+    else:
+        integers, _, _ = _our_integers(quantized)
+        assert torch.equal(loaded["lm_head.integers"], integers["lm_head"])
+    metrics = export_bundle(quantized, tmp_path / "work")
+    assert metrics["custody"]["mismatches"] == 0
+    report = json.loads(next((tmp_path / "work").rglob("custody.json")).read_text())
+    assert any("lm_head" in entry["tensor"] for entry in report["compared"])

@@ -20,6 +20,7 @@ from compress.eval.perf_model import (
     mode_tops,
     predict,
     predict_all_modes,
+    predict_mixed,
     weight_bytes,
 )
 
@@ -201,3 +202,15 @@ def test_run_predictions_read_the_group_size_the_float_share_and_the_kv_cache_of
     assert g32 < g128 == decode({})  # smaller groups carry more scale bytes; 128 when the run names none
     assert decode({"quantization": {"group_size": 128, "kv_cache": "fp8"}}) > g128
     assert decode({"quantization": {"group_size": 128}, "float_linear_fraction": 0.5}) < g128
+
+
+def test_a_quantized_lm_head_is_read_at_its_precision_beside_the_fp16_embedding():
+    thor = load_target("jetson-agx-thor")
+    mix = {"fp8": 1.0}
+    fp16_head, fp8_head = (predict_mixed(thor, SMOL, mix, head=head) for head in ("fp16", "fp8"))
+    # The head moves half its bytes (28M of SmolLM2's 135M parameters); on Thor the fixed per-layer cost dominates a model
+    # this small, so decode gains a few percent.
+    assert 1.02 < fp8_head.decode_tokens_per_s / fp16_head.decode_tokens_per_s < 1.2
+    # Tied in FP16 the table is stored once; a quantized head is stored beside it, at one byte per parameter.
+    assert fp8_head.memory_gb - fp16_head.memory_gb == pytest.approx(SMOL.lm_head_params() / 1e9, rel=1e-6)
+    assert predict_mixed(thor, SMOL, mix, head="fp16").decode_tokens_per_s == pytest.approx(fp16_head.decode_tokens_per_s)

@@ -16,6 +16,8 @@ from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder, quantize_model
 from compress.transforms.quantize.mixed import (
     FLOAT,
+    HEAD,
+    HEAD_INDEX,
     Choice,
     MixedPlan,
     candidate_configs,
@@ -30,6 +32,7 @@ from compress.transforms.quantize.saved import (
     dequantized_weight,
     held_quantized_causal_lm,
     load_quantization,
+    load_quantized_causal_lm,
 )
 from tests.conftest import build_tiny_llama
 
@@ -75,6 +78,39 @@ def test_a_plan_quantizes_each_group_in_its_own_format_and_validation_computes_i
         torch.testing.assert_close(torch.from_numpy(measured.logits(index)), logits, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("head", ["fp8", "int4"])
+def test_a_plan_may_quantize_the_tied_lm_head_as_a_linear_of_its_own(wide, windows, tmp_path, head):
+    """The head is quantized on the last block's deployed outputs, shipped untied (the embedding table as stored), and every
+    reader computes it as deployed: its levels, and for FP8 its input quantized."""
+    configs = candidate_configs(["int8", head], SHARED)
+    points = {"attn_in": "int8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int8"}
+    plan = MixedPlan({0: points, 1: points}, configs, head=head)
+    assert plan.counts() == {"int8": 8, head: 1} and plan.quantized_formats() == {"int8", head}
+    config = QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED})
+    quantize_folder(wide, tmp_path / "q", windows, config, progress=False, plan=plan)
+    meta, linears = load_quantization(tmp_path / "q")
+    quant = linears["lm_head"]
+    assert quant.precision == head and (quant.input_scale is not None) == (head == "fp8")
+    source = load_causal_lm(wide)
+    saved = load_quantized_causal_lm(tmp_path / "q")
+    assert source.config.tie_word_embeddings and not saved.config.tie_word_embeddings
+    assert torch.equal(saved.model.embed_tokens.weight, source.model.embed_tokens.weight)  # the table is not touched
+    head_weight = dequantized_weight(meta, quant)
+    error = float((head_weight - source.lm_head.weight).norm() / source.lm_head.weight.norm())
+    assert 0 < error < (0.1 if head == "fp8" else 0.25), error  # on the format's grid, near the float head
+    model, rebuilt = held_quantized_causal_lm(tmp_path / "q")
+    attach_quantization(model, meta, linears)
+    with computed_in_float32(model, rebuilt), torch.no_grad():
+        reference = [model(row[None]).logits[0] for row in windows]
+    measured = window_logits(tmp_path / "q", windows)
+    for index, logits in enumerate(reference):
+        torch.testing.assert_close(torch.from_numpy(measured.logits(index)), logits, atol=1e-5, rtol=1e-5)
+    assert (measured.head_input is not None) == (head == "fp8")  # FP8 quantizes the head's input, INT4 W4A16 does not
+    if head == "fp8":
+        measured.head_input = None
+        assert (torch.from_numpy(measured.logits(0)) - reference[0]).abs().max() > 1e-4
+
+
 def test_a_plan_saves_the_weights_the_quantizer_computed_with(wide, windows):
     """A point's migration scales fold into the linear producing its input (v_proj for o_proj, up_proj for down_proj): a
     producer quantized in another format must take the fold before its levels are taken, whatever the formats' order."""
@@ -98,7 +134,8 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     assert set(fisher) == set(linears) and all(f.shape == (model.get_submodule(n).out_features,) for n, f in fisher.items())
     assert all(float(f.sum()) > 0 for f in fisher.values())
     configs = candidate_configs(["int8", "int4"], SHARED)
-    table = sensitivity(model, windows, configs, lambda index, point, name: not (name == "int4" and point == "attn_out"), fisher)
+    table = sensitivity(model, windows, configs, lambda index, point, name: point != HEAD and not (name == "int4" and point == "attn_out"),
+                        fisher)
     assert set(table.kl) == {(i, p.name) for i in range(2) for p in family.points}
     for (_, point), values in table.kl.items():
         assert values[FLOAT] == 0.0 and values["int8"] > 0
@@ -107,6 +144,21 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     for parameter in model.parameters():  # the model itself is left float: every trial ran on a copy
         assert parameter.dtype == torch.float32
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, load_causal_lm(wide).model.layers[0].mlp.down_proj.weight)
+
+
+def test_the_lm_head_is_a_group_whose_sensitivity_is_measured_in_the_formats_allowed_for_it(wide, windows):
+    model = load_causal_lm(wide)
+    fisher = output_fisher(model, windows[:2], ["lm_head", "model.layers.1.mlp.down_proj"])
+    assert fisher["lm_head"].shape == (model.config.vocab_size,) and float(fisher["lm_head"].sum()) > 0
+    configs = candidate_configs(["int8", "fp8", "int4"], SHARED)
+    table = sensitivity(model, windows, configs, lambda index, point, name: point != HEAD or name in ("fp8", "int4"),
+                        {**fisher, **{f"model.layers.{i}.{n}": torch.ones(1) for i in range(2) for n in family_of(model.config).linears()}})
+    head = table.kl[(HEAD_INDEX, HEAD)]
+    assert set(head) == {FLOAT, "fp8", "int4"} and head[FLOAT] == 0.0 and head["int4"] > head["fp8"] > 0  # int8: not for the head
+    torch.testing.assert_close(model.lm_head.weight, load_causal_lm(wide).lm_head.weight, rtol=0, atol=0)  # measured on copies
+    none = sensitivity(model, windows, configs, lambda index, point, name: point != HEAD, fisher | {
+        f"model.layers.{i}.{n}": torch.ones(1) for i in range(2) for n in family_of(model.config).linears()})
+    assert (HEAD_INDEX, HEAD) not in none.kl
 
 
 def test_the_solver_finds_the_exact_optimum_of_a_small_table():
