@@ -4,7 +4,7 @@ On the embedded SmolLM2, for the Orin Nano (INT8 and INT4 where the widths allow
 FP8 and NVFP4): the gate's worst domain, top-1 agreement and KL on the six evaluation domains; the
 app prompts' answer-prefix agreement; the latency model's predicted decode tokens/s and ms/token at
 the target's default power mode; the Edge-LLM checkpoint's size; the formats chosen (groups per
-format) and the quantize stage's time (for auto: the search). Runs go to ``bench_runs/auto/``.
+format), the LM head's format and the quantize stage's time (for auto: the search). Runs go to ``bench_runs/auto/``.
 
     .venv/bin/python bench/auto_table.py                       # both targets
     .venv/bin/python bench/auto_table.py --targets jetson-orin-nano-8gb
@@ -37,18 +37,19 @@ RECIPES = {"jetson-orin-nano-8gb": ["default", "edgellm-int8", INT4_WHERE_LEGAL,
 
 def row(target: str, recipe: str, report: dict | None) -> str:
     if report is None:
-        return f"| {target} | {recipe} | run failed | | | | | | | | |"
+        return f"| {target} | {recipe} | run failed | | | | | | | | | |"
     stages = {s["name"]: s for s in report["stages"]}
     validate = stages["validate"]["metrics"]
     quantize = stages["quantize"]["metrics"]
     chosen = report["predictions"]["chosen"]
     formats = quantize.get("formats_chosen") or {f"{quantize['method']} linears": quantize["quantized_linears"]}
+    head = (quantize.get("search") or {}).get("lm_head", "fp16")
     checkpoint = stages["export_edgellm"]["metrics"]["checkpoint_bytes"] / 1e6
     prompts = validate.get("prompts") or {}
     return (f"| {target} | {recipe} | {validate['worst_domain']} {validate['perplexity_increase_pct']:+.2f}% | "
             f"{100 * validate['top1_agreement']:.1f}% | {validate['mean_kl']:.4f} | "
             f"{100 * prompts.get('answer_prefix_agreement', float('nan')):.1f}% | {chosen['decode_tokens_per_s']:.1f} | "
-            f"{chosen['decode_latency_ms']:.3f} | {checkpoint:.0f} | {', '.join(f'{k} {v}' for k, v in formats.items())} | "
+            f"{chosen['decode_latency_ms']:.3f} | {checkpoint:.0f} | {', '.join(f'{k} {v}' for k, v in formats.items())} | {head} | "
             f"{stages['quantize']['duration_s'] / 60:.1f} | {report['gate']['verdict']} |")
 
 
@@ -62,7 +63,8 @@ def main() -> None:
     model = [f"model={build(args.shape, weights=True)}"] if args.shape else []
     prefix = f"{args.shape}-" if args.shape else ""
     lines = ["| target | recipe | worst domain | top-1 | KL | answer prefix | predicted tok/s | predicted ms/token | "
-             "checkpoint MB | formats (groups, or linears) | quantize min | gate |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "checkpoint MB | formats (groups, or linears) | LM head | quantize min | gate |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for target in args.targets:
         for entry in RECIPES[target]:
             recipe, *extra = entry.split()
