@@ -10,8 +10,11 @@ The peers run in their own virtual environments (``.venv-peers``: llm-compressor
 ``.venv-edgellm-quant``: TensorRT Edge-LLM's quantizer, Model Optimizer underneath; their pins differ
 from ours, and neither is ever a dependency of compress). Each writes its weights quantized and
 dequantized (dense, float32; the child checks every quantized linear's groups hold at most 16
-values) so they are measured on the same code path as a float model. Weight-only rows only:
-llm-compressor's W8A8 quantizes activations per token at run time, which dense weights cannot show.
+values) so they are measured on the same code path as a float model. llm-compressor's W8A8
+(``llm-compressor-w8a8``: its documented recipe, SmoothQuant 0.8 then GPTQ with the ``W8A8`` preset)
+quantizes activations per token at run time, which dense weights cannot show: it is measured like
+the ``edgellm-*`` rows below, on its own fake quantization. Its per-token dynamic activations are
+what vLLM runs; Edge-LLM's W8A8 kernels take one static scale per tensor.
 
 Group size 64: SmolLM2's 576-wide inputs are not a multiple of 128 (Edge-LLM's INT4 group), so
 no INT4 recipe of any tool ships this model through Edge-LLM; the table compares the quantizers.
@@ -34,6 +37,7 @@ says so.
     .venv/bin/python bench/peer_table.py                     # every row (hours on 2 cores: Model Optimizer's AWQ)
     .venv/bin/python bench/peer_table.py compress-int4 llm-compressor-gptq
     .venv/bin/python bench/peer_table.py compress-int8 edgellm-int8_sq compress-fp8 edgellm-fp8
+    .venv/bin/python bench/peer_table.py llm-compressor-w8a8
 """
 
 from __future__ import annotations
@@ -59,12 +63,13 @@ ROWS = {
     "llm-compressor-rtn": ("peer", {"tool": "llmcompressor-rtn"}),
     "llm-compressor-gptq": ("peer", {"tool": "llmcompressor-gptq"}),
     "autoround": ("peer", {"tool": "autoround", "iters": AUTOROUND_ITERS}),
+    "llm-compressor-w8a8": ("simulated", {"tool": "llmcompressor", "option": "W8A8"}),
     "compress-int8": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0}),
-    "edgellm-int8_sq": ("edgellm", {"quantization": "int8_sq"}),
+    "edgellm-int8_sq": ("simulated", {"tool": "edgellm", "option": "int8_sq"}),
     "compress-fp8": ("compress", {"method": "fp8"}),
-    "edgellm-fp8": ("edgellm", {"quantization": "fp8"}),
-    "edgellm-int4_awq": ("edgellm", {"quantization": "int4_awq"}),
-    "edgellm-nvfp4": ("edgellm", {"quantization": "nvfp4"}),
+    "edgellm-fp8": ("simulated", {"tool": "edgellm", "option": "fp8"}),
+    "edgellm-int4_awq": ("simulated", {"tool": "edgellm", "option": "int4_awq"}),
+    "edgellm-nvfp4": ("simulated", {"tool": "edgellm", "option": "nvfp4"}),
 }
 
 _PEER = r'''
@@ -123,36 +128,64 @@ print(json.dumps({"linears": len(names)}))
 '''
 
 
-_EDGELLM = r'''
+# A quantizer that simulates activations too, run in its own environment and measured there on its own fake quantization
+# (its model's forward pass) by compress's fidelity code: this head, one tool's ``quantize(model)`` (returning the model and
+# how many linears it quantized; raising AssertionError for the tool's own refusal), then _MEASURED_TAIL.
+_MEASURED_HEAD = r'''
 import json, sys, time, warnings
 from pathlib import Path
 import torch
 warnings.filterwarnings("ignore")
-import modelopt.torch.quantization as mtq
 from transformers import AutoModelForCausalLM
-from tensorrt_edgellm.quantization.quantization_configs import build_quant_config
 from compress.eval.fidelity import compare_window_pairs
 
-teacher, work, quantization = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+teacher, work, option = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 calibration = torch.load(work / "windows.pt", weights_only=True)
 inputs = torch.load(work / "evaluation.pt", weights_only=True)
 torch.manual_seed(0)
 reference = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
 model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
+'''
+
+_EDGELLM = r'''
+import modelopt.torch.quantization as mtq
+from tensorrt_edgellm.quantization.quantization_configs import build_quant_config
+TOOL = "Model Optimizer"
 def calibrate(m):
     with torch.no_grad():
         for window in calibration:
             m(window[None])
+def quantize(model):
+    model = mtq.quantize(model, build_quant_config(option, None, None), forward_loop=calibrate)
+    return model, sum(1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
+'''
+
+# llm-compressor's documented W8A8 recipe (SmoothQuant 0.8, then GPTQ with the W8A8 preset: INT8 weights per channel,
+# activations INT8 per token, dynamic).
+_LLMCOMPRESSOR_W8A8 = r'''
+TOOL = "llm-compressor"
+def quantize(model):
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.quantization import GPTQModifier
+    from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+    data = Dataset.from_dict({"input_ids": calibration.tolist(), "attention_mask": torch.ones_like(calibration).tolist()})
+    recipe = [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(targets="Linear", scheme=option, ignore=["lm_head"])]
+    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=calibration.shape[1], num_calibration_samples=len(calibration))
+    model.eval()
+    return model, sum(1 for _, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None)
+'''
+
+_MEASURED_TAIL = r'''
 def measure(model):
     started = time.perf_counter()
-    model = mtq.quantize(model, build_quant_config(quantization, None, None), forward_loop=calibrate)
+    model, quantized = quantize(model)
     seconds = time.perf_counter() - started
-    quantized = sum(1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
     domains = [(name, windows) for name, windows in inputs["domains"]]
     rows = torch.cat([w for _, w in domains])
     with torch.no_grad():
         def pair(i):
-            return model(rows[i][None]).logits[0].numpy(), reference(rows[i][None]).logits[0].numpy()
+            return model(rows[i][None]).logits[0].float().numpy(), reference(rows[i][None]).logits[0].numpy()
         per_domain = compare_window_pairs(pair, domains, progress=False)
         answers = []
         for ids in inputs["prompts"]:
@@ -165,8 +198,8 @@ def measure(model):
     return {"per_domain": per_domain, "answers": answers, "quantized_linears": quantized, "seconds": seconds}
 try:
     print(json.dumps(measure(model)))
-except AssertionError as exc:  # Model Optimizer's own refusal (NVFP4's dynamic block quantization asks for CUDA)
-    print(json.dumps({"not_run": f"Model Optimizer: {exc}"}))
+except AssertionError as exc:  # the tool's own refusal (Model Optimizer's NVFP4 dynamic block quantization asks for CUDA)
+    print(json.dumps({"not_run": f"{TOOL}: {exc}"}))
 '''
 
 
@@ -226,17 +259,19 @@ def measure_row(folder: Path, teacher: Path) -> dict:
     return measure(folder, teacher, evaluation, ValidateConfig(), progress=False, unseen=unseen)
 
 
-def edgellm_row(quantization: str, teacher: Path, windows, out: Path) -> tuple[dict | None, float, str | None]:
-    """Edge-LLM's quantization of the teacher, measured in its own environment on Model Optimizer's fake quantization: the
-    metrics validation computes (its prompts compared here with the teacher's answers), the seconds, or why it did not run."""
+def simulated_row(tool: str, option: str, teacher: Path, windows, out: Path) -> tuple[dict | None, float, str | None]:
+    """A tool's quantization of the teacher (Edge-LLM's, or llm-compressor's W8A8), measured in its own environment on its
+    own fake quantization: the metrics validation computes (its prompts compared here with the teacher's answers), the
+    seconds, or why it did not run."""
     import torch
 
     from compress.eval.decoder import ValidateConfig, domain_quality, evaluation_windows, model_eos_ids, pad_id_of, teacher_answers
     from compress.eval.prompts import DEFAULT_PROMPTS, compare_answers, load_prompts, prompt_ids
     from compress.models.loading import load_tokenizer
 
-    if not EDGELLM_QUANT_PYTHON.is_file():
-        raise SystemExit(f"edgellm-{quantization}: {EDGELLM_QUANT_PYTHON} is missing; create it as this script's docstring says")
+    python, script = {"edgellm": (EDGELLM_QUANT_PYTHON, _EDGELLM), "llmcompressor": (PEERS_PYTHON, _LLMCOMPRESSOR_W8A8)}[tool]
+    if not python.is_file():
+        raise SystemExit(f"{tool} {option}: {python} is missing; create it as this script's docstring says")
     config, tokenizer = ValidateConfig(), load_tokenizer(teacher)
     evaluation, unseen = _evaluation()
     cases = load_prompts(DEFAULT_PROMPTS)
@@ -244,10 +279,10 @@ def edgellm_row(quantization: str, teacher: Path, windows, out: Path) -> tuple[d
     torch.save(windows, out / "windows.pt")
     torch.save({"domains": evaluation_windows(tokenizer, evaluation, config), "prompts": [prompt_ids(tokenizer, c.prompt) for c in cases],
                 "new_tokens": config.prompt_new_tokens, "eos": eos, "pad": pad_id_of(tokenizer, eos)}, out / "evaluation.pt")
-    proc = subprocess.run([str(EDGELLM_QUANT_PYTHON), "-c", _EDGELLM, str(teacher), str(out), quantization], capture_output=True,
-                          text=True, cwd=out, env={**os.environ, "PYTHONPATH": str(REPO)})
+    proc = subprocess.run([str(python), "-c", _MEASURED_HEAD + script + _MEASURED_TAIL, str(teacher), str(out), option],
+                          capture_output=True, text=True, cwd=out, env={**os.environ, "PYTHONPATH": str(REPO)})
     if proc.returncode != 0:
-        raise SystemExit(f"edgellm-{quantization} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{tool} {option} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if "not_run" in result:
         return None, 0.0, result["not_run"]
@@ -270,8 +305,8 @@ def main() -> None:
         subprocess.run(["rm", "-rf", str(out)], check=True)  # this script's own earlier row
         out.mkdir(parents=True)
         kind, options = ROWS[name]
-        if kind == "edgellm":
-            metrics, seconds, why = edgellm_row(options["quantization"], teacher, windows, out)
+        if kind == "simulated":
+            metrics, seconds, why = simulated_row(options["tool"], options["option"], teacher, windows, out)
             if metrics is None:
                 print(json.dumps({"row": name, "not_run": why}), flush=True)
                 results.append({"row": name, "not_run": why})
