@@ -310,6 +310,12 @@ def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputS
     return quantize_dequantize(weight, grid, clip)
 
 
+def _wants_hessian(config: QuantizeConfig) -> bool:
+    """Whether the format's weight search reads its input's Hessian (GPTQ, NVFP4's scale search, AWQ's clip on all tokens)."""
+    return (config.uses_gptq() or (config.method == "nvfp4" and config.nvfp4_scale_search)
+            or (config.uses_awq() and config.clip_tokens == "all"))
+
+
 def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str,
                    points: Collection[str] | None = None) -> dict[str, LinearQuant]:
     """Quantize one decoder block in place (``points``: only the linears reading these inputs, by activation point name);
@@ -324,9 +330,7 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
     rotated = family.point(family.rotated_point)
     block_size = rotation_block(linears[rotated.consumers[0]].in_features, config.rotation_limit())
     rotations = {rotated.name: block_size} if block_size and rotated in active else None
-    want_hessian = (config.uses_gptq() or (config.method == "nvfp4" and config.nvfp4_scale_search)
-                    or (config.uses_awq() and config.clip_tokens == "all"))
-    stats = collect_input_stats(block, inputs, points, want_hessian, per_window, rotations=rotations)
+    stats = collect_input_stats(block, inputs, points, _wants_hessian(config), per_window, rotations=rotations)
     migrations = _prepare_inputs(block, active, linears, stats, config, model_config)
     result: dict[str, LinearQuant] = {}
     for point in active:
@@ -436,10 +440,9 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
     stats = InputStats()
     generator = torch.Generator().manual_seed(0)
     per_window = max(1, config.sample_tokens // max(1, len(outputs)))
-    want_hessian = config.uses_gptq() or config.method == "nvfp4" or (config.uses_awq() and config.clip_tokens == "all")
     with torch.no_grad():
         for hidden in outputs:
-            stats.add(norm(hidden), want_hessian, per_window, generator)
+            stats.add(norm(hidden), _wants_hessian(config), per_window, generator)
     samples = stats.sample_matrix(config.sample_tokens)
     activation = config.activation_format()
     input_scale = activation_scale(samples, float(stats.absmax.max()), config.act_scale, activation) if activation else None
