@@ -33,6 +33,26 @@ def _quantized(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
     return out / "02_quantize" / "model"
 
 
+PLAN_CALIBRATION = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
+
+
+def _plan_quantized(tiny: Path, out: Path, points: dict, seed: int, head: str = "fp16") -> Path:
+    """``tiny`` quantized under a mixed plan (``points``: each block's formats, ``head``: the LM head's) into ``out``, with
+    its tokenizer."""
+    from compress.models.loading import load_tokenizer, save_side_files
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.decoder import quantize_folder
+    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
+
+    used = sorted(({name for block in points.values() for name in block.values()} | {head}) - {"fp16"})
+    plan = MixedPlan(points, candidate_configs(used, PLAN_CALIBRATION), head=head)
+    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(seed))
+    quantize_folder(tiny, out, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **PLAN_CALIBRATION}), progress=False,
+                    plan=plan)
+    save_side_files(load_tokenizer(tiny), tiny, out)
+    return out
+
+
 def _probe(checkpoint: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What Edge-LLM's loader holds after reading ``checkpoint`` (run in Edge-LLM's own environment)."""
     out = tmp_path / "probe.safetensors"
@@ -165,20 +185,11 @@ def test_a_mixed_precision_plan_is_read_by_edgellm_linear_by_linear_and_exported
     INT8 linears as W8A8 with our integers, INT4 ones as packed W4A16 with our integers, the rest as FP16; the exported
     bundle passes the custody check linear by linear."""
     from compress.backends.edgellm.bundle import export_bundle
-    from compress.models.loading import load_tokenizer, save_side_files
-    from compress.transforms.quantize.config import QUANTIZE_CONFIG
-    from compress.transforms.quantize.decoder import quantize_folder
-    from compress.transforms.quantize.mixed import FLOAT, MixedPlan, candidate_configs
+    from compress.transforms.quantize.mixed import FLOAT
 
-    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
-    plan = MixedPlan({0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
-                      1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}},
-                     candidate_configs(["int8", "int4"], shared))
-    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(4))
-    quantized = tmp_path / "quantized"
-    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
-                    plan=plan)
-    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    quantized = _plan_quantized(tiny_wide, tmp_path / "quantized", {
+        0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
+        1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}}, seed=4)
     summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
     quantization = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())["quantization"]
     assert summary.quant_algo == quantization["quant_algo"] == "MIXED_PRECISION"
@@ -204,19 +215,10 @@ def test_edgellm_misreads_int8_beside_nvfp4_so_a_plan_mixing_them_is_refused(tin
     exporting, naming the rule. This proves compress's refusal and custody check, not a TensorRT engine."""
     from compress.backends.edgellm.bundle import check_custody, export_bundle, run_export
     from compress.backends.edgellm.contracts import RULES
-    from compress.models.loading import load_tokenizer, save_side_files
-    from compress.transforms.quantize.config import QUANTIZE_CONFIG
-    from compress.transforms.quantize.decoder import quantize_folder
-    from compress.transforms.quantize.mixed import FLOAT, MixedPlan, candidate_configs
+    from compress.transforms.quantize.mixed import FLOAT
 
-    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
     points = {"attn_in": "nvfp4", "attn_out": FLOAT, "mlp_in": "int8", "mlp_hidden": FLOAT}
-    plan = MixedPlan({0: points, 1: points}, candidate_configs(["int8", "nvfp4"], shared))
-    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(5))
-    quantized = tmp_path / "quantized"
-    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
-                    plan=plan)
-    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    quantized = _plan_quantized(tiny_wide, tmp_path / "quantized", {0: points, 1: points}, seed=5)
     with pytest.raises(UsageError, match="mixes int8 and nvfp4.*reinterprets every int8 weight initializer"):
         export_bundle(quantized, tmp_path / "refused")
     assert not (tmp_path / "refused" / "checkpoint").exists()
@@ -243,19 +245,9 @@ def test_edgellm_loads_each_linear_of_a_mixed_plan_in_its_own_format(tiny_wide, 
     INT4 or FP16) and holds our FP8 values and packed FP4 codes; the set with NVFP4 also exports with every number in custody."""
     from compress.algorithms.formats import e2m1_codes, pack_fp4
     from compress.backends.edgellm.bundle import export_bundle
-    from compress.models.loading import load_tokenizer, save_side_files
-    from compress.transforms.quantize.config import QUANTIZE_CONFIG
-    from compress.transforms.quantize.decoder import quantize_folder
-    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
 
-    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
     used = sorted({name for block in points for name in block.values()} - {"fp16"})
-    plan = MixedPlan(dict(enumerate(points)), candidate_configs(used, shared))
-    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(6))
-    quantized = tmp_path / "quantized"
-    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
-                    plan=plan)
-    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    quantized = _plan_quantized(tiny_wide, tmp_path / "quantized", dict(enumerate(points)), seed=6)
     write_unified_checkpoint(quantized, tmp_path / "ckpt")
     loaded, metadata = _probe(tmp_path / "ckpt", tmp_path)
     _, linears = load_quantization(quantized)
@@ -286,19 +278,9 @@ def test_a_quantized_lm_head_is_built_by_edgellm_from_its_own_tensors_and_export
     loader builds the head in that format from our numbers (not from the embedding table) and the exported bundle holds
     them (custody compares lm_head's tensors too)."""
     from compress.backends.edgellm.bundle import export_bundle
-    from compress.models.loading import load_tokenizer, save_side_files
-    from compress.transforms.quantize.config import QUANTIZE_CONFIG
-    from compress.transforms.quantize.decoder import quantize_folder
-    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
 
-    shared = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 1, "sample_tokens": 128}
     points = {"attn_in": "int8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int8"}
-    plan = MixedPlan({0: points, 1: points}, candidate_configs(["int8", head], shared), head=head)
-    windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(7))
-    quantized = tmp_path / "quantized"
-    quantize_folder(tiny_wide, quantized, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False,
-                    plan=plan)
-    save_side_files(load_tokenizer(tiny_wide), tiny_wide, quantized)
+    quantized = _plan_quantized(tiny_wide, tmp_path / "quantized", {0: points, 1: points}, seed=7, head=head)
     write_unified_checkpoint(quantized, tmp_path / "ckpt")
     quantization = json.loads((tmp_path / "ckpt" / "hf_quant_config.json").read_text())["quantization"]
     assert "lm_head" not in quantization["exclude_modules"]
