@@ -434,9 +434,8 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
     calibrated as any linear's."""
     device = outputs[0].device
     norm = copy.deepcopy(head.norm).to(device=device, dtype=torch.float32)
-    linear = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device=device)
-    with torch.no_grad():
-        linear.weight.copy_(head.weight)
+    linear = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")  # no initialised copy
+    linear.weight = torch.nn.Parameter(head.weight.to(device=device, dtype=torch.float32, copy=True), requires_grad=False)
     stats = InputStats()
     generator = torch.Generator().manual_seed(0)
     per_window = max(1, config.sample_tokens // max(1, len(outputs)))
