@@ -78,6 +78,11 @@ def decoder_blocks(model) -> torch.nn.ModuleList:
     return model.model.layers
 
 
+def final_norm(model) -> torch.nn.Module:
+    """The norm between a causal LM's last decoder block and its LM head (every described family's ``model.model.norm``)."""
+    return model.model.norm
+
+
 def _getter(config: Any):
     return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
 

@@ -26,7 +26,7 @@ import torch
 
 from compress.algorithms import kv_cache
 from compress.models.compute import linear_in_row_slices
-from compress.models.families import decoder_blocks
+from compress.models.families import decoder_blocks, final_norm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.saved import (
     LinearQuant,
@@ -108,7 +108,7 @@ def window_logits(folder: Path, windows: torch.Tensor, device: torch.device | st
     with _kv_cache_simulated(model, meta):
         walk_blocks(model, windows, [visitor], device=device, progress=progress, desc=desc,
                     blocks=StreamedBlocks(model, reader, extra=visitor.weights))
-    norm = model.model.norm
+    norm = final_norm(model)
     materialize(norm, module_prefix(model, norm), reader, device=device, dtype=torch.float32)
     with torch.no_grad():
         hidden = [norm(h) for h in visitor.outputs]

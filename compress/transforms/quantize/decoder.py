@@ -43,7 +43,16 @@ from compress.algorithms.quant import activation_scale, awq_search_clip, awq_sea
 from compress.algorithms.rotation import rotate
 from compress.algorithms.stats import InputStats
 from compress.core.errors import UsageError
-from compress.models.families import ActivationPoint, Family, attention_geometry, decoder_blocks, family_of, linear_shapes, part_rows
+from compress.models.families import (
+    ActivationPoint,
+    Family,
+    attention_geometry,
+    decoder_blocks,
+    family_of,
+    final_norm,
+    linear_shapes,
+    part_rows,
+)
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.config import QuantizeConfig
 from compress.transforms.quantize.plan import FLOAT, MixedPlan
@@ -416,7 +425,7 @@ class LmHead:
 def lm_head_of(model, reader: CheckpointReader | None = None) -> LmHead:
     """``model``'s LM head and final norm; ``reader``: a model built empty, whose norm and head are read from its checkpoint
     (a tied head from its embedding table, already read)."""
-    norm, head = model.model.norm, model.get_output_embeddings()
+    norm, head = final_norm(model), model.get_output_embeddings()
     name = module_prefix(model, head)
     weight = head.weight.detach()
     if reader is not None:
