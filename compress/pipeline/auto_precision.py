@@ -153,7 +153,7 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     if len(format_sets) > 1:
         log.info("auto precision: one bundle holds %s", " or ".join("+".join(s) for s in format_sets))
     result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work,
-                                        format_sets)
+                                        format_sets, refine_rounds=config.refine_rounds)
     shutil.move(str(folder), str(out))
     shutil.rmtree(work, ignore_errors=True)
     shape = ModelShape.from_config(model_config)

@@ -189,7 +189,7 @@ def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
         front.annotate(reference["name"], (reference["predicted_decode_ms"], reference["predicted_kl"]), fontsize=7,
                        textcoords="offset points", xytext=(4, 4))
     for candidate in search["candidates"]:
-        colour = "#55A868" if candidate["passed"] else "#C44E52"
+        colour = "#55A868" if candidate["chosen"] else "#8FBF9A" if candidate["passed"] else "#C44E52"
         front.scatter([candidate["predicted_decode_ms"]], [candidate["predicted_kl"]], color=colour, s=50)
         front.annotate(f"plan {candidate['round']}: held-out {candidate['measured']['worst_increase_pct']:+.2f}%",
                        (candidate["predicted_decode_ms"], candidate["predicted_kl"]), fontsize=7, textcoords="offset points",
@@ -197,7 +197,7 @@ def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
     front.axhline(search["budget_kl"], color="black", linestyle="--", linewidth=0.8, label="first budget (predicted KL)")
     front.set_xlabel("predicted decode latency (ms/token)")
     front.set_ylabel("predicted KL to the teacher (nats/token)")
-    front.set_title("Plans measured (green: accepted) and uniform references", fontsize=9)
+    front.set_title("Plans measured (green: chosen; pale: held, slower) and uniform references", fontsize=9)
     front.legend(fontsize=7)
     plan = search["plan"]
     points = sorted({point for groups in plan.values() for point in groups})

@@ -49,8 +49,9 @@ def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_chec
     for row in quantize["search"]["sensitivity"]:
         assert ("int4" in row["kl"]) == (row["point"] == "mlp_hidden") and row["kl"][FLOAT] == 0.0
     assert sum(quantize["mix"].values()) == pytest.approx(1.0)
-    accepted = quantize["search"]["candidates"][-1]
-    assert accepted["passed"] and all(not c["passed"] for c in quantize["search"]["candidates"][:-1])
+    (accepted,) = [c for c in quantize["search"]["candidates"] if c["chosen"]]
+    assert accepted["passed"] and not any(c["passed"] for c in quantize["search"]["candidates"]
+                                          if c["predicted_cost"] < accepted["predicted_cost"])  # the fastest that held
     for candidate in quantize["search"]["candidates"]:  # a chat model: each plan's answers, and its expected answers
         measured = candidate["measured"]
         assert 0.0 <= measured["answer_prefix_agreement"] <= 1.0
@@ -88,7 +89,7 @@ def test_auto_on_thor_may_choose_fp8_and_nvfp4(tmp_path):
     # The LM head is a group too, in the formats Edge-LLM quantizes a head in (never INT8), and the gate predicts what ships.
     head = next(row for row in quantize["search"]["sensitivity"] if row["point"] == HEAD)
     assert set(head["kl"]) == {FLOAT, "int4", "fp8", "nvfp4"}
-    accepted = quantize["search"]["candidates"][-1]
+    (accepted,) = [c for c in quantize["search"]["candidates"] if c["chosen"]]
     assert accepted["lm_head"] == quantize["search"]["lm_head"] == _shipped_meta(out)["quantization"]["lm_head"]
     validate = json.loads((out / "06_validate" / "validation.json").read_text())
     assert accepted["predicted_memory_gb"] == pytest.approx(validate["predictions"]["chosen"]["memory_gb"], abs=6e-5)
@@ -123,7 +124,7 @@ def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp
 
     plan, folder, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
     assert "int4" in candidates[0].plan.quantized_formats() and not candidates[0].passed
-    assert candidates[-1].passed and "int4" not in plan.quantized_formats()
+    assert candidates[-1].passed and candidates[-1].chosen and "int4" not in plan.quantized_formats()
     assert [c.budget for c in candidates] == sorted((c.budget for c in candidates), reverse=True)  # each back-off halves it
     assert folder.is_dir() and not any(f.exists() for _, f in written[:-1])  # rejected plans leave nothing behind
 
@@ -142,6 +143,32 @@ def test_the_back_off_is_sized_by_how_far_over_its_limits_a_plan_measured(tmp_pa
     assert not candidates[0].passed and candidates[-1].passed
     assert candidates[1].budget == pytest.approx(0.03 * BACKOFF_SAFETY / 4)
     assert "int4" not in candidates[1].plan.quantized_formats() and candidates[1].plan.quantized_formats() == {"int8"}
+
+
+def test_an_overshooting_back_off_is_refined_to_the_fastest_plan_that_holds(tmp_path):
+    """INT4 fails anywhere past two groups; a back-off to a quarter of the budget lands on INT8 everywhere, which holds;
+    bisecting between the two budgets finds the plan with two INT4 groups, faster and held, and the search returns it."""
+    def quantize(plan, folder):
+        folder.mkdir(parents=True)
+        (folder / "int4").write_text(str(sum(f == "int4" for groups in plan.formats.values() for f in groups.values())))
+        return plan
+
+    def measure(folder):
+        overshoot = 5.0 if int((folder / "int4").read_text()) > 2 else 0.5
+        return overshoot <= 1, {"overshoot": overshoot}
+
+    plan, folder, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure,
+                                      work=tmp_path, refine_rounds=2)
+    first_pass = next(c for c in candidates if c.passed)
+    assert first_pass.plan.quantized_formats() == {"int8"} and not first_pass.chosen
+    (chosen,) = [c for c in candidates if c.chosen]
+    assert chosen.passed and chosen.predicted_cost < first_pass.predicted_cost and plan is chosen.plan
+    assert sum(f == "int4" for groups in plan.formats.values() for f in groups.values()) == 2
+    assert sum(not c.passed for c in candidates) <= 3 and len(candidates) <= 2 + 2  # two refinements at most
+    assert [f.name for f in tmp_path.iterdir()] == [folder.name]  # the slower accepted plan's folder is gone too
+    _, _, unrefined = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure,
+                             work=tmp_path / "unrefined")
+    assert unrefined[-1].chosen and unrefined[-1].plan.quantized_formats() == {"int8"}
 
 
 def test_a_search_that_never_passes_says_so(tmp_path):

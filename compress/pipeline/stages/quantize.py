@@ -136,7 +136,7 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
                          "kv_cache": "fp16", "mix": found["mix"], "lm_head": found["lm_head"]},
         "metrics": metrics,
     }
-    chosen = found["candidates"][-1]
+    chosen = next(c for c in found["candidates"] if c["chosen"])
     line = (f"a format per group: {', '.join(f'{count} {name}' for name, count in counts.items())}; predicted "
             f"{chosen['predicted_tokens_per_s']:.1f} tok/s; held-out worst domain {chosen['measured']['worst_domain']} "
             f"{chosen['measured']['worst_increase_pct']:+.2f}% after {len(found['candidates'])} measured plans")

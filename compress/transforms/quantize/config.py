@@ -274,6 +274,8 @@ class AutoConfig(QuantizeConfig):
     expect_prompts: NonNegativeInt = 32
     answer_tokens: PositiveInt = 32  # the teacher's greedy answer length to each of them
     max_rounds: PositiveInt = 5  # plans measured before the search gives up on quantizing anything
+    # Plans measured after a back-off, between the accepted budget and the last failed one, for a faster plan that holds.
+    refine_rounds: NonNegativeInt = 2
     lm_head: bool = True  # the LM head is a group too, in the formats the runtime quantizes it in (False: it stays FP16)
 
     def precision(self) -> Precision:

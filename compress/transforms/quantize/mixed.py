@@ -235,11 +235,12 @@ class Candidate:
     predicted_cost: float
     measured: dict[str, Any]
     passed: bool
+    chosen: bool = False  # the plan the search returned (the fastest that passed)
 
     def to_json(self) -> dict[str, Any]:
         return {"round": self.round, "budget_kl": self.budget, "predicted_kl": self.predicted_kl,
                 "predicted_cost": self.predicted_cost, "formats": self.plan.counts(), "measured": self.measured,
-                "passed": self.passed, "plan": self.plan.to_json(), "lm_head": self.plan.head}
+                "passed": self.passed, "chosen": self.chosen, "plan": self.plan.to_json(), "lm_head": self.plan.head}
 
 
 # A quantized folder -> (within the budgets?, its figures); the figures may hold "overshoot", how many times over its
@@ -272,37 +273,110 @@ def solve_apart(choices: dict[tuple[int, str], list[Choice]], budget: float,
 
 
 def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], budget: float, rounds: int,
-           quantize: Quantize, measure: Measure, work: Path,
-           format_sets: Sequence[Iterable[str]] | None = None) -> tuple[Any, Path, list[Candidate]]:
+           quantize: Quantize, measure: Measure, work: Path, format_sets: Sequence[Iterable[str]] | None = None,
+           refine_rounds: int = 0) -> tuple[Any, Path, list[Candidate]]:
     """The fastest plan the measurement accepts: solve under ``budget`` (within one of ``format_sets``, see
     :func:`solve_apart`), quantize, measure; on a failure shrink the budget (the groups that spend most of it for least
     gain go back to a wider format first) and try again, at most ``rounds`` plans. The budget shrinks in proportion to
     how far over its limits the plan measured (``BACKOFF_SAFETY / overshoot``: the predictions undercount by about that
-    much), by half when the measurement does not say. Returns the accepted plan's quantization, its folder (under
-    ``work``) and every candidate measured."""
-    candidates: list[Candidate] = []
-    seen: set[str] = set()
-    for attempt in range(rounds):
-        chosen = solve_apart(choices, budget, format_sets)
-        plan = MixedPlan.from_groups({group: choice.format for group, choice in chosen.items()}, configs)
-        key = json.dumps([plan.to_json(), plan.head], sort_keys=True)
-        if not plan.quantized_formats() or key in seen:
-            budget /= 2
-            if not plan.quantized_formats():
+    much), by half when the measurement does not say. A back-off can overshoot: with ``refine_rounds`` more plans the
+    search then bisects between the accepted budget and the last failed one, keeping any faster plan that holds.
+    Returns the chosen plan's quantization, its folder (under ``work``) and every candidate measured (the chosen one
+    marked)."""
+    trials = _Trials(choices, configs, quantize, measure, work, format_sets)
+    failed_budget: float | None = None
+    for _ in range(rounds):
+        outcome = trials.measure_at(budget)
+        if outcome is None:
+            if not trials.last_plan_quantizes:
                 break
-            continue
-        seen.add(key)
-        folder = work / f"candidate-{attempt + 1}"
-        result = quantize(plan, folder)
-        passed, figures = measure(folder)
-        candidates.append(Candidate(attempt + 1, budget, plan, sum(c.kl for c in chosen.values()),
-                                    sum(c.cost for c in chosen.values()), figures, passed))
+            budget /= 2
+        elif outcome.passed:
+            break
+        else:
+            failed_budget = budget
+            budget *= _backoff(outcome.measured)
+    if trials.chosen is None:
+        candidates = trials.candidates
+        raise StageError(f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
+                         f"{_describe(candidates[-1]) if candidates else 'nothing'}); use a uniform recipe or a larger margin")
+    if failed_budget is not None:
+        _refine(trials, budget, failed_budget, refine_rounds)
+    chosen = trials.chosen
+    chosen.candidate.chosen = True
+    return chosen.result, chosen.folder, trials.candidates
+
+
+REFINE_RESOLUTION = 0.02  # bisection stops when the failed and accepted budgets are this close (relative)
+
+
+def _refine(trials: _Trials, accepted_budget: float, failed_budget: float, rounds: int) -> None:
+    """Bisect between a budget whose plan held and a larger one whose plan did not, for a faster plan that holds: at most
+    ``rounds`` plans measured. A plan already measured moves the bound it measured as; one no faster than the chosen plan
+    moves the lower bound."""
+    low, high = accepted_budget, failed_budget
+    measured = 0
+    while measured < rounds and high - low > REFINE_RESOLUTION * high:
+        middle = (low + high) / 2
+        outcome = trials.measure_at(middle, faster_than=trials.chosen.candidate.predicted_cost)
+        if outcome is None:
+            passed = trials.last_verdict
+        else:
+            measured += 1
+            passed = outcome.passed
         if passed:
-            return result, folder, candidates
-        shutil.rmtree(folder)
-        budget *= _backoff(figures)
-    raise StageError(f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
-                     f"{_describe(candidates[-1]) if candidates else 'nothing'}); use a uniform recipe or a larger margin")
+            low = middle
+        else:
+            high = middle
+
+
+@dataclass
+class _Accepted:
+    candidate: Candidate
+    result: Any
+    folder: Path
+
+
+class _Trials:
+    """The plans a search has solved, quantized and measured: each plan measured once, rejected folders removed, the
+    fastest accepted one kept."""
+
+    def __init__(self, choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], quantize: Quantize,
+                 measure: Measure, work: Path, format_sets: Sequence[Iterable[str]] | None) -> None:
+        self.choices, self.configs, self.format_sets = choices, configs, format_sets
+        self.quantize, self.measure, self.work = quantize, measure, work
+        self.candidates: list[Candidate] = []
+        self.verdicts: dict[str, bool] = {}  # a plan's key -> whether it held
+        self.chosen: _Accepted | None = None
+        self.last_plan_quantizes = True
+        self.last_verdict = False
+        self.attempts = 0
+
+    def measure_at(self, budget: float, faster_than: float | None = None) -> Candidate | None:
+        """Solve under ``budget`` and measure the plan; ``None`` when it quantizes nothing, was measured before (then
+        ``last_verdict`` says how it measured) or is predicted no faster than ``faster_than`` (then it counts as held)."""
+        self.attempts += 1
+        chosen = solve_apart(self.choices, budget, self.format_sets)
+        plan = MixedPlan.from_groups({group: choice.format for group, choice in chosen.items()}, self.configs)
+        key = json.dumps([plan.to_json(), plan.head], sort_keys=True)
+        cost = sum(c.cost for c in chosen.values())
+        self.last_plan_quantizes = bool(plan.quantized_formats())
+        if not self.last_plan_quantizes or key in self.verdicts or (faster_than is not None and cost >= faster_than):
+            self.last_verdict = self.verdicts.get(key, True)
+            return None
+        folder = self.work / f"candidate-{self.attempts}"
+        result = self.quantize(plan, folder)
+        passed, figures = self.measure(folder)
+        candidate = Candidate(self.attempts, budget, plan, sum(c.kl for c in chosen.values()), cost, figures, passed)
+        self.candidates.append(candidate)
+        self.verdicts[key] = passed
+        if passed and (self.chosen is None or cost < self.chosen.candidate.predicted_cost):
+            if self.chosen is not None:
+                shutil.rmtree(self.chosen.folder)
+            self.chosen = _Accepted(candidate, result, folder)
+        else:
+            shutil.rmtree(folder)
+        return candidate
 
 
 def _backoff(figures: dict[str, Any]) -> float:
