@@ -98,6 +98,14 @@ def _nonzero(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == 0, torch.ones_like(scales), scales)
 
 
+ROWS_AT_A_TIME = 8192  # rows of a weight taken to float32 at a time where a whole copy would be large (a 150k-word LM head)
+
+
+def tensor_absmax(weights: list[torch.Tensor]) -> float:
+    """The largest absolute value over ``weights``, read a slice of rows at a time (no whole-size temporary)."""
+    return max(float(part.abs().max()) for w in weights for part in w.split(ROWS_AT_A_TIME))
+
+
 def expand_scales(scales: torch.Tensor, in_features: int) -> torch.Tensor:
     """Scales broadcast against an ``(out, in)`` weight: per tensor ``()``, per channel ``(out,)``, per group ``(out, groups)``."""
     if scales.dim() == 0:
@@ -162,16 +170,25 @@ class IntGrid:
 
 @dataclass(frozen=True)
 class Fp8Grid:
-    """FP8 E4M3 values; one FP16 scale per tensor, or per output channel with ``per_channel``."""
+    """FP8 E4M3 values; one FP16 scale per tensor, or per output channel with ``per_channel``.
+
+    A per-tensor grid bound to its weight keeps the weight's absolute maximum, so slices of rows share the whole
+    tensor's scale."""
 
     per_channel: bool = False
     group_size: int | None = None
+    absmax: float | None = None
 
     def bind(self, weights: list[torch.Tensor]) -> Fp8Grid:
-        return self
+        if self.per_channel or self.absmax is not None:
+            return self
+        return replace(self, absmax=tensor_absmax(weights))
 
     def scales(self, weight: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
-        absmax = weight.abs().amax(dim=1) if self.per_channel else weight.abs().amax()
+        if self.per_channel:
+            absmax = weight.abs().amax(dim=1)
+        else:
+            absmax = weight.abs().amax() if self.absmax is None else weight.new_tensor(self.absmax)
         scales = (absmax * clip).clamp(min=1e-8) / FP8_MAX
         return scales.half().float().clamp(min=_SMALLEST_FP16)
 
@@ -201,8 +218,7 @@ class Nvfp4Grid:
     def bind(self, weights: list[torch.Tensor]) -> Nvfp4Grid:
         if self.global_scale is not None:
             return self
-        absmax = max(float(w.abs().max()) for w in weights)
-        return replace(self, global_scale=max(absmax * self.global_shrink, 1e-12) / (FP4_MAX * FP8_MAX))
+        return replace(self, global_scale=max(tensor_absmax(weights) * self.global_shrink, 1e-12) / (FP4_MAX * FP8_MAX))
 
     def _global(self) -> float:
         if self.global_scale is None:

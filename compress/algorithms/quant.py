@@ -34,8 +34,11 @@ def quantize_dequantize_activation(x: torch.Tensor, scale: float, bits: int = 8)
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB (higher is better)."""
-    noise = (reference - approximation).double().pow(2).sum().item()
-    signal = reference.double().pow(2).sum().item()
+    return sqnr_of_energies(reference.double().pow(2).sum().item(), (reference - approximation).double().pow(2).sum().item())
+
+
+def sqnr_of_energies(signal: float, noise: float) -> float:
+    """:func:`sqnr_db` from the summed squares of the reference and of the error (summed over slices, say)."""
     if noise == 0:
         return math.inf
     return 10 * math.log10(max(signal, 1e-30) / noise)

@@ -32,14 +32,22 @@ import copy
 import logging
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from compress.algorithms import kv_cache
-from compress.algorithms.formats import ActivationFormat, Nvfp4Grid, WeightGrid, expand_scales, quantize_dequantize
-from compress.algorithms.quant import activation_scale, awq_search_clip, awq_search_scales, gptq_quantize, smoothquant_scales, sqnr_db
+from compress.algorithms.formats import ROWS_AT_A_TIME, ActivationFormat, Nvfp4Grid, WeightGrid, expand_scales, quantize_dequantize
+from compress.algorithms.quant import (
+    activation_scale,
+    awq_search_clip,
+    awq_search_scales,
+    gptq_quantize,
+    smoothquant_scales,
+    sqnr_db,
+    sqnr_of_energies,
+)
 from compress.algorithms.rotation import rotate
 from compress.algorithms.stats import InputStats
 from compress.core.errors import UsageError
@@ -56,7 +64,14 @@ from compress.models.families import (
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
 from compress.transforms.quantize.config import QuantizeConfig
 from compress.transforms.quantize.plan import FLOAT, MixedPlan
-from compress.transforms.quantize.saved import LinearQuant, QuantizedCheckpointWriter, QuantResult, attach_activation_quant, grid_levels
+from compress.transforms.quantize.saved import (
+    LEVEL_DTYPES,
+    LinearQuant,
+    QuantizedCheckpointWriter,
+    QuantResult,
+    attach_activation_quant,
+    grid_levels,
+)
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, collect_input_stats, walk_blocks
 
 log = logging.getLogger(__name__)
@@ -279,8 +294,10 @@ def _search_global_scale(weights: list[torch.Tensor], hessian: torch.Tensor) -> 
         grid = Nvfp4Grid(global_shrink=shrink).bind(weights)
         error = 0.0
         for w in weights:
-            delta = w - quantize_dequantize(w, grid)[0]
-            error += float(((delta @ hessian) * delta).sum())
+            for rows in w.split(ROWS_AT_A_TIME):  # a slice at a time in float32: the LM head's 150k rows included
+                rows = rows.to(hessian.dtype)
+                delta = rows - quantize_dequantize(rows, grid)[0]
+                error += float(((delta @ hessian) * delta).sum())
         if error < best[0]:
             best = (error, grid)
     return best[1]
@@ -381,6 +398,14 @@ def _input_basis(weight: torch.Tensor, migration: Migration) -> torch.Tensor:
     return rotate(weight, migration.rotation) if migration.rotation else weight
 
 
+def _stored(config: QuantizeConfig, dequantized: torch.Tensor, grid: WeightGrid, scales: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """An on-grid weight's stored levels, and the weight rebuilt from them: what is computed with from here on, as every
+    reader rebuilds it."""
+    levels = grid_levels(dequantized, grid, scales, config.weight_format())
+    return levels, grid.dequantize(levels.float(), expand_scales(scales.float(), dequantized.shape[1]))
+
+
 def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
                      input_scale: float | None, migration: Migration, index: int, grid: WeightGrid, search_clip: bool
                      ) -> LinearQuant:
@@ -391,9 +416,7 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: Inp
         dequantized, weight_scales = migration.gptq_weights[index]
     else:
         dequantized, weight_scales = _quantize_weight(config, weight, stats, grid, search_clip)
-    # What is stored is the levels; the weight computed with from here on is rebuilt from them, as every reader rebuilds it.
-    levels = grid_levels(dequantized, grid, weight_scales, config.weight_format())
-    dequantized = grid.dequantize(levels.float(), expand_scales(weight_scales.float(), weight.shape[1]))
+    levels, dequantized = _stored(config, dequantized, grid, weight_scales)
     activation = config.activation_format()
     x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
     reference, output = samples @ weight.T, x_q @ dequantized.T
@@ -440,11 +463,11 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
 
     No migration: the only producer to fold scales into is the final norm, and a quantized head is shipped as a linear
     of its own (untied), so its weight is simply taken to its grid with the format's weight search and its input scale
-    calibrated as any linear's."""
+    calibrated as any linear's. A slice of rows at a time (``ROWS_AT_A_TIME``): once the input's statistics and the grid's
+    per-tensor scale are fixed, every weight search treats rows independently, so a 150k-word head never has a float32
+    copy whole."""
     device = outputs[0].device
     norm = copy.deepcopy(head.norm).to(device=device, dtype=torch.float32)
-    linear = torch.nn.Linear(head.weight.shape[1], head.weight.shape[0], bias=False, device="meta")  # no initialised copy
-    linear.weight = torch.nn.Parameter(head.weight.to(device=device, dtype=torch.float32, copy=True), requires_grad=False)
     stats = InputStats()
     generator = torch.Generator().manual_seed(0)
     per_window = max(1, config.sample_tokens // max(1, len(outputs)))
@@ -454,8 +477,46 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
     samples = stats.sample_matrix(config.sample_tokens)
     activation = config.activation_format()
     input_scale = activation_scale(samples, float(stats.absmax.max()), config.act_scale, activation) if activation else None
-    grid = _consumer_grids(config, [linear.weight.detach()], stats)[0]
-    return _quantize_linear(config, linear, stats, samples, input_scale, Migration(), 0, grid, search_clip=True)
+    grid = _consumer_grids(config, [head.weight], stats)[0].bind([head.weight])
+    x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
+    fallback = input_scale is not None and config.float_activations_below_db is not None
+    levels = torch.empty(head.weight.shape, dtype=LEVEL_DTYPES[config.weight_format()])
+    scales: list[torch.Tensor] = []
+    error, float_error = _OutputError(), _OutputError()
+    for start in range(0, head.weight.shape[0], ROWS_AT_A_TIME):
+        weight = head.weight[start:start + ROWS_AT_A_TIME].to(device=device, dtype=torch.float32)
+        dequantized, weight_scales = _quantize_weight(config, weight, stats, grid, search_clip=True)
+        rows, dequantized = _stored(config, dequantized, grid, weight_scales)
+        levels[start:start + rows.shape[0]] = rows.cpu()
+        scales.append(weight_scales.cpu())
+        reference = samples @ weight.T
+        error.add(reference, x_q @ dequantized.T)
+        if fallback:
+            float_error.add(reference, samples @ dequantized.T)
+    if fallback and error.sqnr_db() < config.float_activations_below_db:
+        input_scale, error = None, float_error  # as any linear: quantized weights, float inputs
+    weight_scales = scales[0] if scales[0].dim() == 0 else torch.cat(scales)  # one per-tensor scale, or one per row
+    return LinearQuant(weight_scales, input_scale, error.sqnr_db(), global_scale=getattr(grid, "global_scale", None),
+                       input_format=activation.name if activation else "int8", levels=levels, precision=config.precision().name,
+                       group_size=config.scheme()[2], output_mse=torch.cat(error.mse))
+
+
+@dataclass
+class _OutputError:
+    """A linear's output error summed over slices of its rows: the SQNR and each output's mean squared error."""
+
+    signal: float = 0.0
+    noise: float = 0.0
+    mse: list[torch.Tensor] = field(default_factory=list)
+
+    def add(self, reference: torch.Tensor, output: torch.Tensor) -> None:
+        difference = output - reference
+        self.signal += reference.double().pow(2).sum().item()
+        self.noise += difference.double().pow(2).sum().item()
+        self.mse.append(difference.pow(2).mean(0).cpu())
+
+    def sqnr_db(self) -> float:
+        return sqnr_of_energies(self.signal, self.noise)
 
 
 class _Quantizer(BlockVisitor):

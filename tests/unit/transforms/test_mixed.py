@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 import random
 
 import pytest
@@ -230,3 +231,59 @@ def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
     for index, row in enumerate(windows):
         onnx_logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
         assert float(np.abs(onnx_logits - measured.logits(index)).max()) < 0.05 * float(np.abs(measured.logits(index)).max())
+
+
+def _head_inputs(model, windows) -> list[torch.Tensor]:
+    """The last decoder block's outputs on ``windows`` (what the head's quantizer reads, before the final norm)."""
+    outputs = []
+    handle = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        for row in windows:
+            model(row[None])
+    handle.remove()
+    return [o.float() for o in outputs]
+
+
+class _LargestFloat32(torch.utils._python_dispatch.TorchDispatchMode):
+    """The most elements any float32 tensor an operation returns holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.dtype == torch.float32:
+                self.largest = max(self.largest, tensor.numel())
+        return out
+
+
+@pytest.mark.parametrize("head_format", ["fp8", "int4", "nvfp4"])
+def test_the_lm_head_is_quantized_a_slice_of_rows_at_a_time_with_the_numbers_of_the_whole(wide, windows, monkeypatch,
+                                                                                        head_format):
+    """Rows are independent once the input statistics and per-tensor scales are fixed: slices of 24 rows (the last one
+    ragged) give the levels and scales of the whole head, and no float32 tensor the size of the head is ever made."""
+    from compress.transforms.quantize import decoder
+
+    model = load_causal_lm(wide)
+    head = decoder.lm_head_of(model)
+    head.weight = head.weight.detach().to(torch.bfloat16)  # as a real checkpoint stores it
+    outputs = _head_inputs(model, windows)
+    config = candidate_configs([head_format], SHARED)[head_format]
+    whole = decoder.quantize_head(head, outputs, config)
+    monkeypatch.setattr(decoder, "ROWS_AT_A_TIME", 24)
+    assert head.weight.shape[0] % 24 != 0
+    with _LargestFloat32() as largest:
+        sliced = decoder.quantize_head(head, outputs, config)
+    assert largest.largest < head.weight.numel() / 2, largest.largest
+    assert sliced.levels.shape == whole.levels.shape == head.weight.shape and sliced.levels.dtype == whole.levels.dtype
+    same = (sliced.levels.float() == whole.levels.float()).float().mean().item()
+    if head_format == "fp8":  # round to nearest under one per-tensor scale: exactly the same numbers
+        assert same == 1.0 and torch.equal(sliced.weight_scales, whole.weight_scales) and sliced.weight_scales.dim() == 0
+    else:  # GPTQ's row updates go through matrix products whose float order may differ with the slice's height
+        assert same > 0.995, same
+        torch.testing.assert_close(sliced.weight_scales, whole.weight_scales, rtol=0.02, atol=1e-6)
+    assert sliced.global_scale == whole.global_scale and sliced.input_scale == whole.input_scale
+    assert sliced.sqnr_db == pytest.approx(whole.sqnr_db, abs=0.05) and math.isfinite(sliced.sqnr_db)
+    assert sliced.output_mse.shape == (head.weight.shape[0],)
