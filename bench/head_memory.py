@@ -45,7 +45,7 @@ layers = json.loads((folder / "config.json").read_text())["num_hidden_layers"]
 formats = ["fp8"] + ([head] if head not in ("fp16", "fp8") else [])
 points = {"attn_in": FLOAT, "attn_out": FLOAT, "mlp_in": FLOAT, "mlp_hidden": "fp8"}
 plan = MixedPlan({index: dict(points) for index in range(layers)}, candidate_configs(formats, shared),
-                 head=None if head == "fp16" else head)
+                 head=FLOAT if head == "fp16" else head)
 windows = calibration_windows(load_tokenizer(folder), load_calibration(DEFAULT_CALIBRATION), 256, 8, min_tokens=1)
 started = time.perf_counter()
 quantize_folder(folder, out, windows, config, progress=False, plan=plan)
@@ -67,7 +67,8 @@ def quantize(folder: Path, head: str, code: Path, label: str) -> dict:
     proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), head],
                           cwd=code, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(code)})
     if proc.returncode != 0:
-        return {"head": head, "code": label, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+        program = proc.stderr.split("\tCommand being timed:")[0].strip().splitlines()  # before /usr/bin/time's own lines
+        return {"head": head, "code": label, "error": (program or ["?"])[-1]}
     peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     subprocess.run(["rm", "-rf", str(out)], check=True)

@@ -15,7 +15,8 @@ absolute maxima through the same function.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, AttentionMaskInterface
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from compress.algorithms.formats import FP8_MAX, round_fp8
@@ -38,6 +39,10 @@ def _fp8_kv_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 AttentionInterface.register(KV_ATTENTION, _fp8_kv_attention)
+# transformers builds a model's masks with the mask function registered under its attention's name, and builds none
+# for a name it has none for (then every layer attends causally over everything: a sliding layer's band is lost).
+# The wrapped implementation is SDPA (route_attention refuses any other), so its masks are SDPA's.
+AttentionMaskInterface.register(KV_ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
 
 
 def kv_scale(amax: float) -> float:
@@ -50,9 +55,8 @@ def route_attention(model) -> None:
     inner = model.config._attn_implementation
     if inner == KV_ATTENTION:
         return
-    if inner not in ALL_ATTENTION_FUNCTIONS:
-        raise UsageError(f"an FP8 KV cache needs one of transformers' registered attention implementations (sdpa), the model "
-                         f"uses {inner!r}")
+    if inner != "sdpa":
+        raise UsageError(f"an FP8 KV cache is simulated around transformers' SDPA attention, and the model uses {inner!r}")
     for block in decoder_blocks(model):
         block.self_attn.compress_kv_inner = inner
     model.config._attn_implementation = KV_ATTENTION

@@ -146,7 +146,8 @@ PHI3_POINTS = _points(("self_attn.qkv_proj",), ("self_attn.qkv_proj", "v"), ("ml
 
 FAMILIES = {
     "llama": Family(("llama",), LLAMA_POINTS, "mlp_hidden"),
-    "mistral": Family(("mistral",), LLAMA_POINTS, "mlp_hidden", sliding_window_key="sliding_window"),
+    # transformers loads a Mistral folder with a sliding window as Ministral (the same blocks, with layer_types)
+    "mistral": Family(("mistral", "ministral"), LLAMA_POINTS, "mlp_hidden", sliding_window_key="sliding_window"),
     "qwen2": Family(("qwen2",), LLAMA_POINTS, "mlp_hidden", qkv_bias=True, sliding_window_key="sliding_window"),
     "qwen3": Family(("qwen3",), LLAMA_POINTS, "mlp_hidden", qk_norm=True, sliding_window_key="sliding_window"),
     "gemma3": Family(("gemma3_text",), GEMMA3_POINTS, "mlp_hidden", norm_offset=1.0, qk_norm=True,
@@ -207,16 +208,22 @@ def is_decoder_linear(module: str, family: Family) -> bool:
     return ".layers." in module and module.split(".layers.", 1)[1].split(".", 1)[-1] in family.linears()
 
 
-def sliding_layers(config: dict[str, Any]) -> int:
-    """How many layers attend through a sliding window (0 when the family or config has none)."""
+def sliding_layer_indices(config: dict[str, Any]) -> list[int]:
+    """The layers that attend through a sliding window, as transformers runs the config (none when the family or config
+    has no window; every layer when a window is set and ``layer_types`` does not say otherwise)."""
     family = family_of(config)
     key = family.sliding_window_key
     if not key or not config.get(key) or not config.get("use_sliding_window", True):
-        return 0
+        return []
     layer_types = config.get("layer_types")
     if layer_types:
-        return sum(kind == "sliding_attention" for kind in layer_types)
-    return int(config["num_hidden_layers"])
+        return [index for index, kind in enumerate(layer_types) if kind == "sliding_attention"]
+    return list(range(int(config["num_hidden_layers"])))
+
+
+def sliding_layers(config: dict[str, Any]) -> int:
+    """How many layers attend through a sliding window (0 when the family or config has none)."""
+    return len(sliding_layer_indices(config))
 
 
 def attention_window(config: dict[str, Any]) -> int | None:

@@ -161,7 +161,7 @@ def test_undescribed_families_are_refused_and_a_window_shorter_than_the_context_
     transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(gpt2)
     assert main(["run", "target=jetson-orin", "recipe=int8", f"model={gpt2}", f"out={tmp_path / 'a'}"]) == 2
     assert "model_type 'gpt2' is not a decoder family compress describes " \
-        "(supported: gemma3_text, llama, mistral, phi3, qwen2, qwen3)" in capsys.readouterr().err
+        "(supported: gemma3_text, llama, ministral, mistral, phi3, qwen2, qwen3)" in capsys.readouterr().err
     mistral = build_tiny_llama(tmp_path / "mistral", layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128, family="mistral")
     config = json.loads((mistral / "config.json").read_text())
     config["sliding_window"] = 512
@@ -171,10 +171,11 @@ def test_undescribed_families_are_refused_and_a_window_shorter_than_the_context_
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize("family", ["mistral", "gemma3"])
-def test_sliding_window_layers_are_exported_with_their_banded_mask(family, tmp_path):
-    """At a context three times the window, ONNX Runtime computes what transformers computes (prefill logits, and greedy
-    decoding through the KV cache), and that is not what full attention would give: the band is in the graph."""
+@pytest.mark.parametrize(("family", "exporter"), [("mistral", "torchscript"), ("gemma3", "torchscript"), ("gemma3", "dynamo")])
+def test_sliding_window_layers_are_exported_with_their_banded_mask(family, exporter, tmp_path):
+    """At a context three times the window, ONNX Runtime computes what transformers computes (prefill logits, greedy
+    decoding and chunked prefill through the KV cache), and that is not what full attention would give: the band is in
+    the graph. A sliding layer's cache stops at its window."""
     from compress.backends.onnx.export import export_decoder_folder
     from compress.backends.onnx.runtime import OnnxDecoder
 
@@ -182,7 +183,7 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, tmp_p
     options = {"layer_types": None} if family == "mistral" else {}  # Mistral: every layer slides
     folder = build_tiny_llama(tmp_path / "model", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, family=family,
                               sliding_window=window, chat_template=True, **options)
-    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    export_decoder_folder(folder, tmp_path / "onnx", exporter=exporter, parity_new_tokens=2)
     decoder = OnnxDecoder(tmp_path / "onnx")
     model = load_causal_lm(folder)
     ids = torch.randint(0, 400, (1, 3 * window), generator=torch.Generator().manual_seed(1))
@@ -199,6 +200,13 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, tmp_p
     expected = model.generate(ids[:, :window], max_new_tokens=2 * window, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, window:].tolist()
     assert decoder.greedy(prompt, 2 * window) == expected
+    # Five tokens at a time through the cache: each chunk sees the sliding layers' last window - 1 positions only.
+    chunked = np.concatenate([logits for _, logits in decoder.logits_in_chunks(ids.numpy(), 5)], axis=1)
+    assert float(np.abs(chunked - sliding).max()) < 1e-4 * scale
+    _, past = decoder.forward(ids.numpy(), np.ones_like(ids.numpy()), decoder.empty_past(1))
+    slides = set(decoder.layout.sliding_layers)
+    assert slides == ({0, 1, 2, 3} if family == "mistral" else {0, 2})
+    assert [tensor.shape[2] for tensor in past] == [window - 1 if i // 2 in slides else 3 * window for i in range(8)]
 
 
 GGUF_MODELS = {  # family: (build options, what transformers' GGUF reader alone gets wrong)

@@ -73,8 +73,9 @@ def trace_decoder(wrapper: torch.nn.Module, layout: DecoderLayout, example: tupl
     outputs = ["logits", *present_names(layout.num_layers)]
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
             "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
-    axes.update({name: {0: "batch", 2: "past"} for name in inputs[3:]})
-    axes.update({name: {0: "batch", 2: "total"} for name in outputs[1:]})
+    sliding = {index for index in range(2 * layout.num_layers) if index // 2 in layout.sliding_layers}
+    axes.update({name: {0: "batch", 2: "window_past" if index in sliding else "past"} for index, name in enumerate(inputs[3:])})
+    axes.update({name: {0: "batch", 2: "window" if index in sliding else "total"} for index, name in enumerate(outputs[1:])})
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(_WeightsAsInputs(wrapper, list(parameters)), (*example, *parameters.values()), str(path),

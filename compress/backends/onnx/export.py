@@ -31,7 +31,7 @@ from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, appl
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
 from compress.core.files import atomic_write_json
 from compress.core.memory import phase_peak
-from compress.models.families import attention_geometry
+from compress.models.families import attention_geometry, attention_window, sliding_layer_indices
 from compress.models.loading import chat_prompt_ids, load_tokenizer
 from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.saved import (
@@ -51,14 +51,19 @@ _SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "token
 class _DecoderWithCache(torch.nn.Module):
     """Flat tensors in and out, so the exporter sees a plain function of the KV cache.
 
-    Every layer's cache holds every past position, sliding-window layers included (no config is given to the cache,
-    so none is cropped to its window): transformers then masks a sliding layer with its banded mask over the whole
-    cache, which the graph computes for any length, and every layer's cache has the length the attention mask has.
+    A full-attention layer's cache holds every past position; a sliding layer's holds its last ``sliding_window - 1``
+    (all its next token can see), so its memory stops growing at the window. With sliding layers the wrapper gives
+    transformers its own masks (:func:`attention_masks`), because transformers would take every layer's cache for as long
+    as the attention mask; without, transformers builds its causal mask from the 2-D one.
     """
 
     def __init__(self, model) -> None:
         super().__init__()
         self.model = model
+        config = model.config.to_dict()
+        self.sliding = sliding_layer_indices(config)
+        self.window = attention_window(config) or 0
+        self.every_layer_slides = len(self.sliding) == config["num_hidden_layers"]
 
     def forward(self, input_ids, attention_mask, position_ids, *past):
         from transformers import DynamicCache
@@ -66,19 +71,51 @@ class _DecoderWithCache(torch.nn.Module):
         cache = DynamicCache()
         for layer in range(len(past) // 2):
             cache.update(past[2 * layer], past[2 * layer + 1], layer)
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=True)
+        mask = self._masks(attention_mask, input_ids.shape[1], past) if self.sliding else attention_mask
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, past_key_values=cache,
+                         use_cache=True)
         flat = [out.logits]
-        for layer in out.past_key_values.layers:
-            flat.extend((layer.keys, layer.values))
+        for index, layer in enumerate(out.past_key_values.layers):
+            if index in self.sliding:
+                flat.extend((layer.keys[:, :, 1 - self.window:], layer.values[:, :, 1 - self.window:]))
+            else:
+                flat.extend((layer.keys, layer.values))
         return tuple(flat)
+
+    def _masks(self, attention_mask, new_tokens: int, past: tuple):
+        window_past = past[2 * self.sliding[0]]
+        full, sliding = attention_masks(attention_mask, new_tokens, window_past.shape[2], self.window, window_past.dtype)
+        return sliding if self.every_layer_slides else {"full_attention": full, "sliding_attention": sliding}
+
+
+def attention_masks(attention_mask: torch.Tensor, new_tokens: int, window_past, window: int,
+                    dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Additive 4-D masks ``(batch, 1, new_tokens, keys)`` for a full layer (keys: every position of ``attention_mask``)
+    and a sliding layer (keys: the last ``window_past`` past positions, then the new tokens).
+
+    A key is seen when ``attention_mask`` keeps it, it is not after the query and, in a sliding layer, fewer than
+    ``window`` positions before it; positions are the mask's columns, as transformers counts them."""
+    device = attention_mask.device
+    first_new = attention_mask.shape[1] - new_tokens
+    columns = torch.arange(attention_mask.shape[1], device=device)
+    queries = torch.arange(new_tokens, device=device) + first_new
+    keys = torch.cat([torch.arange(window_past, device=device) + (first_new - window_past), queries])
+    queries = queries[:, None]
+    keep = attention_mask.bool()
+    full = keep[:, None, None, :] & (columns[None, :] <= queries)
+    sliding = keep.index_select(1, keys)[:, None, None, :] & (keys[None, :] <= queries) & (keys[None, :] > queries - window)
+    seen, hidden = torch.tensor(0.0, dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
+    return torch.where(full, seen, hidden), torch.where(sliding, seen, hidden)
 
 
 def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = False, fp4_weights: bool = False) -> DecoderLayout:
-    """KV-cache layout of a decoder: KV heads per layer and head size (head pruning keeps every KV head)."""
+    """KV-cache layout of a decoder: KV heads per layer and head size (head pruning keeps every KV head), and the layers
+    whose cache keeps only their window."""
     cfg = model.config
     _, kv, head_dim = attention_geometry(cfg)
-    return DecoderLayout(cfg.num_hidden_layers, [kv] * cfg.num_hidden_layers, head_dim, eos_token_ids, int8_activations, fp4_weights)
+    config = cfg.to_dict()
+    return DecoderLayout(cfg.num_hidden_layers, [kv] * cfg.num_hidden_layers, head_dim, eos_token_ids, int8_activations,
+                         fp4_weights, attention_window(config) or 0, tuple(sliding_layer_indices(config)))
 
 
 def write_qdq(graph_model, model, linears: dict) -> dict:
@@ -97,7 +134,8 @@ def _example_inputs(layout: DecoderLayout, batch: int = 2, seq: int = 5, past: i
     ids = torch.randint(0, 100, (batch, seq))
     mask = torch.ones(batch, past + seq, dtype=torch.long)
     positions = torch.arange(past, past + seq).expand(batch, seq)
-    cache = [torch.zeros(batch, layout.num_kv_heads[i // 2], past, layout.head_dim) for i in range(2 * layout.num_layers)]
+    cache = [torch.zeros(batch, layout.num_kv_heads[i // 2], layout.cache_length(i // 2, past), layout.head_dim)
+             for i in range(2 * layout.num_layers)]
     return (ids, mask, positions, *cache)
 
 
@@ -112,9 +150,9 @@ def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "to
     inputs = ["input_ids", "attention_mask", "position_ids", *past_names(layout.num_layers)]
     outputs = ["logits", *present_names(layout.num_layers)]
     batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
-    total = torch.export.Dim("total")
+    total, window_past = torch.export.Dim("total"), torch.export.Dim("window_past")
     shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
-              tuple({0: batch, 2: past} for _ in range(2 * layout.num_layers)))
+              tuple({0: batch, 2: window_past if i // 2 in layout.sliding_layers else past} for i in range(2 * layout.num_layers)))
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,

@@ -309,8 +309,9 @@ def apply_kv_cache_qdq(model: onnx.ModelProto, scales: dict[int, tuple[float, fl
     """Round each layer's new keys and values to FP8 under its ``(k_scale, v_scale)`` before they join the cache.
 
     ``present.{i}.key`` is the concatenation of the past (already rounded by the step that produced
-    it) and the new tokens' keys; a FP8 Q/DQ pair on the new part makes every cached value, and what
-    attention reads, an FP8 value times the scale. Returns the number of pairs written.
+    it) and the new tokens' keys (a sliding layer's, its last positions sliced from it); a FP8 Q/DQ pair on
+    the new part makes every cached value, and what attention reads, an FP8 value times the scale.
+    Returns the number of pairs written.
     """
     graph = model.graph
     nodes = []
@@ -323,7 +324,7 @@ def apply_kv_cache_qdq(model: onnx.ModelProto, scales: dict[int, tuple[float, fl
     for layer, layer_scales in sorted(scales.items()):
         for part, scale in zip(("key", "value"), layer_scales, strict=True):
             position = producer.get(f"present.{layer}.{part}")
-            while position is not None and nodes[position].op_type == "Identity":
+            while position is not None and nodes[position].op_type in ("Identity", "Slice"):
                 position = producer.get(nodes[position].input[0])
             concat = nodes[position] if position is not None else None
             if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:

@@ -31,16 +31,24 @@ class DecoderLayout:
     eos_token_ids: list[int]
     int8_activations: bool = False
     fp4_weights: bool = False  # NVFP4 weights stored as FLOAT4E2M1, which ONNX Runtime's CPU kernels do not read
+    sliding_window: int = 0  # the tokens a sliding layer attends over (itself included); 0 when no layer slides
+    sliding_layers: tuple[int, ...] = ()  # layers whose cache keeps only their last sliding_window - 1 positions
 
     @classmethod
     def load(cls, folder: Path) -> DecoderLayout:
         data = json.loads((Path(folder) / LAYOUT_FILE).read_text(encoding="utf-8"))
         return cls(data["num_layers"], list(data["num_kv_heads"]), data["head_dim"], list(data.get("eos_token_ids", [])),
-                   bool(data.get("int8_activations", False)), bool(data.get("fp4_weights", False)))
+                   bool(data.get("int8_activations", False)), bool(data.get("fp4_weights", False)),
+                   int(data.get("sliding_window", 0)), tuple(data.get("sliding_layers", ())))
 
     def to_json(self) -> dict:
         return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "eos_token_ids": self.eos_token_ids, "int8_activations": self.int8_activations, "fp4_weights": self.fp4_weights}
+                "eos_token_ids": self.eos_token_ids, "int8_activations": self.int8_activations, "fp4_weights": self.fp4_weights,
+                "sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
+
+    def cache_length(self, layer: int, past: int) -> int:
+        """How many positions ``layer``'s cache holds after ``past`` tokens: a sliding layer only its window's."""
+        return min(past, self.sliding_window - 1) if layer in self.sliding_layers else past
 
 
 def past_names(num_layers: int) -> list[str]:
@@ -152,8 +160,9 @@ class OnnxDecoder:
                 for i in range(2 * self.layout.num_layers)]
 
     def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One step: logits for ``input_ids`` and the grown cache. ``attention_mask`` covers past + new tokens."""
-        past_len = past[0].shape[2]
+        """One step: logits for ``input_ids`` and the grown cache. ``attention_mask`` covers past + new tokens (a sliding
+        layer's cache holds fewer)."""
+        past_len = attention_mask.shape[1] - input_ids.shape[1]
         positions = np.clip(np.cumsum(attention_mask, axis=-1) - 1, 0, None)[:, past_len:]
         feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
                 "position_ids": positions.astype(np.int64)}

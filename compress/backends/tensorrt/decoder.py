@@ -26,7 +26,9 @@ class TrtDecoder:
         self._past = past_names(layout.num_layers)
         self._present = present_names(layout.num_layers)
         self.max_batch = max(ranges["input_ids"][2][0] for ranges in self.session.profile_ranges)
-        self.context_length = max(ranges[self._past[0]][2][2] for ranges in self.session.profile_ranges) + 1
+        # the longest cache a profile's largest step follows, plus that step's one token (a sliding layer's cache is shorter)
+        self.context_length = max(ranges["attention_mask"][2][1] - ranges["input_ids"][2][1] + 1
+                                  for ranges in self.session.profile_ranges)
 
     def empty_past(self, batch: int) -> list[DeviceArray]:
         """An empty cache for ``batch`` sequences (each tensor still has its own device address)."""
@@ -37,7 +39,7 @@ class TrtDecoder:
         """One step: new tokens ``(batch, seq)``, the mask over cache and new tokens; returns logits and the grown cache."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         attention_mask = np.asarray(attention_mask, dtype=np.int64)
-        past_len = past[0].shape[2]
+        past_len = attention_mask.shape[1] - input_ids.shape[1]  # a sliding layer's cache holds fewer
         positions = np.clip(attention_mask.cumsum(-1) - 1, 0, None)[:, past_len:]
         outputs = self.session.run({"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": positions,
                                     **dict(zip(self._past, past, strict=True))})

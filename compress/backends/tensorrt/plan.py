@@ -134,7 +134,7 @@ def _decoder_point(layout: DecoderLayout, batch: int, seq: int, past: int) -> di
     """Every input's shape for one step of ``seq`` new tokens after ``past`` cached ones: the mask spans both."""
     shapes = {"input_ids": (batch, seq), "attention_mask": (batch, past + seq), "position_ids": (batch, seq)}
     for index, name in enumerate(past_names(layout.num_layers)):
-        shapes[name] = (batch, layout.num_kv_heads[index // 2], past, layout.head_dim)
+        shapes[name] = (batch, layout.num_kv_heads[index // 2], layout.cache_length(index // 2, past), layout.head_dim)
     return shapes
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from compress.backends.onnx.runtime import DecoderLayout
+from compress.backends.onnx.runtime import LAYOUT_FILE, DecoderLayout
 from compress.backends.tensorrt.builder import cuda_device, local_build_support, tensorrt_version
 from compress.backends.tensorrt.plan import BuildPlan, make_plan
 from compress.backends.tensorrt.static_check import check_onnx_for_target
@@ -28,14 +28,31 @@ def _graph(nodes, inits=(), opset=21):
 
 
 def _consistent(profile, layout=LAYOUT) -> bool:
-    """Every point of a decoder profile is a real step: mask = cache + new tokens, one batch size throughout."""
+    """Every point of a decoder profile is a real step: mask = past + new tokens, each layer's cache as long as the layout
+    keeps after that past (a sliding layer's capped at its window), one batch size throughout."""
     shapes = {s.name: s for s in profile.shapes}
     for kind in ("min", "opt", "max"):
         ids, mask = getattr(shapes["input_ids"], kind), getattr(shapes["attention_mask"], kind)
         past = [getattr(shapes[f"past_key_values.{i}.{part}"], kind) for i in range(layout.num_layers) for part in ("key", "value")]
-        if mask[1] != ids[1] + past[0][2] or len({ids[0], mask[0], *(p[0] for p in past)}) != 1 or len({p[2] for p in past}) != 1:
+        lengths = [layout.cache_length(i // 2, mask[1] - ids[1]) for i in range(2 * layout.num_layers)]
+        if [p[2] for p in past] != lengths or len({ids[0], mask[0], *(p[0] for p in past)}) != 1:
             return False
     return True
+
+
+def test_a_sliding_layers_cache_is_bounded_by_its_window_in_every_profile(tmp_path):
+    sliding = DecoderLayout(num_layers=2, num_kv_heads=[3, 3], head_dim=64, eos_token_ids=[2], sliding_window=512,
+                            sliding_layers=(0,))
+    nano = load_target("jetson-orin-nano-8gb")
+    plan = make_plan(nano, sliding, has_qdq=False, sparse_24=False)
+    decode = {s.name: s for s in plan.profiles[1].shapes}
+    context = nano.budgets.context_length
+    assert context > 512 and decode["past_key_values.0.key"].max == (1, 3, 511, 64)
+    assert decode["past_key_values.1.key"].max == (1, 3, context - 1, 64)
+    assert all(_consistent(p, sliding) for p in (*plan.profiles, plan.trtexec_profile))
+    assert not _consistent(make_plan(nano, LAYOUT, has_qdq=False, sparse_24=False).profiles[1], sliding)
+    (tmp_path / LAYOUT_FILE).write_text(json.dumps(sliding.to_json()))
+    assert DecoderLayout.load(tmp_path) == sliding
 
 
 def test_plan_follows_the_target():

@@ -264,3 +264,23 @@ def test_a_quantized_lm_head_is_a_qdq_linear_of_its_own_in_the_portable_onnx(tmp
     for index, row in enumerate(windows):
         logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
         assert float(np.abs(logits - measured.logits(index)).max()) < 0.02 * float(np.abs(measured.logits(index)).max())
+
+
+def test_a_sliding_layers_fp8_kv_cache_is_rounded_before_its_window_is_kept(tmp_path):
+    """FP8 KV-cache Q/DQ finds the new keys and values of a sliding layer under the slice that keeps its window, and
+    ONNX Runtime then computes, through the cache, the logits the quantize stage measured."""
+    window = 8
+    source = build_tiny_llama(tmp_path / "gemma3", layers=2, family="gemma3", sliding_window=window)
+    windows = torch.randint(0, 400, (2, 3 * window), generator=torch.Generator().manual_seed(5))
+    config = QUANTIZE_CONFIG.validate_python({"method": "fp8", "kv_cache": "fp8", "calib_windows": 2,
+                                              "calib_window": 3 * window, "min_calib_tokens": 1})
+    quantize_folder(source, tmp_path / "fp8", windows, config, progress=False)
+    save_side_files(load_tokenizer(source), source, tmp_path / "fp8")
+    exported = export_decoder_folder(tmp_path / "fp8", tmp_path / "onnx", parity_new_tokens=2)
+    assert exported.layout.sliding_layers == (0,) and exported.qdq["kv_cache_qdq_pairs"] == 4
+    measured = window_logits(tmp_path / "fp8", windows)
+    decoder = OnnxDecoder(tmp_path / "onnx")
+    for index, row in enumerate(windows):
+        chunked = np.concatenate([piece[0] for _, piece in decoder.logits_in_chunks(row.numpy()[None, :], 5)])
+        reference = measured.logits(index)
+        assert float(np.abs(chunked - reference).max()) < 0.02 * float(np.abs(reference).max())
