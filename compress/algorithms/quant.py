@@ -87,6 +87,9 @@ def _group_mean(values: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
     return (sums / counts)[groups]
 
 
+CLIP_SEARCH_ELEMENTS = 1 << 23  # the largest temporary of the clip search, in elements (32 MB in float32)
+
+
 def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, steps: int = 10, max_shrink: float = 0.5,
                     hessian: torch.Tensor | None = None) -> torch.Tensor:
     """AWQ clipping: per ``(out, group)`` shrink of the absolute maximum that minimises that group's output error.
@@ -96,6 +99,14 @@ def awq_search_clip(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, ste
     calibration token, up to a factor) as each group's ``dW_g H_gg dW_g^T``: the same output error
     over all tokens, the attention sink included.
     """
+    groups = weight.shape[1] // grid.group_size
+    # each row's ratios are its own: rows at a time, so the sampled outputs (tokens x groups x rows) stay small
+    rows = max(1, CLIP_SEARCH_ELEMENTS // (groups * (x.shape[0] if hessian is None else grid.group_size)))
+    return torch.cat([_search_clip_rows(x, part, grid, steps, max_shrink, hessian) for part in weight.split(rows)])
+
+
+def _search_clip_rows(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, steps: int, max_shrink: float,
+                      hessian: torch.Tensor | None) -> torch.Tensor:
     group_size = grid.group_size
     out_features, in_features = weight.shape
     groups = in_features // group_size

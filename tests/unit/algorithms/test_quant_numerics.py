@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.algorithms.formats import Int8Activation, IntGrid
+from compress.algorithms.formats import Int8Activation, IntGrid, Nvfp4Grid
 from compress.algorithms.quant import (
     activation_scale,
     awq_search_clip,
@@ -272,3 +272,30 @@ def test_clipping_scored_on_every_token_spares_the_weights_an_attention_sink_rea
         return (sink @ weight.T - sink @ quantize_dequantize_weight(weight, 4, 32, clip)[0].T).pow(2).mean().item()
 
     assert sink_error(all_tokens) < 0.1 * sink_error(sampled)
+
+
+@pytest.mark.parametrize("scored_on", ["samples", "hessian"])
+@pytest.mark.parametrize("grid", [IntGrid(4, 32), Nvfp4Grid()], ids=["int4", "nvfp4"])
+def test_the_clip_search_a_few_rows_at_a_time_chooses_what_the_whole_search_does(grid, scored_on, monkeypatch):
+    """Rows are searched independently, so bounding the search's temporaries changes no ratio; scored on samples, no
+    temporary holds more than the rows at a time's (tokens x groups x rows) outputs."""
+    from compress.algorithms import quant
+
+    weight, x = _layer(seed=3, out_features=200, in_features=128, tokens=64)
+    grid = grid.bind([weight]) if isinstance(grid, Nvfp4Grid) else grid
+    hessian = x.T @ x / x.shape[0] if scored_on == "hessian" else None
+    whole = awq_search_clip(x, weight, grid, hessian=hessian)
+    monkeypatch.setattr(quant, "CLIP_SEARCH_ELEMENTS", 8192)  # 16 or 32 rows of 200 at a time when scored on the samples
+    largest = []
+    real_einsum = torch.einsum
+
+    def recording_einsum(equation, *operands):
+        result = real_einsum(equation, *operands)
+        largest.append(result.numel())
+        return result
+
+    monkeypatch.setattr(torch, "einsum", recording_einsum)
+    sliced = awq_search_clip(x, weight, grid, hessian=hessian)
+    assert torch.equal(sliced, whole)
+    if hessian is None:  # the sampled outputs, tokens x groups x rows, were the search's largest temporaries
+        assert max(largest) <= 8192
