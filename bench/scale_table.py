@@ -127,7 +127,7 @@ def measure(folder: Path, name: str, recipe: str, extra: list[str]) -> dict:
     stage_peak = max((max(s["peak_gb"], s["subprocess_gb"] or 0.0) for s in stages.values()), default=0.0)
     time_peak = int(peak_kb.group(1)) / 1024**2 if peak_kb else 0.0
     return {"exit": proc.returncode, "peak_rss_gb": max(time_peak, stage_peak) or None,
-            "wall": f"{int(seconds // 60)}:{seconds % 60:04.1f}", "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
+            "wall": f"{int(seconds) // 60}:{int(seconds) % 60:02d}", "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
             "stages": stages, "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1, 3) else None}
 
 
@@ -156,10 +156,10 @@ def main() -> None:
     for name in args.measure:
         result = measure(build(name, weights=True, tokenizer=args.tokenizer), name, args.recipe, args.extra)
         print(f"\n{name}, recipe={args.recipe} {' '.join(args.extra)}: exit {result['exit']}, wall {result['wall']}, peak RSS "
-              f"{result['peak_rss_gb']:.2f} GB ({result['peak_rss_gb'] * 1.073741824 / result['checkpoint_gb']:.1f}x the "
+              f"{result['peak_rss_gb']:.2f} GiB ({result['peak_rss_gb'] * 1.073741824 / result['checkpoint_gb']:.1f}x the "
               f"{result['checkpoint_gb']:.2f} GB bf16 checkpoint), run directory {result['run_dir_gb']:.2f} GB "
               f"({result['run_dir_gb'] / result['checkpoint_gb']:.1f}x)" + (f"; error: {result['error']}" if result["error"] else ""))
-        print("| stage | wall s | peak GB (compress) | peak GB (a program it ran) | peak GB (CUDA device) |\n|---|---|---|---|---|")
+        print("| stage | wall s | peak GiB (compress) | peak GiB (a program it ran) | peak GiB (CUDA device) |\n|---|---|---|---|---|")
         for stage, row in result["stages"].items():
             device = "—" if row["device_gb"] is None else row["device_gb"]
             print(f"| {stage} | {row['s']:.1f} | {row['peak_gb']} | {row['subprocess_gb'] or '—'} | {device} |")

@@ -27,13 +27,19 @@ REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this f
 
 # Peak host memory of a stage beyond the process floor: fp32 copies of the model (what a stage computing on a float32
 # copy holds) plus copies of the checkpoint's bytes (what a stage holding the model in its own dtype, one part in float32
-# at a time, holds); measured on the embedded SmolLM2 (float32) and a Qwen3-0.6B-shape bf16 checkpoint (default recipe,
-# 2 cores; `bench/scale_table.py`), fitted to the larger of the two. A stage in neither table: two fp32 copies.
-HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "export_edgellm": 2.4, "build_engine": 0.5}
-# validate: fitted to the stage's peak on the Qwen3-0.6B shape (4.9 GB for the 1.19 GB checkpoint, with the embedding and
-# the passes' work counted below). It holds one thing at a time (the block-by-block passes and their comparison, the
-# teacher for the app prompts, ONNX Runtime's session); what the process keeps from the stages before it counts too.
-HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "validate": 3.3}
+# at a time, holds) plus a fixed part; measured on the embedded SmolLM2 (float32) and on Qwen3-0.6B- and Qwen3-1.7B-shape
+# bf16 checkpoints (default recipe, 2 cores; `bench/scale_table.py --measure`), fitted to the larger of each.
+# A stage in none of the tables: two fp32 copies.
+HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "build_engine": 0.5}
+# validate: its largest phase is ONNX Runtime's parity session (2.9 GB for the 1.19 GB checkpoint, 7.2 GB for the 3.44 GB
+# one); it holds one thing at a time (the block-by-block passes, the teacher for the app prompts, that session).
+# export_edgellm: NVIDIA's exporter in its own process (2.8 and 8.4 GB).
+HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "export_edgellm": 2.4, "validate": 1.75}
+# quantize holds more than its streamed block and one embedding table (2.0 and 3.5 GB measured on the two Qwen3 shapes,
+# flat in depth at Llama-3.1-8B's width: 6.2 and 6.3 GB at 4 and 8 layers); fitted as a fixed part and copies of the
+# embedding table in the checkpoint's dtype, which over-estimates the Llama-3.1-8B-width stage by about 1.4 GB.
+HOST_FIXED_BYTES = {"quantize": 0.35 * GB}
+EMBEDDING_COPIES = {"quantize": 2.5}
 # export_onnx's ONNX Runtime session of the portable graph, as copies of the checkpoint: the levels, and the 16-bit
 # tensors (float linears, the tied LM head) folded to float32 for its MatMuls; the stage's largest phase on the
 # Qwen3-0.6B shape, whose embedding is a quarter of its parameters (2.56 GB for the 1.19 GB checkpoint; tracing the
@@ -49,8 +55,8 @@ STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
 DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": None,
                         "export_edgellm": 1.9, "build_engine": 0.0, "validate": 0.0}
 # Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
-# of this class of machine.
-SECONDS_PER_PARAM_TOKEN = {"quantize": 4.5e-11, "sparsify": 4.5e-11, "validate": 6.5e-11, "distill": 6.0e-10}
+# of this class of machine (quantize: W8A8 SmoothQuant + GPTQ on the Qwen3-1.7B shape, 1,721 s for 16,384 tokens).
+SECONDS_PER_PARAM_TOKEN = {"quantize": 6.2e-11, "sparsify": 6.2e-11, "validate": 6.5e-11, "distill": 6.0e-10}
 # The same on a CUDA device (the block-by-block work there, the rest of the stage on the host), measured on one H200 with
 # `bench/gpu_checks.sh`: W8A8 SmoothQuant + GPTQ on a Qwen3-1.7B shape (160 s; INT4 AWQ + GPTQ on Llama-3.1-8B's width
 # took a quarter of that per parameter) and its validation (99 s). A smaller GPU is slower by about its arithmetic rate.
@@ -111,7 +117,7 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         phased = base == "export_onnx" and shape is not None
         known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES or phased
         host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32
-                + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes)
+                + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes + HOST_FIXED_BYTES.get(base, 0.0))
         work = 0.0  # what the block-by-block work holds: blocks, hidden states, heads; on the device where there is one
         if base in ("quantize", "sparsify"):
             work += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
@@ -119,7 +125,7 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
             block = 4.0 * (shape.decoder_linear_params() / shape.num_layers + 2 * hidden)
             work += STREAMED_BLOCK_COPIES[base] * block
             embeddings = per_param * shape.vocab_size * hidden
-            host += embeddings  # read in the checkpoint's dtype for the first block's inputs
+            host += EMBEDDING_COPIES.get(base, 1.0) * embeddings  # read in the checkpoint's dtype for the first block's inputs
             if base == "validate":  # both models' hidden states over every window (on the device where there is one)
                 work += 2 * 4 * tokens * hidden
         if on_device:

@@ -59,8 +59,8 @@ def test_the_plan_estimates_each_stage_from_the_models_size(capsys, tmp_path):
     quantize = next(e for e in small["estimates"] if e["stage"] == "quantize")
     deeper = next(e for e in large["estimates"] if e["stage"] == "quantize")
     bf16 = 2 * 0.6  # GB: the Qwen3-0.6B checkpoint
-    # One block at a time: less than the process floor plus the model it never holds; and not instant.
-    assert quantize["peak_host_gb"] < 0.45 + bf16 and quantize["minutes"] > 1
+    # One block at a time: less than the model in float32, which it never holds; and not instant.
+    assert quantize["peak_host_gb"] < 2 * bf16 and quantize["minutes"] > 1
     assert deeper["peak_host_gb"] == quantize["peak_host_gb"] and deeper["disk_gb"] > quantize["disk_gb"]  # flat in depth
     assert quantize["disk_gb"] < 0.8 * bf16  # int8 linears beside the bf16 embedding: less than the checkpoint
     assert quantize["peak_device_gb"] == 0.0  # this plan computes on the CPU
