@@ -4,6 +4,7 @@ in the report; and the search's back-off on its own."""
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 
@@ -143,6 +144,26 @@ def test_the_back_off_is_sized_by_how_far_over_its_limits_a_plan_measured(tmp_pa
     assert not candidates[0].passed and candidates[-1].passed
     assert candidates[1].budget == pytest.approx(0.03 * BACKOFF_SAFETY / 4)
     assert "int4" not in candidates[1].plan.quantized_formats() and candidates[1].plan.quantized_formats() == {"int8"}
+
+
+def test_a_back_off_past_every_format_backs_up_instead_of_giving_up(tmp_path):
+    """A plan measured far over its limits (a floor missed by 100x) shrinks the budget below the cheapest INT8 group: the
+    search does not stop at a plan that quantizes nothing, it tries the budget halfway (geometrically) back and finds the
+    INT8 plan that holds."""
+    def quantize(plan, folder):
+        folder.mkdir(parents=True)
+        (folder / "formats").write_text(" ".join(sorted(plan.quantized_formats())))
+        return plan
+
+    def measure(folder):
+        overshoot = 100.0 if "int4" in (folder / "formats").read_text() else 0.5
+        return overshoot <= 1, {"overshoot": overshoot}
+
+    plan, _, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
+    assert 0.03 * BACKOFF_SAFETY / 100 < 0.002  # the back-off alone leaves even the cheapest INT8 group out
+    assert [c.passed for c in candidates] == [False, True]
+    assert candidates[1].budget == pytest.approx(math.sqrt(0.03 * 0.03 * BACKOFF_SAFETY / 100))
+    assert plan.quantized_formats() == {"int8"} and candidates[1].chosen
 
 
 def test_an_overshooting_back_off_is_refined_to_the_fastest_plan_that_holds(tmp_path):

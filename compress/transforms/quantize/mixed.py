@@ -246,6 +246,7 @@ class Candidate:
 # A quantized folder -> (within the budgets?, its figures); the figures may hold "overshoot", how many times over its
 # limits the plan measured (the largest ratio of a figure to its limit), which sizes the back-off.
 Measure = Callable[[Path], tuple[bool, dict[str, Any]]]
+SOLVES_PER_PLAN = 4  # solves (each cheap) the search may spend per measured plan looking for an unmeasured one
 BACKOFF_SAFETY = 0.8  # a failed plan's next budget: this share of the budget its overshoot says would have held
 Quantize = Callable[[MixedPlan, Path], Any]  # a plan, a folder to write it to -> the quantization result
 
@@ -279,23 +280,35 @@ def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, Quan
     :func:`solve_apart`), quantize, measure; on a failure shrink the budget (the groups that spend most of it for least
     gain go back to a wider format first) and try again, at most ``rounds`` plans. The budget shrinks in proportion to
     how far over its limits the plan measured (``BACKOFF_SAFETY / overshoot``: the predictions undercount by about that
-    much), by half when the measurement does not say. A back-off can overshoot: with ``refine_rounds`` more plans the
+    much), by half when the measurement does not say; a back-off so deep that nothing would be quantized backs up halfway
+    (geometrically) towards the failed budget instead of giving up. A back-off can overshoot: with ``refine_rounds`` more plans the
     search then bisects between the accepted budget and the last failed one, keeping any faster plan that holds.
     Returns the chosen plan's quantization, its folder (under ``work``) and every candidate measured (the chosen one
     marked)."""
     trials = _Trials(choices, configs, quantize, measure, work, format_sets)
-    failed_budget: float | None = None
-    for _ in range(rounds):
-        outcome = trials.measure_at(budget)
-        if outcome is None:
-            if not trials.last_plan_quantizes:
-                break
-            budget /= 2
-        elif outcome.passed:
+    failed_budget: float | None = None  # the smallest budget whose plan failed
+    empty_budget = 0.0  # the largest budget whose plan quantizes nothing
+    measured = 0
+    for _ in range(SOLVES_PER_PLAN * rounds):
+        if measured >= rounds:
             break
-        else:
+        outcome = trials.measure_at(budget)
+        if outcome is not None:
+            measured += 1
+            if outcome.passed:
+                break
             failed_budget = budget
             budget *= _backoff(outcome.measured)
+            continue
+        if trials.last_plan_quantizes:  # a plan that failed before
+            failed_budget = budget if failed_budget is None else min(failed_budget, budget)
+        elif failed_budget is None:  # the first plan quantizes nothing: nothing to search
+            break
+        else:  # the back-off overshot past every format: back up between the two
+            empty_budget = max(empty_budget, budget)
+        if failed_budget <= empty_budget * (1 + REFINE_RESOLUTION):
+            break
+        budget = math.sqrt(empty_budget * failed_budget) if empty_budget else failed_budget / 2
     if trials.chosen is None:
         candidates = trials.candidates
         raise StageError(f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
