@@ -160,10 +160,9 @@ def calibrate(m):
             m(window[None])
 def quant_config():
     config = build_quant_config(option, None, None)
-    for entry in config["quant_cfg"]:
-        blocks = (entry.get("cfg") or {}).get("block_sizes") if isinstance(entry, dict) else None
-        if group and entry.get("quantizer_name") == "*weight_quantizer" and blocks:
-            blocks[-1] = group
+    for entry in config["quant_cfg"] if group else []:
+        if entry.get("quantizer_name") == "*weight_quantizer" and (entry.get("cfg") or {}).get("block_sizes"):
+            entry["cfg"]["block_sizes"][-1] = group
     return config
 def quantize(model):
     model = mtq.quantize(model, quant_config(), forward_loop=calibrate)
