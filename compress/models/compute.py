@@ -19,6 +19,8 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -40,19 +42,23 @@ def _parts(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | None = None) -> Iterator[torch.nn.Module]:
+def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | None = None,
+                        recompute_blocks: bool = False) -> Iterator[torch.nn.Module]:
     """Within, every forward pass of ``model`` computes in float32 part by part (see the module docstring);
-    ``rebuilt``: parameter name -> the function that gives its float32 value."""
+    ``rebuilt``: parameter name -> the function that gives its float32 value. With ``recompute_blocks``, a backward pass
+    keeps only each decoder block's inputs and computes the block again when it reaches it (activation checkpointing):
+    what it holds is one block's activations, not every block's."""
     by_id = {id(p): rebuilt[name] for name, p in model.named_parameters(remove_duplicate=False) if rebuilt and name in rebuilt}
     blocks = {id(block) for block in decoder_blocks(model)}
     helds: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
     handles = []
-    sliced: list[torch.nn.Module] = []
+    patched: list[torch.nn.Module] = []
+    copies = _Float32Copies()
     for part in _parts(model):
-        forward = None if any(id(p) in by_id for p in part.parameters()) else _sliced_forward(part)
+        forward = None if any(id(p) in by_id for p in part.parameters()) else _sliced_forward(part, copies)
         if forward is not None:  # computed from its own tensors a slice at a time: nothing to upcast
             part.forward = forward
-            sliced.append(part)
+            patched.append(part)
             continue
         held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
         helds.append(held)
@@ -61,25 +67,98 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
             for parameter in part.parameters(recurse=id(part) in blocks):
                 held.append((parameter, parameter.data))
                 make = by_id.get(id(parameter))
-                parameter.data = make().to(parameter.device) if make else parameter.data.float()
+                parameter.data = copies.add(parameter.data, make)
 
         def restore(_module, _args, _output, held=held):
+            copies.drop(parameter.data for parameter, _ in held)
             _give_back(held)
 
+        if recompute_blocks and id(part) in blocks:
+            part.forward = _recomputed_forward(part, by_id)
+            patched.append(part)
+            continue
         handles.append(part.register_forward_pre_hook(upcast))
         handles.append(part.register_forward_hook(restore))
     try:
-        yield model
+        with torch.autograd.graph.saved_tensors_hooks(copies.pack, copies.unpack):
+            yield model
     finally:
+        copies.drop(parameter.data for held in helds for parameter, _ in held)
         for handle in handles:
             handle.remove()
         for held in helds:  # a forward pass that raised left its part upcast
             _give_back(held)
-        for part in sliced:
+        for part in patched:
             del part.forward  # the class's forward again
 
 
-def _sliced_forward(part: torch.nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+def _recomputed_forward(part: torch.nn.Module, by_id: dict[int, Rebuild]) -> Callable:
+    """``part``'s forward in float32 under non-reentrant activation checkpointing. Its parameters are replaced by float32
+    tensors for the call (each pass gets its own, the second as the backward pass reaches the block) rather than
+    upcast in place: the tensors the second pass saves are then the ones the first pass saved."""
+    from torch.utils.checkpoint import checkpoint
+
+    def in_float32(*args, **kwargs):
+        replaced = [(module, name, parameter) for module in part.modules()
+                    for name, parameter in module._parameters.items() if parameter is not None]
+        for module, name, parameter in replaced:
+            make = by_id.get(id(parameter))
+            module._parameters[name] = make().to(parameter.device) if make else parameter.detach().float()
+        try:
+            return type(part).forward(part, *args, **kwargs)
+        finally:
+            for module, name, parameter in replaced:
+                module._parameters[name] = parameter
+
+    return lambda *args, **kwargs: checkpoint(in_float32, *args, use_reentrant=False, **kwargs)
+
+
+class _Float32Copies:
+    """The float32 copies of parameters that parts are computing with, by storage.
+
+    A backward pass needs the weights its forward used; kept as saved, they would be every part's float32 copy at once
+    (a 0.6B model's blocks take 2.4 GB more). A saved tensor that views a copy is saved as the parameter's own tensor
+    (or its rebuild) and upcast again when the backward pass reaches it: the same numbers.
+    """
+
+    def __init__(self) -> None:
+        self.by_storage: dict[int, tuple[torch.Tensor, Rebuild | None]] = {}
+
+    def add(self, own: torch.Tensor, make: Rebuild | None) -> torch.Tensor:
+        copy = make().to(own.device) if make else own.float()
+        self.by_storage[copy.untyped_storage().data_ptr()] = (own, make)
+        return copy
+
+    def drop(self, copies: Iterator[torch.Tensor]) -> None:
+        for copy in copies:
+            self.by_storage.pop(copy.untyped_storage().data_ptr(), None)
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.dtype != torch.float32 or tensor.layout != torch.strided or not self.by_storage:
+            return tensor
+        source = self.by_storage.get(tensor.untyped_storage().data_ptr())
+        if source is None:
+            return tensor
+        return _SavedCopy(*source, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    @staticmethod
+    def unpack(saved: Any) -> torch.Tensor:
+        if not isinstance(saved, _SavedCopy):
+            return saved
+        copy = saved.make().to(saved.own.device) if saved.make else saved.own.float()
+        return copy.as_strided(saved.size, saved.stride, saved.offset)
+
+
+@dataclass(frozen=True)
+class _SavedCopy:
+    own: torch.Tensor
+    make: Rebuild | None
+    size: torch.Size
+    stride: tuple[int, ...]
+    offset: int
+
+
+def _sliced_forward(part: torch.nn.Module, copies: _Float32Copies) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """A float32 forward for a plain token embedding or a large linear that never copies its whole weight, else None."""
     weight = getattr(part, "weight", None)
     if weight is None or weight.dtype == torch.float32:
@@ -87,17 +166,22 @@ def _sliced_forward(part: torch.nn.Module) -> Callable[[torch.Tensor], torch.Ten
     if type(part) is torch.nn.Embedding and part.max_norm is None:
         return lambda ids: F.embedding(ids, part.weight, part.padding_idx).float()
     if type(part) is torch.nn.Linear and part.out_features > HEAD_ROWS:
-        return lambda inputs: linear_in_row_slices(inputs, part.weight, part.bias)
+        return lambda inputs: linear_in_row_slices(inputs, part.weight, part.bias, copies)
     return None
 
 
-def linear_in_row_slices(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """``F.linear`` in float32 with ``weight`` (any dtype) taken :data:`HEAD_ROWS` rows at a time."""
+def linear_in_row_slices(inputs: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         copies: _Float32Copies | None = None) -> torch.Tensor:
+    """``F.linear`` in float32 with ``weight`` (any dtype) taken :data:`HEAD_ROWS` rows at a time (``copies``: where a
+    backward pass finds each slice, rather than keeping its float32 copy)."""
     inputs = inputs.to(torch.float32)
     out = torch.empty(*inputs.shape[:-1], weight.shape[0], dtype=torch.float32, device=inputs.device)
     for start in range(0, weight.shape[0], HEAD_ROWS):
         stop = min(start + HEAD_ROWS, weight.shape[0])
-        out[..., start:stop] = F.linear(inputs, weight[start:stop].float(), None if bias is None else bias[start:stop].float())
+        rows = weight[start:stop].float() if copies is None else copies.add(weight[start:stop], None)
+        out[..., start:stop] = F.linear(inputs, rows, None if bias is None else bias[start:stop].float())
+        if copies is not None:
+            copies.drop([rows])
     return out
 
 

@@ -22,9 +22,12 @@ need from the run:
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import shutil
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +38,7 @@ from compress.algorithms.formats import PRECISIONS
 from compress.backends.edgellm import contracts
 from compress.core.config import Target
 from compress.core.files import read_json
+from compress.core.memory import phase_peak
 from compress.core.text import TextSource, has_chat_template, held_out_windows
 from compress.eval.decoder import deployed_generator, model_eos_ids, pad_id_of, teacher_answers
 from compress.eval.fidelity import compare_window_pairs, worst_domain
@@ -125,8 +129,11 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     head_formats = [name for name in formats if allowed(HEAD_INDEX, HEAD, name)]
     log.info("auto precision: candidate formats %s on %s (the LM head: %s)", ", ".join(formats), target.name,
              ", ".join([FLOAT, *head_formats]))
-    fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code, bool(head_formats))
-    table = _sensitivities(source, windows, configs, allowed, fisher, device, progress, trust_remote_code)
+    peaks: dict[str, float] = {}
+    with _phase(peaks, "fisher"):
+        fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code, bool(head_formats))
+    with _phase(peaks, "sensitivity"):
+        table = _sensitivities(source, windows, configs, allowed, fisher, device, progress, trust_remote_code)
     ms_per_param = {name: linear_ms_per_param(target, power_mode, name) for name in [FLOAT, *formats]}
     params = {point: sum(o * i for o, i in group) for point, group in shapes.items()}
 
@@ -140,8 +147,9 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     rows = torch.cat([w for _, w in selection])
     log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
              rows.shape[0], ", ".join(d for d, _ in selection), budget)
-    reference = window_logits(teacher, rows, device, progress, desc="teacher")
-    answers = _held_out_answers(config, tokenizer, teacher, progress, trust_remote_code, device)
+    with _phase(peaks, "teacher"):
+        reference = window_logits(teacher, rows, device, progress, desc="teacher")
+        answers = _held_out_answers(config, tokenizer, teacher, progress, trust_remote_code, device)
     measure = _measurer(reference, selection, rows, answers, target, config.margin, device, progress)
 
     def quantize(plan: MixedPlan, folder: Path):
@@ -152,8 +160,9 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
     format_sets = contracts.mixed_format_sets(formats)
     if len(format_sets) > 1:
         log.info("auto precision: one bundle holds %s", " or ".join("+".join(s) for s in format_sets))
-    result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work,
-                                        format_sets, refine_rounds=config.refine_rounds)
+    with _phase(peaks, "plans"):
+        result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work,
+                                            format_sets, refine_rounds=config.refine_rounds)
     shutil.move(str(folder), str(out))
     shutil.rmtree(work, ignore_errors=True)
     shape = ModelShape.from_config(model_config)
@@ -163,9 +172,21 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
         "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in candidates],
         "references": _uniform_references(table, formats, model_config, target, power_mode, shape, allowed),
         "sensitivity": table.to_json(), "plan": result.plan.to_json(), "lm_head": result.plan.head,
-        "mix": mix_of(result.plan, model_config),
+        "mix": mix_of(result.plan, model_config), "phase_peak_rss_mb": peaks,
     }
     return result, found
+
+
+@contextlib.contextmanager
+def _phase(peaks: dict[str, float], name: str) -> Iterator[None]:
+    """A phase of the search, its peak resident memory recorded in ``peaks`` and, with its time, logged when it ends."""
+    start = time.monotonic()
+    try:
+        with phase_peak(peaks, name):
+            yield
+    finally:
+        log.info("auto precision: %s took %.1f min, peak resident memory %.2f GiB", name, (time.monotonic() - start) / 60,
+                 peaks[name] / 1024)
 
 
 def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], trust_remote_code: bool,

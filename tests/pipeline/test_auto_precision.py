@@ -50,6 +50,8 @@ def test_auto_on_orin_keeps_int4_to_the_widths_its_kernels_take_and_ships_a_chec
     for row in quantize["search"]["sensitivity"]:
         assert ("int4" in row["kl"]) == (row["point"] == "mlp_hidden") and row["kl"][FLOAT] == 0.0
     assert sum(quantize["mix"].values()) == pytest.approx(1.0)
+    peaks = quantize["search"]["phase_peak_rss_mb"]  # which phase of the search holds the most
+    assert set(peaks) == {"fisher", "sensitivity", "teacher", "plans"} and all(v > 0 for v in peaks.values())
     (accepted,) = [c for c in quantize["search"]["candidates"] if c["chosen"]]
     assert accepted["passed"] and not any(c["passed"] for c in quantize["search"]["candidates"]
                                           if c["predicted_cost"] < accepted["predicted_cost"])  # the fastest that held

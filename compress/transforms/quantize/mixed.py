@@ -93,38 +93,48 @@ def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt:
 
     One forward and backward pass per window of ``model`` (held in its own dtype, computed in float32
     part by part), the loss being the log-likelihood of next tokens sampled from the model's own
-    distribution, so its squared gradient is an unbiased estimate of the Fisher information.
+    distribution, so its squared gradient is an unbiased estimate of the Fisher information. The backward pass computes
+    each block again from its inputs when it reaches it: it holds one block's activations, whatever the depth.
     """
     generator = torch.Generator().manual_seed(seed)
-    sums = {name: None for name in linears}
+    sums: dict[str, torch.Tensor | None] = {name: None for name in linears}
     tokens = 0
-    captured: dict[str, torch.Tensor] = {}
     handles = []
+
+    def add_squared(name: str, grad: torch.Tensor) -> None:
+        squared = grad[0].pow(2).sum(0).detach()
+        sums[name] = squared if sums[name] is None else sums[name] + squared
 
     def keep(name: str) -> Callable:
         def hook(_module, _args, output):
-            output.retain_grad()
-            captured[name] = output
+            if output.requires_grad:  # summed as the backward pass reaches it, never held (a recomputed block's copy is not)
+                output.register_hook(lambda grad: add_squared(name, grad))
         return hook
+
+    def differentiate_from_here(_module, _args, output):
+        output.requires_grad_()
 
     for name in linears:
         handles.append(model.get_submodule(name).register_forward_hook(keep(name)))
+    # gradients flow from the embeddings' output on, never into a weight: no weight's gradient is ever held
+    handles.append(model.get_input_embeddings().register_forward_hook(differentiate_from_here))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for parameter in trainable:
+        parameter.requires_grad_(False)
     try:
-        with computed_in_float32(model, rebuilt), torch.enable_grad():
+        with computed_in_float32(model, rebuilt, recompute_blocks=True), torch.enable_grad():
             for row in windows:
                 logits = model(row[None], use_cache=False).logits.float()[0, :-1]
                 log_probs = torch.log_softmax(logits, dim=-1)
                 labels = torch.multinomial(log_probs.detach().exp(), 1, generator=generator)[:, 0]
                 log_probs.gather(1, labels[:, None]).sum().backward()
-                for name in linears:
-                    squared = captured[name].grad[0].pow(2).sum(0).detach()
-                    sums[name] = squared if sums[name] is None else sums[name] + squared
                 tokens += logits.shape[0]
-                captured.clear()
-                model.zero_grad(set_to_none=True)
+                del logits, log_probs
     finally:
         for handle in handles:
             handle.remove()
+        for parameter in trainable:
+            parameter.requires_grad_(True)
     return {name: total / tokens for name, total in sums.items()}
 
 

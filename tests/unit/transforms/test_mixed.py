@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import gc
 import itertools
 import math
 import random
+import sys
 
 import pytest
 import torch
 
+from compress.core.memory import peak_mb, reset_peak
 from compress.models.compute import computed_in_float32
 from compress.models.families import family_of
 from compress.models.loading import load_causal_lm
@@ -145,6 +148,65 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     for parameter in model.parameters():  # the model itself is left float: every trial ran on a copy
         assert parameter.dtype == torch.float32
     assert torch.equal(model.model.layers[0].mlp.down_proj.weight, load_causal_lm(wide).model.layers[0].mlp.down_proj.weight)
+
+
+def _plain_fisher(model, windows: torch.Tensor, linears: list[str]) -> dict[str, torch.Tensor]:
+    """The same estimate by plain autograd on a float32 model: every output's gradient retained, then read."""
+    generator = torch.Generator().manual_seed(0)
+    sums = {name: 0.0 for name in linears}
+    tokens = 0
+    outputs: dict[str, torch.Tensor] = {}
+
+    def keep(name: str):
+        def hook(_module, _args, out):
+            out.retain_grad()
+            outputs[name] = out
+        return hook
+
+    handles = [model.get_submodule(name).register_forward_hook(keep(name)) for name in linears]
+    for row in windows:
+        log_probs = torch.log_softmax(model(row[None], use_cache=False).logits[0, :-1], dim=-1)
+        labels = torch.multinomial(log_probs.detach().exp(), 1, generator=generator)[:, 0]
+        log_probs.gather(1, labels[:, None]).sum().backward()
+        for name in linears:
+            sums[name] = sums[name] + outputs[name].grad[0].pow(2).sum(0)
+        tokens += log_probs.shape[0]
+        model.zero_grad(set_to_none=True)
+    for handle in handles:
+        handle.remove()
+    return {name: total / tokens for name, total in sums.items()}
+
+
+def test_the_fisher_of_a_bf16_model_is_what_plain_autograd_gives_its_float32_copy(wide, windows):
+    held = load_causal_lm(wide).to(torch.bfloat16)
+    copy = load_causal_lm(wide).to(torch.bfloat16).float()
+    linears = ["model.layers.0.self_attn.q_proj", "model.layers.1.mlp.down_proj", "lm_head"]
+    fisher = output_fisher(held, windows[:2], linears)
+    reference = _plain_fisher(copy, windows[:2], linears)
+    for name in linears:  # each gradient counted once, though its block was computed twice
+        torch.testing.assert_close(fisher[name], reference[name], rtol=1e-3, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+    assert all(p.grad is None and p.requires_grad and p.dtype == torch.bfloat16 for p in held.parameters())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak reads Linux's VmHWM")
+def test_the_fisher_pass_holds_one_block_in_float32_not_every_block():
+    """Its backward pass needs every block's weights; kept as the float32 copies the forward used, they would all be
+    held at once (and, were weights trainable, their gradients too). Each MLP weight is over 32 MB in float32, so the
+    allocator maps and unmaps it on its own and the resident peak sees every copy."""
+    import transformers
+
+    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=36864, num_hidden_layers=6, num_attention_heads=2,
+                                      num_key_value_heads=1, vocab_size=400)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    blocks_float32_mb = 4 * sum(p.numel() for p in model.model.layers.parameters()) / 2**20
+    ids = torch.randint(0, 400, (1, 16), generator=torch.Generator().manual_seed(3))
+    output_fisher(model, ids, ["model.layers.5.mlp.down_proj"])  # threads and small buffers settled
+    gc.collect()
+    reset_peak()
+    before = peak_mb()
+    output_fisher(model, ids, ["model.layers.5.mlp.down_proj"])
+    assert peak_mb() - before < 0.4 * blocks_float32_mb  # one block is a sixth of them
 
 
 def test_the_lm_head_is_a_group_whose_sensitivity_is_measured_in_the_formats_allowed_for_it(wide, windows):
