@@ -52,6 +52,7 @@ from compress.eval.prompts import (
     selection_expect_prompts,
     selection_prompts,
 )
+from compress.models.compute import holding_device, largest_part_float32_bytes, tensor_bytes
 from compress.models.families import decoder_blocks, family_of, linear_shapes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
@@ -131,7 +132,7 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
              ", ".join([FLOAT, *head_formats]))
     peaks: dict[str, float] = {}
     with _phase(peaks, "fisher"):
-        fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code, bool(head_formats))
+        fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code, bool(head_formats), device)
     with _phase(peaks, "sensitivity"):
         table = _sensitivities(source, windows, configs, allowed, fisher, device, progress, trust_remote_code)
     ms_per_param = {name: linear_ms_per_param(target, power_mode, name) for name in [FLOAT, *formats]}
@@ -190,10 +191,11 @@ def _phase(peaks: dict[str, float], name: str) -> Iterator[None]:
 
 
 def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], trust_remote_code: bool,
-            head: bool) -> dict[str, torch.Tensor]:
+            head: bool, device: str) -> dict[str, torch.Tensor]:
     """The output Fisher information of every decoder linear (and of the LM head, with ``head``), from the model held in its
-    own dtype."""
+    own dtype, on ``device`` where it fits there."""
     model = load_causal_lm(source, trust_remote_code=trust_remote_code, own_dtype=True)
+    model.to(holding_device(device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model)))
     family = family_of(model_config)
     prefix = module_prefix(model, decoder_blocks(model))
     linears = [f"{prefix}.{index}.{name}" for index in range(len(decoder_blocks(model))) for name in family.linears()]

@@ -38,8 +38,10 @@ from compress.core.versions import __version__
 from compress.eval.prompts import PROMPTS_OFF, load_prompts
 from compress.models.families import check_model_dimensions, family_of, model_kind, supported_model_types
 from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
+from compress.pipeline.auto_precision import candidate_formats
 from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, all_stages, get_stage
+from compress.transforms.quantize.config import AutoConfig
 
 log = logging.getLogger("compress")
 
@@ -273,7 +275,7 @@ def build_plan(options: RunOptions) -> Plan:
     if options.prompts and options.prompts != PROMPTS_OFF:
         load_prompts(Path(options.prompts))
     device = resolve_device(options.device)
-    estimates = _estimates(planned, model, config, device)
+    estimates = _estimates(planned, model, config, device, target)
     problem = fit_problem(estimates, Machine.here(out_dir, device), model.spec)
     if problem and not options.dry_run:
         raise UsageError(problem)  # before the model's files are hashed: a model too large to run is not read
@@ -294,12 +296,16 @@ def _training_data(options: RunOptions, planned: list[PlannedStage]) -> Training
     return TrainingData.read(split_paths(options.train_data, ()))
 
 
-def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None, device: str) -> list[StageEstimate]:
+def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None, device: str,
+               target: Target) -> list[StageEstimate]:
     """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later, nor for a
     decoder family compress does not describe, which the plan's rules refuse naming it)."""
     if config is None or (model_kind(config) == DECODER and config.get("model_type") not in supported_model_types()):
         return []
-    return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config), device)
+    searches = [p.config for p in planned if isinstance(p.config, AutoConfig)]
+    formats = len(candidate_formats(searches[0], target)) if searches else 0
+    return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config), device,
+                           search_formats=formats)
 
 
 def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:

@@ -61,6 +61,19 @@ SECONDS_PER_PARAM_TOKEN = {"quantize": 6.2e-11, "sparsify": 6.2e-11, "validate":
 # `bench/gpu_checks.sh`: W8A8 SmoothQuant + GPTQ on a Qwen3-1.7B shape (160 s; INT4 AWQ + GPTQ on Llama-3.1-8B's width
 # took a quarter of that per parameter) and its validation (99 s). A smaller GPU is slower by about its arithmetic rate.
 CUDA_SECONDS_PER_PARAM_TOKEN = {"quantize": 5.7e-12, "sparsify": 5.7e-12, "validate": 4.7e-12}
+# recipe=auto's search before the chosen plan (measured on the Qwen3-0.6B shape, `bench/auto_table.py --shape qwen3-0.6b`,
+# the Orin Nano's INT8 and INT4): the output Fisher pass holds the model in its own dtype, one block recomputed in float32
+# and one window's logits, their log-probabilities and gradients (3.62 GiB; the sensitivities 2.24 GiB, the teacher's
+# answers 3.06 GiB, each plan as much as the quantize stage); its time is per token of its windows, the sensitivities'
+# per token of calibration and candidate format (16.8 min for two), each plan's a quantization (INT4 AWQ + GPTQ is
+# slower than W8A8) and a measurement on the held-out windows and the chat prompts' answers, of fixed size.
+FISHER_LOGITS_COPIES = 7.0
+FISHER_SECONDS_PER_PARAM_TOKEN = 7e-11
+SENSITIVITY_SECONDS_PER_PARAM_TOKEN = 4.1e-10  # per candidate format
+PLAN_SECONDS_PER_PARAM_TOKEN = 3.2e-10
+PLAN_MEASURE_SECONDS_PER_PARAM = 4.0e-7
+TEACHER_SECONDS_PER_PARAM = 2.6e-7
+SEARCH_PLANS = 3  # what a search usually measures: the first plan, a back-off, a refinement
 SECONDS_PER_PARAM = {"load": 8e-9, "prune_heads": 1e-7, "export_onnx": 5e-8, "export_edgellm": 3e-8}
 FIXED_SECONDS = {"export_onnx": 15.0, "export_edgellm": 30.0}
 
@@ -101,9 +114,10 @@ def _tokens_read(stage: str, config: Any) -> int:
 
 
 def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any], checkpoint_bytes: float,
-                    device: str = "cpu") -> list[StageEstimate]:
+                    device: str = "cpu", search_formats: int = 0) -> list[StageEstimate]:
     """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take ``checkpoint_bytes``;
-    ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live there)."""
+    ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live there);
+    ``search_formats``: the candidate formats of a ``method: auto`` quantize stage's search."""
     params = parameter_count(model_config)
     fp32 = 4.0 * params
     shape = ModelShape.from_config(model_config) if model_kind(model_config) == "decoder" else None
@@ -142,8 +156,28 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         rates = CUDA_SECONDS_PER_PARAM_TOKEN if on_device else SECONDS_PER_PARAM_TOKEN
         seconds = (rates.get(base, SECONDS_PER_PARAM_TOKEN.get(base, 0.0)) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
                    + FIXED_SECONDS.get(base, 0.0))
+        if base == "quantize" and getattr(config, "method", None) == "auto" and shape is not None:
+            search_host, search_seconds = _search(config, params, checkpoint_bytes, shape, search_formats)
+            rate = CUDA_SECONDS_PER_PARAM_TOKEN["quantize"] / SECONDS_PER_PARAM_TOKEN["quantize"] if on_device else 1.0
+            host = max(host, search_host)
+            seconds = rate * search_seconds  # the chosen plan is one of those measured: it is not quantized again
         estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
     return estimates
+
+
+def _search(config: Any, params: int, checkpoint_bytes: float, shape: ModelShape, formats: int) -> tuple[float, float]:
+    """recipe=auto's search beyond quantizing its plans on the CPU: the output Fisher pass's peak host memory (its largest
+    phase), and the seconds of the Fisher pass, the sensitivities, the teacher's answers and measuring each plan."""
+    window = int(config.calib_window)
+    largest_block = 4.0 * shape.decoder_linear_params() / shape.num_layers
+    fisher_host = (PROCESS_BASE_BYTES + checkpoint_bytes + FISHER_LOGITS_COPIES * 4 * window * shape.vocab_size
+                   + 2 * largest_block + 4 * window * shape.hidden_size * shape.num_layers)
+    calibration_tokens = int(config.calib_windows) * window
+    seconds = (FISHER_SECONDS_PER_PARAM_TOKEN * params * int(config.fisher_windows) * window
+               + SENSITIVITY_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens * max(formats, 1)
+               + TEACHER_SECONDS_PER_PARAM * params
+               + SEARCH_PLANS * (PLAN_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens + PLAN_MEASURE_SECONDS_PER_PARAM * params))
+    return fisher_host, seconds
 
 
 def _export_onnx_peak(checkpoint_bytes: float, shape: ModelShape) -> float:

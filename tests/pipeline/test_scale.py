@@ -180,3 +180,19 @@ def test_the_estimate_on_a_cuda_device_puts_the_block_work_there_and_takes_its_r
     gpu, = estimate_stages(stages, config, 1.2e9, "cuda:0")
     assert cpu.device_bytes == 0 and gpu.device_bytes > 0 and gpu.host_bytes < cpu.host_bytes
     assert gpu.seconds < cpu.seconds / 4  # the calibration and searches run on the GPU
+
+
+def test_the_estimate_of_an_auto_quantize_stage_counts_its_search():
+    from compress.pipeline.resources import estimate_stages
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+
+    config = {**QWEN3_06B, "model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    uniform, = estimate_stages([("quantize", QUANTIZE_CONFIG.validate_python({"method": "int4"}))], config, 1.2e9)
+    auto = QUANTIZE_CONFIG.validate_python({"method": "auto"})
+    two, = estimate_stages([("quantize", auto)], config, 1.2e9, search_formats=2)
+    four, = estimate_stages([("quantize", auto)], config, 1.2e9, search_formats=4)
+    # the Fisher pass holds the model in its own dtype and a window's logits over a 152k vocabulary, and their gradients
+    assert two.host_bytes > uniform.host_bytes and two.host_bytes > 1.2e9 + 4 * 512 * 151936 * 4
+    assert two.seconds > 3 * uniform.seconds and four.seconds > two.seconds  # plans measured, sensitivities per format
+    on_gpu, = estimate_stages([("quantize", auto)], config, 1.2e9, "cuda:0", search_formats=2)
+    assert on_gpu.seconds < two.seconds / 4

@@ -94,8 +94,10 @@ def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt:
     One forward and backward pass per window of ``model`` (held in its own dtype, computed in float32
     part by part), the loss being the log-likelihood of next tokens sampled from the model's own
     distribution, so its squared gradient is an unbiased estimate of the Fisher information. The backward pass computes
-    each block again from its inputs when it reaches it: it holds one block's activations, whatever the depth.
+    each block again from its inputs when it reaches it: it holds one block's activations, whatever the depth. It computes
+    on the model's device; the labels are drawn on the CPU, so every device draws the same ones.
     """
+    device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
     sums: dict[str, torch.Tensor | None] = {name: None for name in linears}
     tokens = 0
@@ -124,9 +126,9 @@ def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt:
     try:
         with computed_in_float32(model, rebuilt, recompute_blocks=True), torch.enable_grad():
             for row in windows:
-                logits = model(row[None], use_cache=False).logits.float()[0, :-1]
+                logits = model(row[None].to(device), use_cache=False).logits.float()[0, :-1]
                 log_probs = torch.log_softmax(logits, dim=-1)
-                labels = torch.multinomial(log_probs.detach().exp(), 1, generator=generator)[:, 0]
+                labels = torch.multinomial(log_probs.detach().exp().cpu(), 1, generator=generator)[:, 0].to(device)
                 log_probs.gather(1, labels[:, None]).sum().backward()
                 tokens += logits.shape[0]
                 del logits, log_probs
@@ -135,7 +137,7 @@ def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt:
             handle.remove()
         for parameter in trainable:
             parameter.requires_grad_(True)
-    return {name: total / tokens for name, total in sums.items()}
+    return {name: (total / tokens).cpu() for name, total in sums.items()}
 
 
 class _Sensitivity(BlockVisitor):
