@@ -34,7 +34,7 @@ says so.
     python3 -m venv .venv-peers && .venv-peers/bin/pip install torch==2.13.0 llmcompressor==0.14.0.1 auto-round==0.15.1
     python3 -m venv .venv-edgellm-quant && .venv-edgellm-quant/bin/pip install "tensorrt-edgellm[export]==0.11.0" \
         torch==2.13.0 nvidia-modelopt==0.45.0 datasets==5.0.0 einops==0.8.2 peft==0.19.1 tqdm
-    .venv/bin/python bench/peer_table.py                     # every row (hours on 2 cores: Model Optimizer's AWQ)
+    .venv/bin/python bench/peer_table.py                     # every row
     .venv/bin/python bench/peer_table.py compress-int4 llm-compressor-gptq
     .venv/bin/python bench/peer_table.py compress-int8 edgellm-int8_sq compress-fp8 edgellm-fp8
     .venv/bin/python bench/peer_table.py llm-compressor-w8a8

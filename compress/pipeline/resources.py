@@ -64,10 +64,12 @@ CUDA_SECONDS_PER_PARAM_TOKEN = {"quantize": 5.7e-12, "sparsify": 5.7e-12, "valid
 # recipe=auto's search before the chosen plan (measured on the Qwen3-0.6B shape, `bench/auto_table.py --shape qwen3-0.6b`,
 # the Orin Nano's INT8 and INT4): the output Fisher pass holds the model in its own dtype, one block recomputed in float32
 # and one window's logits, their log-probabilities and gradients (3.62 GiB; the sensitivities 2.24 GiB, the teacher's
-# answers 3.06 GiB, each plan as much as the quantize stage); its time is per token of its windows, the sensitivities'
+# answers 3.06 GiB; measuring three plans 5.75 GiB, fitted as copies of the checkpoint, quantizing and measuring not
+# told apart); its time is per token of its windows, the sensitivities'
 # per token of calibration and candidate format (16.8 min for two), each plan's a quantization (INT4 AWQ + GPTQ is
 # slower than W8A8) and a measurement on the held-out windows and the chat prompts' answers, of fixed size.
 FISHER_LOGITS_COPIES = 7.0
+PLANS_CHECKPOINT_COPIES = 4.8
 FISHER_SECONDS_PER_PARAM_TOKEN = 7e-11
 SENSITIVITY_SECONDS_PER_PARAM_TOKEN = 4.1e-10  # per candidate format
 PLAN_SECONDS_PER_PARAM_TOKEN = 3.2e-10
@@ -166,8 +168,8 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
 
 
 def _search(config: Any, params: int, checkpoint_bytes: float, shape: ModelShape, formats: int) -> tuple[float, float]:
-    """recipe=auto's search beyond quantizing its plans on the CPU: the output Fisher pass's peak host memory (its largest
-    phase), and the seconds of the Fisher pass, the sensitivities, the teacher's answers and measuring each plan."""
+    """recipe=auto's search on the CPU: the peak host memory of its largest phase (the output Fisher pass, or quantizing
+    and measuring the plans), and the seconds of the Fisher pass, the sensitivities, the teacher's answers and the plans."""
     window = int(config.calib_window)
     largest_block = 4.0 * shape.decoder_linear_params() / shape.num_layers
     fisher_host = (PROCESS_BASE_BYTES + checkpoint_bytes + FISHER_LOGITS_COPIES * 4 * window * shape.vocab_size
@@ -177,7 +179,7 @@ def _search(config: Any, params: int, checkpoint_bytes: float, shape: ModelShape
                + SENSITIVITY_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens * max(formats, 1)
                + TEACHER_SECONDS_PER_PARAM * params
                + SEARCH_PLANS * (PLAN_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens + PLAN_MEASURE_SECONDS_PER_PARAM * params))
-    return fisher_host, seconds
+    return max(fisher_host, PROCESS_BASE_BYTES + PLANS_CHECKPOINT_COPIES * checkpoint_bytes), seconds
 
 
 def _export_onnx_peak(checkpoint_bytes: float, shape: ModelShape) -> float:
