@@ -50,7 +50,7 @@ from compress.eval.perf_model import (
     predict_all_modes,
     predict_mixed,
 )
-from compress.eval.perplexity import targets_nll, window_nll
+from compress.eval.perplexity import targets_nll
 from compress.eval.prompts import (
     PROMPT_BATCH,
     BatchGenerate,
@@ -144,8 +144,11 @@ def torch_side(model: WindowLogits, windows: torch.Tensor, sample: list[int]) ->
     """The torch measurement of the sampled windows, kept so the model can go before ONNX Runtime's session comes."""
     side = {}
     for index in sample:
-        logits = model.logits(index)
-        side[index] = TorchWindow(window_nll(logits, windows[index].numpy())[0], logits[:-1].argmax(-1))
+        ids = windows[index].numpy()
+        predicting = model.rows(index, stop=len(ids) - 1)  # the last position predicts nothing
+        argmax = np.concatenate([predicting[start:start + predicting.block].argmax(-1)
+                                 for start in range(0, len(predicting), predicting.block)])
+        side[index] = TorchWindow(targets_nll(predicting, ids[1:])[0], argmax)
     return side
 
 
@@ -246,8 +249,9 @@ def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list
              unseen: list[str], progress: bool) -> dict[str, Any]:
     """Per-domain quality against the teacher, or the deployed model's perplexity alone when there is none."""
     if teacher is not None:
-        return domain_quality(compare_window_pairs(lambda i: (deployed.logits(i), teacher.logits(i)), domains, progress), unseen)
-    nll = sum(window_nll(deployed.logits(i), windows[i].numpy())[0] for i in range(len(deployed)))
+        return domain_quality(compare_window_pairs(lambda i: (deployed.rows(i), teacher.rows(i)), domains, progress), unseen)
+    predicting = windows.shape[1] - 1
+    nll = sum(targets_nll(deployed.rows(i, stop=predicting), windows[i, 1:].numpy())[0] for i in range(len(deployed)))
     return {"perplexity_teacher": None, "perplexity_increase_pct": None,
             "perplexity_model": math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))}
 

@@ -18,6 +18,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from compress.eval.perplexity import LogitRows
+
 LogitsFn = Callable[[np.ndarray], np.ndarray]
 
 
@@ -36,7 +38,7 @@ class Tally:
     agree: int = 0
     kl: float = 0.0
 
-    def add_window(self, model_logits: np.ndarray, reference_logits: np.ndarray, ids: np.ndarray, chunk: int = 32) -> None:
+    def add_window(self, model_logits: LogitRows, reference_logits: LogitRows, ids: np.ndarray, chunk: int = 32) -> None:
         """One ``(seq, vocab)`` window of both models' logits and its ``(seq,)`` token ids (float64, in row chunks: 32 rows of a
         150k-token vocabulary take 0.2 GB of temporaries, 128 took 0.8)."""
         targets = ids[1:]
@@ -84,7 +86,7 @@ def compare_on_domains(model: LogitsFn, reference: LogitsFn, domains: Sequence[t
     return compare_window_pairs(pair, domains, progress)
 
 
-WindowPair = Callable[[int], tuple[np.ndarray, np.ndarray]]
+WindowPair = Callable[[int], tuple[LogitRows, LogitRows]]
 
 
 def compare_window_pairs(pair: WindowPair, domains: Sequence[tuple[str, torch.Tensor]],

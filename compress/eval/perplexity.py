@@ -8,10 +8,20 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
+from typing import Protocol
 
 import numpy as np
 import torch
 from tqdm import tqdm
+
+
+class LogitRows(Protocol):
+    """A window's ``(positions, vocab)`` logits as a reader slices them (``rows[32:64]`` is an array): an array, or logits
+    computed as they are read, so that no reader needs a whole window's at once."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, positions: slice) -> np.ndarray: ...
 
 
 def window_nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
@@ -24,7 +34,7 @@ def window_nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
 NLL_ROWS = 32
 
 
-def targets_nll(logits: np.ndarray, targets: np.ndarray) -> tuple[float, int]:
+def targets_nll(logits: LogitRows, targets: np.ndarray) -> tuple[float, int]:
     """Summed NLL of ``targets`` under ``(n, vocab)`` logits (row i predicting ``targets[i]``) and their number."""
     total = 0.0
     for start in range(0, len(targets), NLL_ROWS):

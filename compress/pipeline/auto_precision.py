@@ -300,7 +300,7 @@ def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.
 
     def measure(folder: Path) -> tuple[bool, dict[str, Any]]:
         deployed = window_logits(folder, rows, device, progress, desc="candidate")
-        per_domain = compare_window_pairs(lambda i: (deployed.logits(i), reference.logits(i)), selection, progress=False)
+        per_domain = compare_window_pairs(lambda i: (deployed.rows(i), reference.rows(i)), selection, progress=False)
         mixed = per_domain.pop("mixed")
         worst = worst_domain(per_domain)
         figures = {"worst_domain": worst, "worst_increase_pct": per_domain[worst]["perplexity_increase_pct"],

@@ -55,17 +55,60 @@ class WindowLogits:
     def __len__(self) -> int:
         return len(self.hidden)
 
-    def logits(self, index: int) -> np.ndarray:
-        """Window ``index``'s ``(tokens, vocab)`` logits in float32, the head taken in float32 a slice of rows at a time (a
-        float32 copy of a 150k-token vocabulary's head is as large as a 0.3B model's blocks)."""
+    def logits(self, index: int, tokens: slice = slice(None)) -> np.ndarray:
+        """Window ``index``'s ``(tokens, vocab)`` logits in float32 (``tokens``: those positions only), the head taken in
+        float32 a slice of its rows at a time (a float32 copy of a 150k-token vocabulary's head is as large as a 0.3B
+        model's blocks)."""
         with torch.no_grad():
-            hidden = self.hidden[index][0]
+            hidden = self.hidden[index][0][tokens]
             if self.head_input is not None:
                 hidden = self.head_input(hidden)
             logits = linear_in_row_slices(hidden, self.head_weight, self.head_bias)
             if self.softcap:
                 logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits.cpu().numpy()
+
+    def rows(self, index: int, stop: int | None = None) -> WindowRows:
+        """Window ``index``'s logits (its first ``stop`` positions), computed as they are sliced."""
+        return WindowRows(self, index, len(self.hidden[index][0]) if stop is None else stop)
+
+
+# The float32 logits of a block of positions computed at a time when a window's are read slice by slice: at a 150k
+# vocabulary 192 positions (a 512-token window's are 0.3 GB, and a comparison holds two windows'); a 49k vocabulary's
+# windows whole. Each block converts the 16-bit head to float32 once more, a slice at a time.
+LOGIT_BLOCK_BYTES = 128 * 2**20
+LOGIT_POSITIONS_STEP = 32  # what the readers take at a time (fidelity's and perplexity's rows in float64)
+
+
+class WindowRows:
+    """One window's ``(positions, vocab)`` logits, computed a block of positions at a time (:data:`LOGIT_BLOCK_BYTES`) as a
+    reader slices them in order (``rows[32:64]``), so no reader holds a whole window's. Every head input is quantized
+    position by position, so the logits are those of :meth:`WindowLogits.logits`."""
+
+    def __init__(self, owner: WindowLogits, index: int, stop: int) -> None:
+        self.owner = owner
+        self.index = index
+        self.stop = stop
+        vocab = owner.head_weight.shape[0]
+        self.block = max(LOGIT_POSITIONS_STEP, LOGIT_BLOCK_BYTES // (4 * vocab) // LOGIT_POSITIONS_STEP * LOGIT_POSITIONS_STEP)
+        self._block_start = -1
+        self._block: np.ndarray | None = None
+
+    def __len__(self) -> int:
+        return self.stop
+
+    def __getitem__(self, positions: slice) -> np.ndarray:
+        start, stop, step = positions.indices(self.stop)
+        if step != 1:
+            raise IndexError("a window's logits are read in runs of positions")
+        block_start = start - start % self.block
+        if stop > block_start + self.block:  # across blocks: computed on their own
+            return self.owner.logits(self.index, slice(start, stop))
+        if block_start != self._block_start:
+            self._block = None  # the previous block goes before the next is computed
+            self._block = self.owner.logits(self.index, slice(block_start, min(block_start + self.block, self.stop)))
+            self._block_start = block_start
+        return self._block[start - block_start:stop - block_start]
 
 
 class _Deployed(BlockVisitor):
