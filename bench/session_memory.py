@@ -26,6 +26,9 @@ SETTINGS = {
     "no prepacking": {"config": {"session.disable_prepacking": "1"}},
     "no constant folding": {"disabled_optimizers": ["ConstantFolding"]},
     "no constant folding, no arena": {"disabled_optimizers": ["ConstantFolding"], "arena": False},
+    "folding only outputs up to 1 MiB": {"config": {"optimization.constant_folding_max_output_size_in_bytes": str(2**20)}},
+    "folding only outputs up to 1 MiB, no prepacking": {"config": {
+        "optimization.constant_folding_max_output_size_in_bytes": str(2**20), "session.disable_prepacking": "1"}},
 }
 
 _CHILD = r'''
