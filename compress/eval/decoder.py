@@ -253,7 +253,7 @@ def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list
     predicting = windows.shape[1] - 1
     nll = sum(targets_nll(deployed.rows(i, stop=predicting), windows[i, 1:].numpy())[0] for i in range(len(deployed)))
     return {"perplexity_teacher": None, "perplexity_increase_pct": None,
-            "perplexity_model": math.exp(nll / (windows.shape[0] * (windows.shape[1] - 1)))}
+            "perplexity_model": math.exp(nll / (windows.shape[0] * predicting))}
 
 
 def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir: Path, config: ValidateConfig,
