@@ -26,8 +26,10 @@ import numpy as np
 import torch
 from pydantic import PositiveInt
 
-from compress.backends.onnx.runtime import OnnxDecoder
+from compress.backends.onnx.runtime import DecoderLayout, OnnxDecoder
+from compress.backends.onnx.slices import SlicedDecoder, graph_weight_bytes, plan_slices
 from compress.core.config import StrictModel, Target
+from compress.core.errors import StageError
 from compress.core.memory import phase_peak
 from compress.core.text import (
     TextSource,
@@ -83,6 +85,9 @@ class ValidateConfig(StrictModel):
     device_prompt_tokens: PositiveInt = 64  # per evaluation domain, for the on-device greedy comparison
     device_new_tokens: PositiveInt = 24
     onnx_parity_windows: PositiveInt = 2  # per domain: ONNX Runtime against the torch measurement on these windows
+    # The most graph weights (MiB, as stored) one ONNX Runtime session holds (it holds about twice that in float32): a
+    # larger graph's parity check runs it in slices of whole blocks, one session at a time, and host latency is not taken.
+    onnx_session_mb: PositiveInt = 1024
     prompt_new_tokens: PositiveInt = 32  # greedy answer length to each app prompt (prompts=)
 
 
@@ -157,21 +162,22 @@ def torch_side(model: WindowLogits, windows: torch.Tensor, sample: list[int]) ->
 PARITY_CHUNK = 128
 
 
-def onnx_parity(decoder: OnnxDecoder, measured: dict[int, TorchWindow], windows: torch.Tensor) -> dict[str, Any]:
+def onnx_parity(decoder: OnnxDecoder | SlicedDecoder, measured: dict[int, TorchWindow], windows: torch.Tensor) -> dict[str, Any]:
     """ONNX Runtime against the torch measurement on a sample of windows: perplexity of each and top-1 agreement (the
-    graph run :data:`PARITY_CHUNK` tokens at a time through its KV cache, as it decodes when deployed)."""
+    graph run :data:`PARITY_CHUNK` tokens at a time through its KV cache, as it decodes when deployed; whole, or slice by
+    slice)."""
     onnx_nll = torch_nll = 0.0
     count = agree = 0
-    for index, torch_window in measured.items():
-        ids = windows[index].numpy()
-        for start, logits in decoder.logits_in_chunks(ids[None, :], PARITY_CHUNK):
-            targets = ids[start + 1:start + 1 + logits.shape[1]]
-            rows = logits[0, :len(targets)]
-            nll, n = targets_nll(rows, targets)
-            onnx_nll += nll
-            count += n
-            agree += int((rows.argmax(-1) == torch_window.argmax[start:start + n]).sum())
-        torch_nll += torch_window.nll
+    sample = list(measured)
+    for position, start, logits in decoder.sequences_in_chunks([windows[index].numpy() for index in sample], PARITY_CHUNK):
+        ids, torch_window = windows[sample[position]].numpy(), measured[sample[position]]
+        targets = ids[start + 1:start + 1 + logits.shape[1]]
+        rows = logits[0, :len(targets)]
+        nll, n = targets_nll(rows, targets)
+        onnx_nll += nll
+        count += n
+        agree += int((rows.argmax(-1) == torch_window.argmax[start:start + n]).sum())
+    torch_nll = sum(torch_window.nll for torch_window in measured.values())
     ppl_onnx, ppl_torch = math.exp(onnx_nll / count), math.exp(torch_nll / count)
     return {"windows": len(measured), "tokens": count, "perplexity_onnx": ppl_onnx, "perplexity_torch": ppl_torch,
             "difference_pct": 100.0 * abs(ppl_onnx / ppl_torch - 1.0), "top1_agreement": agree / count}
@@ -231,8 +237,15 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
 
 
 def _onnx_runtime_side(onnx_dir: Path, measured: dict[int, TorchWindow], windows: torch.Tensor, evaluation: list[TextSource],
-                       tokenizer, config: ValidateConfig) -> tuple[dict[str, Any], dict[str, Any]]:
-    """ONNX Runtime's parity with the torch measurement on the sampled windows, and its host latency."""
+                       tokenizer, config: ValidateConfig) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """ONNX Runtime's parity with the torch measurement on the sampled windows, and its host latency (not measured when the
+    graph is run in slices)."""
+    sliced = _sliced_decoder(onnx_dir, config.onnx_session_mb * 2**20)
+    if sliced is not None:
+        log.info("ONNX Runtime against torch on %d windows, the graph in %d slices of whole blocks (validate.onnx_session_mb="
+                 "%d), one session at a time; host latency not measured (it needs the whole graph)", len(measured),
+                 len(sliced.slices), config.onnx_session_mb)
+        return {**onnx_parity(sliced, measured, windows), "slices": len(sliced.slices)}, None
     decoder = OnnxDecoder(onnx_dir)
     log.info("ONNX Runtime against torch on %d windows", len(measured))
     parity = onnx_parity(decoder, measured, windows)
@@ -242,7 +255,20 @@ def _onnx_runtime_side(onnx_dir: Path, measured: dict[int, TorchWindow], windows
     latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
     del decoder
     release_freed_memory()
-    return parity, latency
+    return {**parity, "slices": 1}, latency
+
+
+def _sliced_decoder(onnx_dir: Path, max_weight_bytes: int) -> SlicedDecoder | None:
+    """The graph as slices of at most ``max_weight_bytes`` of weights each, or None where it is run whole: its weights fit
+    one session, its NVFP4 weights are read through a converted copy of the whole graph, or it cannot be cut."""
+    layout = DecoderLayout.load(onnx_dir)
+    if graph_weight_bytes(onnx_dir) <= max_weight_bytes or layout.fp4_weights:
+        return None
+    try:
+        return SlicedDecoder(onnx_dir, plan_slices(onnx_dir, layout, max_weight_bytes))
+    except StageError as exc:
+        log.warning("ONNX Runtime runs the whole graph in one session: %s", exc)
+        return None
 
 
 def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list[tuple[str, torch.Tensor]], windows: torch.Tensor,

@@ -31,20 +31,27 @@ REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this f
 # bf16 checkpoints (default recipe, 2 cores; `bench/scale_table.py --measure`), fitted to the larger of each.
 # A stage in none of the tables: two fp32 copies.
 HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "build_engine": 0.5}
-# validate: its largest phase is ONNX Runtime's parity session (2.9 GB for the 1.19 GB checkpoint, 7.2 GB for the 3.44 GB
-# one); it holds one thing at a time (the block-by-block passes, the teacher for the app prompts, that session).
+# validate holds one thing at a time: its torch phases (the block-by-block passes, the teacher held for the app prompts:
+# 2.35 and 2.80 GB for the 1.19 GB checkpoint, 5.08 and 4.95 GB for the 3.44 GB one) are the checkpoint once, copies of
+# the embedding table (below) and the prompts' batch and KV cache (fixed); then ONNX Runtime's session (_onnx_session).
 # export_edgellm: NVIDIA's exporter in its own process (2.8 and 8.4 GB).
-HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "export_edgellm": 2.4, "validate": 1.75}
+HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "export_edgellm": 2.4, "validate": 1.0}
 # quantize holds more than its streamed block and one embedding table (2.0 and 3.5 GB measured on the two Qwen3 shapes,
 # flat in depth at Llama-3.1-8B's width: 6.2 and 6.3 GB at 4 and 8 layers); fitted as a fixed part and copies of the
 # embedding table in the checkpoint's dtype, which over-estimates the Llama-3.1-8B-width stage by about 1.4 GB.
-HOST_FIXED_BYTES = {"quantize": 0.35 * GB}
-EMBEDDING_COPIES = {"quantize": 2.5}
+HOST_FIXED_BYTES = {"quantize": 0.35 * GB, "validate": 0.5 * GB}
+EMBEDDING_COPIES = {"quantize": 2.5, "validate": 1.5}
 # export_onnx's ONNX Runtime session of the portable graph, as copies of the checkpoint: the levels, and the 16-bit
 # tensors (float linears, the tied LM head) folded to float32 for its MatMuls; the stage's largest phase on the
 # Qwen3-0.6B shape, whose embedding is a quarter of its parameters (2.56 GB for the 1.19 GB checkpoint; tracing the
 # skeleton 1.44 GB, torch's block-by-block reference 1.12 GB).
 ORT_SESSION_CHECKPOINT_COPIES = 1.8
+# export_onnx writing the graph (the trace, then one tensor at a time) and, for a sliced graph, holding the model for
+# torch's greedy continuation: 4.00 and 4.43 GiB for the 3.44 GB bf16 Qwen3-1.7B shape (`recipe=baseline`).
+EXPORT_GRAPH_CHECKPOINT_COPIES = 1.25
+# The graph weights (as stored) above which ONNX Runtime runs a graph in slices of whole blocks, each at most this much
+# (``export_onnx.session_mb``, ``validate.onnx_session_mb``): a session then holds its slice's share of the above.
+DEFAULT_SESSION_BYTES = 1024 * 2**20
 # The stages that stream a model block by block (models/weights.py) hold one block in float32 and its work (statistics,
 # Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
 STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
@@ -149,10 +156,16 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         else:
             host += work
             device_bytes = 0.0
-        if phased:  # one after the other: the largest of what each phase holds
-            host = max(host, PROCESS_BASE_BYTES + _export_onnx_peak(checkpoint_bytes, shape))
-        disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
         quantized = any(other == "quantize" for other, _ in stages)
+        graph_bytes = _disk_bytes("export_onnx", model_config, params, checkpoint_bytes, quantized)
+        if phased:  # one after the other: the largest of what each phase holds
+            session = _onnx_session(checkpoint_bytes, graph_bytes, _session_limit(config, "session_mb"), shape, per_param)
+            trace = max(2 * 4.0 * shape.vocab_size * shape.hidden_size, EXPORT_GRAPH_CHECKPOINT_COPIES * checkpoint_bytes)
+            host = max(host, PROCESS_BASE_BYTES + max(session, trace))
+        if base == "validate" and shape is not None and any(other == "export_onnx" for other, _ in stages):
+            session = _onnx_session(checkpoint_bytes, graph_bytes, _session_limit(config, "onnx_session_mb"), shape, per_param)
+            host = max(host, PROCESS_BASE_BYTES + session)
+        disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
         disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
         disk = _kept_copies(base, config, disk, model_config, params, checkpoint_bytes)
         rates = CUDA_SECONDS_PER_PARAM_TOKEN if on_device else SECONDS_PER_PARAM_TOKEN
@@ -182,10 +195,20 @@ def _search(config: Any, params: int, checkpoint_bytes: float, shape: ModelShape
     return max(fisher_host, PROCESS_BASE_BYTES + PLANS_CHECKPOINT_COPIES * checkpoint_bytes), seconds
 
 
-def _export_onnx_peak(checkpoint_bytes: float, shape: ModelShape) -> float:
-    """What export_onnx's largest phase needs beyond the process floor: ONNX Runtime's session, or tracing (the LM head
-    in float32, twice), whichever is larger."""
-    return max(ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes, 2 * 4.0 * shape.vocab_size * shape.hidden_size)
+def _session_limit(config: Any, option: str) -> float:
+    """The stage's ``option`` (MiB) in bytes, or the default where the stage has none."""
+    value = getattr(config, option, None)
+    return value * 2**20 if value else DEFAULT_SESSION_BYTES
+
+
+def _onnx_session(checkpoint_bytes: float, graph_bytes: float, limit_bytes: float, shape: ModelShape, per_param: float) -> float:
+    """ONNX Runtime's largest session beyond the process floor: the whole graph's, or, for a graph over ``limit_bytes``,
+    its largest slice's share (whole blocks up to the limit; the last also holds the LM head)."""
+    if graph_bytes <= limit_bytes:
+        return ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes
+    block = graph_bytes / shape.num_layers
+    largest = max(limit_bytes, block + per_param * shape.vocab_size * shape.hidden_size)
+    return ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes * min(1.0, largest / graph_bytes)
 
 
 def _kept_copies(stage: str, config: Any, disk: float, model_config: dict[str, Any], params: int, checkpoint_bytes: float) -> float:
@@ -257,7 +280,11 @@ def _way_out(stage: str) -> str:
     """What a user can change when ``stage`` would not fit."""
     base = stage.removesuffix("_encoder")
     if base == "export_onnx":
-        return "leave the portable ONNX out with export_onnx=off (an Edge-LLM bundle ships without it), or use a larger machine"
+        return ("let ONNX Runtime hold less at a time (export_onnx.session_mb=N, MiB of weights), leave the portable ONNX out "
+                "with export_onnx=off (an Edge-LLM bundle ships without it), or use a larger machine")
+    if base == "validate":
+        return ("let ONNX Runtime hold less at a time (validate.onnx_session_mb=N, MiB of weights), leave the portable ONNX "
+                "out with export_onnx=off, or use a larger machine")
     if base in ("quantize", "sparsify"):
         return f"compute on a GPU with device=cuda, give a smaller calibration budget ({base}.calib_windows=N), or use a larger machine"
     if base == "distill":

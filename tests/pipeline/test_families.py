@@ -178,6 +178,7 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
     the graph. A sliding layer's cache stops at its window."""
     from compress.backends.onnx.export import export_decoder_folder
     from compress.backends.onnx.runtime import OnnxDecoder
+    from compress.backends.onnx.slices import SlicedDecoder, plan_slices
 
     window = 8
     options = {"layer_types": None} if family == "mistral" else {}  # Mistral: every layer slides
@@ -203,6 +204,12 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
     # Five tokens at a time through the cache: each chunk sees the sliding layers' last window - 1 positions only.
     chunked = np.concatenate([logits for _, logits in decoder.logits_in_chunks(ids.numpy(), 5)], axis=1)
     assert float(np.abs(chunked - sliding).max()) < 1e-4 * scale
+    # Cut into one slice per block, each run alone over every chunk: the same numbers (each slice reads the sliding
+    # layers' shorter caches of the others for their shapes only).
+    slices = plan_slices(tmp_path / "onnx", decoder.layout, max_weight_bytes=1)
+    assert [piece.blocks for piece in slices] == [range(block, block + 1) for block in range(4)]
+    pieces = SlicedDecoder(tmp_path / "onnx", slices).sequences_in_chunks([ids.numpy()[0]], 5)
+    assert float(np.abs(np.concatenate([logits for _, _, logits in pieces], axis=1) - chunked).max()) < 1e-5 * scale
     _, past = decoder.forward(ids.numpy(), np.ones_like(ids.numpy()), decoder.empty_past(1))
     slides = set(decoder.layout.sliding_layers)
     assert slides == ({0, 1, 2, 3} if family == "mistral" else {0, 2})

@@ -29,12 +29,16 @@ from compress.backends.onnx.decoder_graph import skeleton_causal_lm, trace_decod
 from compress.backends.onnx.graph import onnx_files_size, save_graph, share_tied_embedding
 from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, apply_qdq
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
+from compress.backends.onnx.slices import SlicedDecoder, graph_weight_bytes, plan_slices
+from compress.core.errors import StageError
 from compress.core.files import atomic_write_json
 from compress.core.memory import phase_peak
+from compress.models.compute import computed_in_float32
 from compress.models.families import attention_geometry, attention_window, sliding_layer_indices
 from compress.models.loading import chat_prompt_ids, load_tokenizer
 from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.saved import (
+    held_deployed_causal_lm,
     kv_cache_scales,
     load_quantization,
     load_quantized_causal_lm,
@@ -183,6 +187,51 @@ def onnx_side(folder: Path, prompt: list[int], new_tokens: int) -> OnnxSide:
     return OnnxSide(np.asarray(decoder.logits(np.asarray([prompt])))[0], decoder.greedy(prompt, new_tokens))
 
 
+def sliced_side(decoder: SlicedDecoder, prompt: list[int], continuation: list[int], eos_token_ids: list[int]) -> OnnxSide:
+    """ONNX Runtime's side from the graph's slices over ``prompt`` and torch's greedy ``continuation``: its logits over the
+    prompt, and its argmax after each prefix up to the first that differs from torch's token (or an end-of-sequence one):
+    its own greedy decoding up to there, since the prefixes agree."""
+    ids = np.asarray(prompt + continuation, dtype=np.int64)
+    logits = np.concatenate([chunk[0] for _, _, chunk in decoder.sequences_in_chunks([ids], len(ids))])
+    tokens: list[int] = []
+    for step, expected in enumerate(continuation):
+        tokens.append(int(logits[len(prompt) - 1 + step].argmax()))
+        if tokens[-1] != expected or tokens[-1] in eos_token_ids:
+            break
+    return OnnxSide(logits[: len(prompt)], tokens)
+
+
+def torch_greedy(source: Path, prompt: list[int], new_tokens: int, eos_token_ids: list[int],
+                 trust_remote_code: bool = False) -> list[int]:
+    """The deployed numbers' greedy continuation of ``prompt`` in torch (the quantized checkpoint held as its levels),
+    stopping after an end-of-sequence token."""
+    model, rebuilt = held_deployed_causal_lm(source, trust_remote_code)
+    tokens: list[int] = []
+    with computed_in_float32(model, rebuilt), torch.no_grad():
+        ids, past = torch.tensor([prompt]), None
+        for _ in range(new_tokens):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past, token = out.past_key_values, int(out.logits[0, -1].argmax())
+            tokens.append(token)
+            if token in eos_token_ids:
+                break
+            ids = torch.tensor([[token]])
+    del model, past
+    release_freed_memory()
+    return tokens
+
+
+def _slices_over(folder: Path, layout: DecoderLayout, limit_bytes: int | None) -> list | None:
+    """The graph's slices where its weights pass ``limit_bytes`` (None: run whole) and it can be cut."""
+    if limit_bytes is None or layout.fp4_weights or graph_weight_bytes(folder) <= limit_bytes:
+        return None
+    try:
+        return plan_slices(folder, layout, limit_bytes)
+    except StageError as exc:
+        log.warning("ONNX Runtime runs the whole graph in one session: %s", exc)
+        return None
+
+
 def compare_with_torch(side: OnnxSide, torch_logits: np.ndarray, prompt: list[int], eos_token_ids: list[int]) -> dict:
     """The parity figures, from torch's logits over the prompt followed by ONNX Runtime's tokens (``torch_logits``).
 
@@ -239,15 +288,18 @@ class ExportedDecoder:
 
 def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript", opset: int = 18,
                           parity_prompt: str = "What is the capital of France?", parity_new_tokens: int = 16,
-                          trust_remote_code: bool = False) -> ExportedDecoder:
+                          trust_remote_code: bool = False, session_limit_bytes: int | None = None) -> ExportedDecoder:
     """Export the Hugging Face folder ``source`` (float, or quantized by the quantize stage) into ``out``: the graph, its
     KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime.
 
     The TorchScript exporter (the default) traces a weightless skeleton and writes the weights one tensor at a time from
     the checkpoint; torch's reference is computed block by block from the checkpoint after ONNX Runtime's session is
     gone (:func:`compress.transforms.checkpoint_logits.window_logits`), over the prompt and ONNX Runtime's greedy
-    continuation. So neither the model nor a float32 copy of it is ever held. The dynamo exporter traces the model
-    loaded in float32."""
+    continuation. So neither the model nor a float32 copy of it is ever held. A graph with more than
+    ``session_limit_bytes`` of weights is run in slices of whole blocks (:mod:`.slices`), one session at a time, over
+    the prompt and torch's greedy continuation (decoded first, the quantized checkpoint held as its levels): ONNX
+    Runtime's tokens are its argmax after each of those prefixes. The dynamo exporter traces the model loaded in
+    float32."""
     tokenizer = load_tokenizer(source)
     meta = quantization_meta(source)
     formats = [PRECISIONS[info.get("precision", meta["precision"])] for info in meta["linears"].values()] if meta else []
@@ -261,13 +313,22 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     for name in _SIDE_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
-    log.info("checking ONNX Runtime against torch")
     prompt = chat_prompt_ids(tokenizer, parity_prompt)
-    with phase_peak(peaks, "onnx_runtime"):
-        side = onnx_side(out, prompt, parity_new_tokens)
-        release_freed_memory()
+    slices = _slices_over(out, layout, session_limit_bytes)
+    if slices is None:
+        log.info("checking ONNX Runtime against torch")
+        with phase_peak(peaks, "onnx_runtime"):
+            side = onnx_side(out, prompt, parity_new_tokens)
+            release_freed_memory()
+        continuation = side.tokens
+    else:  # torch decodes first; ONNX Runtime, slice by slice, then reads its continuation
+        log.info("checking ONNX Runtime against torch, the graph in %d slices of whole blocks", len(slices))
+        with phase_peak(peaks, "torch_greedy"):
+            continuation = torch_greedy(source, prompt, parity_new_tokens, layout.eos_token_ids, trust_remote_code)
+        with phase_peak(peaks, "onnx_runtime"):
+            side = sliced_side(SlicedDecoder(out, slices), prompt, continuation, layout.eos_token_ids)
     with phase_peak(peaks, "torch_reference"):  # the deployed numbers, one block in memory at a time
-        ids = torch.tensor([prompt + side.tokens])
+        ids = torch.tensor([prompt + continuation])
         torch_logits = window_logits(source, ids, trust_remote_code=trust_remote_code).logits(0)
     parity = {**compare_with_torch(side, torch_logits, prompt, layout.eos_token_ids),
               "greedy_text_onnx": tokenizer.decode(side.tokens, skip_special_tokens=True), "prompt": parity_prompt}

@@ -186,6 +186,12 @@ class OnnxDecoder:
             logits, past = self.forward(piece, mask, past)
             yield start, logits
 
+    def sequences_in_chunks(self, sequences: list[np.ndarray], chunk: int) -> Iterator[tuple[int, int, np.ndarray]]:
+        """:meth:`logits_in_chunks` of each sequence in turn: ``(sequence, first position, logits[1, chunk, vocab])``."""
+        for index, ids in enumerate(sequences):
+            for start, logits in self.logits_in_chunks(ids[None, :], chunk):
+                yield index, start, logits
+
     def stream_greedy(self, prompt_ids: list[int], max_new_tokens: int) -> Iterator[int]:
         """Greedy decoding with the KV cache, yielding token ids until EOS or the limit."""
         return greedy_stream(self, prompt_ids, max_new_tokens)

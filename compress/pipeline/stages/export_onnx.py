@@ -48,12 +48,16 @@ class ExportOnnxConfig(StrictModel):
     # Quantized graphs flip activation roundings on ~1e-6 input differences, so their parity is
     # judged by perplexity in validate; greedy tokens are still recorded.
     require_greedy_match: Literal["always", "float-only", "never"] = "float-only"
+    # The most graph weights (MiB, as stored) ONNX Runtime's parity check holds in one session (about twice that in
+    # float32): a larger graph is run in slices of whole blocks over torch's greedy continuation.
+    session_mb: PositiveInt = 1024
 
 
 def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> StageResult:
     out = ctx.stage_dir / "onnx"
     exported = export_decoder_folder(Path(source.path), out, config.exporter, config.opset, config.parity_prompt,
-                                     config.parity_new_tokens, trust_remote_code=ctx.trust_remote_code)
+                                     config.parity_new_tokens, trust_remote_code=ctx.trust_remote_code,
+                                     session_limit_bytes=config.session_mb * 2**20)
     parity = exported.parity
     tolerance = config.max_logit_diff_quantized if exported.quantized else config.max_logit_diff
     if parity["max_abs_logit_diff"] > tolerance:

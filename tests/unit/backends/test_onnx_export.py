@@ -15,7 +15,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from compress.backends.onnx.decoder_graph import skeleton_causal_lm, write_weights
 from compress.backends.onnx.export import decoder_layout, export_decoder, export_decoder_folder
 from compress.backends.onnx.graph import external_files
-from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
+from compress.backends.onnx.runtime import ONNX_FILE, DecoderLayout, OnnxDecoder
+from compress.backends.onnx.slices import SlicedDecoder, graph_weight_bytes, plan_slices
 from compress.backends.tensorrt.engine_graph import engine_graph_parity, write_engine_graph
 from compress.core.memory import phase_peak
 from compress.models.loading import chat_prompt_ids, load_causal_lm, load_tokenizer, save_side_files
@@ -130,6 +131,63 @@ def test_the_parity_check_reads_the_same_numbers_chunk_by_chunk(quantized_bf16, 
     assert abs(chunked["perplexity_onnx"] / whole["perplexity_onnx"] - 1) < 1e-4
     assert chunked["perplexity_torch"] == whole["perplexity_torch"] and chunked["difference_pct"] < 1.0
     assert abs(chunked["top1_agreement"] - whole["top1_agreement"]) <= 2 / chunked["tokens"] and whole["top1_agreement"] > 0.9
+
+
+def test_a_graph_cut_between_its_blocks_computes_the_whole_graphs_logits(quantized_bf16, tmp_path):
+    """Consecutive slices of whole blocks, each opened alone: every block in exactly one, each holding only its own
+    blocks' weights (and the gathered embedding), and together the whole graph's logits, chunk by chunk."""
+    folder, windows = quantized_bf16
+    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    layout = DecoderLayout.load(tmp_path / "onnx")
+    total = graph_weight_bytes(tmp_path / "onnx")
+    slices = plan_slices(tmp_path / "onnx", layout, total // 4)
+    assert len(slices) >= 3 and [block for piece in slices for block in piece.blocks] == list(range(LAYERS))
+    assert slices[0].entering == "input_ids" and slices[-1].leaving == "logits"
+    assert all(piece.entering == before.leaving for before, piece in zip(slices, slices[1:], strict=False))
+    assert max(piece.weight_bytes for piece in slices) < total / 2
+    for piece in slices:
+        names = [init.name for init in onnx.load_from_string(piece.graph).graph.initializer]
+        layers = {int(name.split(".layers.")[1].split(".")[0]) for name in names if ".layers." in name}
+        assert layers == set(piece.blocks)  # its blocks' norms, no other block's
+    sequences = [row.numpy() for row in windows]
+    whole = list(OnnxDecoder(tmp_path / "onnx").sequences_in_chunks(sequences, 7))
+    sliced = list(SlicedDecoder(tmp_path / "onnx", slices).sequences_in_chunks(sequences, 7))
+    assert [(index, start) for index, start, _ in sliced] == [(index, start) for index, start, _ in whole]
+    for (_, _, ours), (_, _, reference) in zip(sliced, whole, strict=True):
+        assert float(np.abs(ours - reference).max()) <= 1e-5 * float(np.abs(reference).max())
+
+
+@pytest.mark.parametrize("which", ["float", "quantized"])
+def test_the_exports_parity_check_runs_a_graph_over_its_session_limit_in_slices(which, bf16_model, quantized_bf16, tmp_path):
+    """Over the limit, torch decodes first and the graph's slices read its continuation: the same figures as the whole
+    graph's parity check (ONNX Runtime's greedy tokens are its argmax after torch's prefixes, which agree)."""
+    folder = bf16_model if which == "float" else quantized_bf16[0]
+    whole = export_decoder_folder(folder, tmp_path / "whole", parity_new_tokens=6)
+    limit = graph_weight_bytes(tmp_path / "whole") // 3
+    sliced = export_decoder_folder(folder, tmp_path / "sliced", parity_new_tokens=6, session_limit_bytes=limit)
+    assert "torch_greedy" in sliced.phase_peak_rss_mb and "torch_greedy" not in whole.phase_peak_rss_mb
+    assert sliced.parity["greedy_tokens_onnx"] == whole.parity["greedy_tokens_onnx"]
+    assert sliced.parity["greedy_match"] == whole.parity["greedy_match"]
+    assert abs(sliced.parity["max_abs_logit_diff"] - whole.parity["max_abs_logit_diff"]) < 1e-4
+    if which == "float":
+        assert sliced.parity["greedy_match"] and len(sliced.parity["greedy_tokens_torch"]) > 1
+
+
+def test_validation_runs_a_graph_over_its_session_limit_in_slices(quantized_bf16, tmp_path):
+    from compress.eval import decoder as validation
+
+    folder, windows = quantized_bf16
+    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    total = graph_weight_bytes(tmp_path / "onnx")
+    assert validation._sliced_decoder(tmp_path / "onnx", total) is None  # it fits one session: run whole
+    sliced = validation._sliced_decoder(tmp_path / "onnx", total // 3)
+    assert sliced is not None and len(sliced.slices) > 1
+    measured = validation.torch_side(window_logits(folder, windows), windows, list(range(len(windows))))
+    whole = validation.onnx_parity(OnnxDecoder(tmp_path / "onnx"), measured, windows)
+    pieces = validation.onnx_parity(sliced, measured, windows)
+    assert pieces["tokens"] == whole["tokens"] == len(windows) * (windows.shape[1] - 1)
+    assert abs(pieces["perplexity_onnx"] / whole["perplexity_onnx"] - 1) < 1e-6
+    assert pieces["top1_agreement"] == whole["top1_agreement"] > 0.9 and pieces["difference_pct"] < 1.0
 
 
 class _LiveFloat32(TorchDispatchMode):
