@@ -16,8 +16,8 @@ from the checkpoint, one tensor at a time, its bytes appended to the graph's ext
   the checkpoint's bytes, and the graph computes in float32 as before;
 - a ``Gather`` of a 16-bit table (the token embedding) picks its rows in their own dtype and casts only
   them, so a runtime folds no float32 copy of the table for it;
-- a tied embedding is one initializer read by the ``Gather`` and, through its ``Cast`` and
-  ``Transpose``, by the LM head.
+- a tied embedding is one initializer read by the ``Gather`` and, through a ``Transpose`` of its
+  16-bit values and the ``Cast`` after it, by the LM head.
 
 So the export of a large model holds at most one block's levels and one tensor at a time; the float
 model is never built.
@@ -220,21 +220,24 @@ def _add_float(rewrite: QdqRewrite, input_name: str, tensor: torch.Tensor) -> No
     rewrite.add_tensor(_tensor_proto(tensor, stored))
     if stored == name:
         return
-    others = [p for p in rewrite.consumers.get(name, []) if not _gathers_rows_of(rewrite, p, name)]
+    others = [p for p in rewrite.consumers.get(name, []) if not _moves_values_of(rewrite, p, name)]
     for position in set(rewrite.consumers.get(name, [])) - set(others):
-        _gather_then_cast(rewrite, position, stored)
+        _move_then_cast(rewrite, position, stored)
     if others:
         rewrite.add_node(helper.make_node("Cast", [stored], [name], name=f"{stored}_Cast", to=TensorProto.FLOAT))
 
 
-def _gathers_rows_of(rewrite: QdqRewrite, position: int, name: str) -> bool:
+def _moves_values_of(rewrite: QdqRewrite, position: int, name: str) -> bool:
+    """Whether the node at ``position`` only picks or moves ``name``'s values (a ``Gather`` of its rows, a ``Transpose``)."""
     node = rewrite.nodes[position]
-    return node.op_type == "Gather" and node.input[0] == name and list(node.input).count(name) == 1
+    return node.op_type in ("Gather", "Transpose") and node.input[0] == name and list(node.input).count(name) == 1
 
 
-def _gather_then_cast(rewrite: QdqRewrite, position: int, stored: str) -> None:
-    """The ``Gather`` at ``position`` picks rows of the 16-bit table ``stored`` and casts only them: runtimes then keep no
-    float32 copy of an embedding table for it (the rows are the same numbers either way)."""
+def _move_then_cast(rewrite: QdqRewrite, position: int, stored: str) -> None:
+    """The ``Gather`` or ``Transpose`` at ``position`` reads the 16-bit tensor ``stored`` and only its output is cast: a
+    ``Gather`` of the embedding table then casts the rows it picks (runtimes keep no float32 copy of the table for it),
+    and the ``Transpose`` a tied LM head reads the table through moves 16-bit values (a runtime folding it holds one
+    float32 copy of the head at a time, not the cast table and its transpose). The numbers are the same either way."""
     node = rewrite.nodes[position]
     output = node.output[0]
     node.input[0], node.output[0] = stored, f"{output}_{stored.rsplit('_', 1)[-1]}"

@@ -26,6 +26,7 @@ import numpy as np
 
 from compress.backends.onnx.runtime import ONNX_FILE, DecoderLayout, past_names, present_names, session_options
 from compress.core.errors import StageError
+from compress.transforms.walk import release_freed_memory
 
 _SHAPE_ONLY = frozenset({"Shape", "Size"})  # outputs that depend on their input's shape, not its values
 
@@ -224,6 +225,10 @@ class SlicedDecoder:
 
         options = session_options(self.threads, self.layout.int8_activations)
         options.add_session_config_entry("session.model_external_initializers_file_folder_path", str(self.folder))
+        # Without its arena a session's buffers go back after each run: the arena kept a float32 LM head per cache
+        # length it had seen (a second window's first chunk added 1.2 GiB at Qwen3-1.7B's shape); chunks of many tokens
+        # run as fast either way.
+        options.enable_cpu_mem_arena = False
         return ort.InferenceSession(piece.graph, options, providers=["CPUExecutionProvider"])
 
     def sequences_in_chunks(self, sequences: list[np.ndarray], chunk: int) -> Iterator[tuple[int, int, np.ndarray]]:
@@ -245,6 +250,7 @@ class SlicedDecoder:
                     else:
                         carried[(index, start)] = results[0]
             del session
+            release_freed_memory()  # the session's memory back to the system before the next is opened
 
     def _own_cache(self, piece: GraphSlice) -> list[str]:
         return past_names(self.layout.num_layers)[2 * piece.blocks.start:2 * piece.blocks.stop]

@@ -102,8 +102,11 @@ def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the
     gathered = [n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in weights]
     # only the tied embedding is read transposed (by the LM head); linears are stored (in, out)
     assert transposed == gathered == ["model.model.embed_tokens.weight_bfloat16"]
-    # the Gather picks the table's bf16 rows itself, so ONNX Runtime folds no float32 copy of the table for it
+    # the Gather picks the table's bf16 rows itself, so ONNX Runtime folds no float32 copy of the table for it; the
+    # head's Transpose moves the bf16 values too (cast after it), so a runtime never holds the cast table and its transpose
     assert initializers[gathered[0]].data_type == onnx.TensorProto.BFLOAT16
+    head_transpose, = (n for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights)
+    assert head_transpose.input[0] == gathered[0] and [n.op_type for n in graph.node if head_transpose.output[0] in n.input] == ["Cast"]
     measured = window_logits(folder, windows)
     decoder = OnnxDecoder(tmp_path / "onnx")
     for index, row in enumerate(windows):
