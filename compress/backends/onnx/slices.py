@@ -8,10 +8,11 @@ own (read from its file in place, its weights referenced where they lie), so the
 graph's.
 
 A cut is the one tensor carrying the hidden state from one block to the next. It is found from the
-graph alone: in the nodes' (topological) order, the cut after block ``i`` is the last point between
-block ``i``'s KV-cache nodes and block ``i + 1``'s where exactly one tensor that depends on the
-tokens' values is alive (shapes do not count: the causal mask and the rotary tables are computed
-from the graph's inputs in every slice). A slice reads the hidden state entering its first block
+graph alone: in the nodes' (topological) order, the cut after block ``i`` is the last point before
+block ``i + 1`` reads its cache's values where exactly one tensor that depends on the tokens' values
+is alive for what the later blocks and the head compute (shapes do not count: the causal mask and
+the rotary tables are computed from the graph's inputs in every slice; a finished block's cache
+output does not count either). A slice reads the hidden state entering its first block
 (the token ids for the first slice) and writes the one leaving its last (the logits for the last);
 a cache input of another slice's block that it reads only the shape of is fed zeros of that shape.
 """
