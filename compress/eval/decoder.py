@@ -27,9 +27,8 @@ import torch
 from pydantic import PositiveInt
 
 from compress.backends.onnx.runtime import DecoderLayout, OnnxDecoder
-from compress.backends.onnx.slices import SlicedDecoder, graph_weight_bytes, plan_slices
+from compress.backends.onnx.slices import SlicedDecoder, slices_over
 from compress.core.config import StrictModel, Target
-from compress.core.errors import StageError
 from compress.core.memory import phase_peak
 from compress.core.text import (
     TextSource,
@@ -259,16 +258,10 @@ def _onnx_runtime_side(onnx_dir: Path, measured: dict[int, TorchWindow], windows
 
 
 def _sliced_decoder(onnx_dir: Path, max_weight_bytes: int) -> SlicedDecoder | None:
-    """The graph as slices of at most ``max_weight_bytes`` of weights each, or None where it is run whole: its weights fit
-    one session, its NVFP4 weights are read through a converted copy of the whole graph, or it cannot be cut."""
-    layout = DecoderLayout.load(onnx_dir)
-    if graph_weight_bytes(onnx_dir) <= max_weight_bytes or layout.fp4_weights:
-        return None
-    try:
-        return SlicedDecoder(onnx_dir, plan_slices(onnx_dir, layout, max_weight_bytes))
-    except StageError as exc:
-        log.warning("ONNX Runtime runs the whole graph in one session: %s", exc)
-        return None
+    """The graph as slices of at most ``max_weight_bytes`` of weights each, or None where it is run whole
+    (:func:`~compress.backends.onnx.slices.slices_over`)."""
+    slices = slices_over(onnx_dir, DecoderLayout.load(onnx_dir), max_weight_bytes)
+    return SlicedDecoder(onnx_dir, slices) if slices else None
 
 
 def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list[tuple[str, torch.Tensor]], windows: torch.Tensor,

@@ -29,8 +29,7 @@ from compress.backends.onnx.decoder_graph import skeleton_causal_lm, trace_decod
 from compress.backends.onnx.graph import onnx_files_size, save_graph, share_tied_embedding
 from compress.backends.onnx.qdq import LinearForExport, apply_kv_cache_qdq, apply_qdq
 from compress.backends.onnx.runtime import LAYOUT_FILE, ONNX_FILE, DecoderLayout, OnnxDecoder, past_names, present_names
-from compress.backends.onnx.slices import SlicedDecoder, graph_weight_bytes, plan_slices
-from compress.core.errors import StageError
+from compress.backends.onnx.slices import SlicedDecoder, slices_over
 from compress.core.files import atomic_write_json
 from compress.core.memory import phase_peak
 from compress.models.compute import computed_in_float32
@@ -221,17 +220,6 @@ def torch_greedy(source: Path, prompt: list[int], new_tokens: int, eos_token_ids
     return tokens
 
 
-def _slices_over(folder: Path, layout: DecoderLayout, limit_bytes: int | None) -> list | None:
-    """The graph's slices where its weights pass ``limit_bytes`` (None: run whole) and it can be cut."""
-    if limit_bytes is None or layout.fp4_weights or graph_weight_bytes(folder) <= limit_bytes:
-        return None
-    try:
-        return plan_slices(folder, layout, limit_bytes)
-    except StageError as exc:
-        log.warning("ONNX Runtime runs the whole graph in one session: %s", exc)
-        return None
-
-
 def compare_with_torch(side: OnnxSide, torch_logits: np.ndarray, prompt: list[int], eos_token_ids: list[int]) -> dict:
     """The parity figures, from torch's logits over the prompt followed by ONNX Runtime's tokens (``torch_logits``).
 
@@ -314,7 +302,7 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
     prompt = chat_prompt_ids(tokenizer, parity_prompt)
-    slices = _slices_over(out, layout, session_limit_bytes)
+    slices = slices_over(out, layout, session_limit_bytes)
     if slices is None:
         log.info("checking ONNX Runtime against torch")
         with phase_peak(peaks, "onnx_runtime"):

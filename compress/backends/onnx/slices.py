@@ -19,6 +19,7 @@ a cache input of another slice's block that it reads only the shape of is fed ze
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ import numpy as np
 from compress.backends.onnx.runtime import ONNX_FILE, DecoderLayout, past_names, present_names, session_options
 from compress.core.errors import StageError
 from compress.transforms.walk import release_freed_memory
+
+log = logging.getLogger(__name__)
 
 _SHAPE_ONLY = frozenset({"Shape", "Size"})  # outputs that depend on their input's shape, not its values
 
@@ -136,6 +139,18 @@ def plan_slices(folder: Path, layout: DecoderLayout, max_weight_bytes: int) -> l
         outputs = [leaving] + present_names(layout.num_layers)[2 * blocks.start:2 * blocks.stop]
         slices.append(_extract(model, producers, types, entering, outputs, blocks, sizes))
     return slices
+
+
+def slices_over(folder: Path, layout: DecoderLayout, limit_bytes: int | None) -> list[GraphSlice] | None:
+    """The graph's slices of at most ``limit_bytes`` of weights, or None where it runs whole: no limit, its weights fit one
+    session, its NVFP4 weights are read through a converted copy of the whole graph, or it cannot be cut."""
+    if limit_bytes is None or layout.fp4_weights or graph_weight_bytes(folder) <= limit_bytes:
+        return None
+    try:
+        return plan_slices(folder, layout, limit_bytes)
+    except StageError as exc:
+        log.warning("ONNX Runtime runs the whole graph in one session: %s", exc)
+        return None
 
 
 def _block_bytes(producers, sizes, cuts, block: int, num_layers: int) -> int:
