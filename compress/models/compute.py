@@ -12,6 +12,10 @@ The two largest parts outside the blocks are never copied whole: the token embed
 their own dtype and converts only them (the same numbers), and the LM head is taken in float32
 :data:`HEAD_ROWS` rows at a time. A 150k-token vocabulary's table in float32 is larger than a
 0.3B model's blocks.
+
+A model loaded from a memory-mapped checkpoint gives each part's pages back to the OS page cache
+once the part has computed (:mod:`compress.core.mapped_pages`), so a pass over the model holds one
+part of it, not the whole checkpoint.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from compress.core.mapped_pages import MappedPages
 from compress.models.families import decoder_blocks
 
 log = logging.getLogger(__name__)
@@ -54,10 +59,11 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
     handles = []
     patched: list[torch.nn.Module] = []
     copies = _Float32Copies()
+    pages = MappedPages(p.data for p in model.parameters())
     for part in _parts(model):
         forward = None if any(id(p) in by_id for p in part.parameters()) else _sliced_forward(part, copies)
         if forward is not None:  # computed from its own tensors a slice at a time: nothing to upcast
-            part.forward = forward
+            part.forward = _handing_back(forward, part, pages)
             patched.append(part)
             continue
         held: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
@@ -69,9 +75,10 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
                 make = by_id.get(id(parameter))
                 parameter.data = copies.add(parameter.data, make)
 
-        def restore(_module, _args, _output, held=held):
+        def restore(_module, _args, _output, part=part, held=held):
             copies.drop(parameter.data for parameter, _ in held)
             _give_back(held)
+            pages.release(p.data for p in part.parameters(recurse=id(part) in blocks))
 
         if recompute_blocks and id(part) in blocks:
             part.forward = _recomputed_forward(part, by_id)
@@ -90,6 +97,17 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
             _give_back(held)
         for part in patched:
             del part.forward  # the class's forward again
+        pages.close()
+
+
+def _handing_back(forward: Callable, part: torch.nn.Module, pages: MappedPages) -> Callable:
+    """``forward``, then ``part``'s own mapped pages handed back."""
+    def run(*args, **kwargs):
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            pages.release(p.data for p in part.parameters(recurse=False))
+    return run
 
 
 def _recomputed_forward(part: torch.nn.Module, by_id: dict[int, Rebuild]) -> Callable:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -72,3 +74,25 @@ def test_the_embedding_and_lm_head_are_never_upcast_whole(tiny_llama, ids, monke
     assert upcast_rows and vocab not in upcast_rows and max(upcast_rows) <= max(60, held.config.intermediate_size)
     torch.testing.assert_close(logits, _logits(copy, ids), atol=1e-5, rtol=1e-5)
     assert "forward" not in vars(held.lm_head) and "forward" not in vars(held.model.embed_tokens)  # their own forward again
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are handed back on Linux only")
+def test_a_model_mapped_from_its_checkpoint_holds_none_of_its_weights_after_a_pass(tiny_llama, ids, tmp_path):
+    from compress.transforms.quantize.saved import held_deployed_causal_lm
+    from tests.unit.core.test_mapped_pages import resident_pages
+
+    bf16 = tmp_path / "bf16"
+    save_model_folder(load_causal_lm(tiny_llama).to(torch.bfloat16), load_tokenizer(tiny_llama), tiny_llama, bf16)
+    held, _ = held_deployed_causal_lm(bf16)  # its weights are views of the mapped safetensors file
+    weights = [p for name, p in held.named_parameters() if name.endswith("proj.weight")]
+    expected = _logits(load_causal_lm(bf16).to(torch.bfloat16).float(), ids)
+    _logits(held, ids)  # in bf16, outside: every page read and kept
+    assert sum(resident_pages(w) for w in weights) > 0
+    with computed_in_float32(held):
+        logits = _logits(held, ids)
+        assert sum(resident_pages(w) for w in weights) == 0  # each block's pages went back once it had computed
+        again = _logits(held, ids)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(logits, again)  # read again from the file: the same numbers
+    with torch.no_grad():
+        weights[0].add_(1)  # its own pages again, writable
