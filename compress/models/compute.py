@@ -48,18 +48,19 @@ def _parts(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 @contextlib.contextmanager
 def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | None = None,
-                        recompute_blocks: bool = False) -> Iterator[torch.nn.Module]:
+                        recompute_blocks: bool = False, hand_back_pages: bool = True) -> Iterator[torch.nn.Module]:
     """Within, every forward pass of ``model`` computes in float32 part by part (see the module docstring);
     ``rebuilt``: parameter name -> the function that gives its float32 value. With ``recompute_blocks``, a backward pass
     keeps only each decoder block's inputs and computes the block again when it reaches it (activation checkpointing):
-    what it holds is one block's activations, not every block's."""
+    what it holds is one block's activations, not every block's. ``hand_back_pages``: each part's pages of a mapped
+    checkpoint go back to the page cache once it has computed (off: the process keeps every page it read)."""
     by_id = {id(p): rebuilt[name] for name, p in model.named_parameters(remove_duplicate=False) if rebuilt and name in rebuilt}
     blocks = {id(block) for block in decoder_blocks(model)}
     helds: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
     handles = []
     patched: list[torch.nn.Module] = []
     copies = _Float32Copies()
-    pages = MappedPages(p.data for p in model.parameters())
+    pages = MappedPages(p.data for p in model.parameters()) if hand_back_pages else MappedPages([])
     for part in _parts(model):
         forward = None if any(id(p) in by_id for p in part.parameters()) else _sliced_forward(part, copies)
         if forward is not None:  # computed from its own tensors a slice at a time: nothing to upcast
