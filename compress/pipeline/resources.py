@@ -32,8 +32,10 @@ REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this f
 # A stage in none of the tables: two fp32 copies.
 HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "build_engine": 0.5}
 # validate holds one thing at a time: its torch phases (the block-by-block passes, the teacher held for the app prompts:
-# 2.35 and 2.80 GB for the 1.19 GB checkpoint, 5.08 and 4.95 GB for the 3.44 GB one) are the checkpoint once, copies of
-# the embedding table (below) and the prompts' batch and KV cache (fixed); then ONNX Runtime's session (_onnx_session).
+# 2.35 and 2.80 GB for the 1.19 GB checkpoint, 5.08 and 4.95 GB for the 3.44 GB one, fitted before a mapped checkpoint's
+# pages were handed back after each part; the 3.44 GB one now peaks at 3.9 GB, the deployed model's prompt answers) are
+# the checkpoint once, copies of the embedding table (below) and the prompts' batch and KV cache (fixed); then ONNX
+# Runtime's session (_onnx_session). Kept as fitted: an over-estimate only refuses later than it could.
 # export_edgellm: NVIDIA's exporter in its own process (2.8 and 8.4 GB).
 HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "export_edgellm": 2.4, "validate": 1.0}
 # quantize holds more than its streamed block and one embedding table (2.0 and 3.5 GB measured on the two Qwen3 shapes,
