@@ -35,7 +35,7 @@ HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "build_engine": 0.5}
 # 2.35 and 2.80 GB for the 1.19 GB checkpoint, 5.08 and 4.95 GB for the 3.44 GB one, fitted before a mapped checkpoint's
 # pages were handed back after each part; the 3.44 GB one now peaks at 3.9 GB, the deployed model's prompt answers) are
 # the checkpoint once, copies of the embedding table (below) and the prompts' batch and KV cache (fixed); then ONNX
-# Runtime's session (_onnx_session). Kept as fitted: an over-estimate only refuses later than it could.
+# Runtime's session (_onnx_session). Kept as fitted until the smaller shapes are measured again: it over-estimates.
 # export_edgellm: NVIDIA's exporter in its own process (2.8 and 8.4 GB).
 HOST_CHECKPOINT_COPIES = {"load": 0.5, "sparsify": 2.0, "export_edgellm": 2.4, "validate": 1.0}
 # quantize holds more than its streamed block and one embedding table (2.0 and 3.5 GB measured on the two Qwen3 shapes,
