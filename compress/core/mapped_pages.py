@@ -25,6 +25,7 @@ import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -77,11 +78,11 @@ def _file_mappings() -> list[_Mapping]:
     return mappings
 
 
-def _all_file_pages(start: int, end: int) -> bool:
-    """Whether every page of ``[start, end)`` present in memory is still the file's (none was written to)."""
-    with open("/proc/self/pagemap", "rb") as pagemap:
-        pagemap.seek(start // PAGE * 8)
-        entries = pagemap.read((end - start) // PAGE * 8)
+def _all_file_pages(pagemap: BinaryIO, start: int, end: int) -> bool:
+    """Whether every page of ``[start, end)`` present in memory is still the file's (none was written to); ``pagemap``:
+    ``/proc/self/pagemap`` opened for reading."""
+    pagemap.seek(start // PAGE * 8)
+    entries = pagemap.read((end - start) // PAGE * 8)
     flags = memoryview(entries).cast("Q")
     return all(not entry & _PRESENT or entry & _FILE_PAGE for entry in flags)
 
@@ -99,23 +100,24 @@ class MappedPages:
             return
         try:
             mappings = _file_mappings()
-            for tensor in tensors:
-                span = self._span(tensor, mappings)
-                if span is not None and self._protect(libc, span, writable=False):
-                    self._spans[tensor.data_ptr()] = span
+            with open("/proc/self/pagemap", "rb") as pagemap:
+                for tensor in tensors:
+                    span = self._span(tensor, mappings, pagemap)
+                    if span is not None and self._protect(libc, span, writable=False):
+                        self._spans[tensor.data_ptr()] = span
         except OSError as exc:  # no /proc: nothing is managed
             log.debug("mapped pages not managed: %s", exc)
             self.close()
 
     @staticmethod
-    def _span(tensor: torch.Tensor, mappings: list[_Mapping]) -> _Span | None:
+    def _span(tensor: torch.Tensor, mappings: list[_Mapping], pagemap: BinaryIO) -> _Span | None:
         if tensor.device.type != "cpu" or not tensor.numel() or not tensor.is_contiguous():
             return None
         first = tensor.data_ptr()
         last = first + tensor.numel() * tensor.element_size()
         start, end = -(-first // PAGE) * PAGE, last // PAGE * PAGE
         mapping = next((m for m in mappings if m.start <= first and last <= m.end), None)
-        if mapping is None or end <= start or not _all_file_pages(start, end):
+        if mapping is None or end <= start or not _all_file_pages(pagemap, start, end):
             return None
         return _Span(start, end, mapping.writable)
 
@@ -133,6 +135,8 @@ class MappedPages:
 
     def release(self, tensors: Iterable[torch.Tensor]) -> None:
         """Hand back the mapped pages of ``tensors`` (those it manages); the next read maps them again."""
+        if not self._spans:  # called after every part's forward: a model not mapped from a file has nothing to walk
+            return
         libc = _libc()
         for tensor in tensors:
             span = self._spans.get(tensor.data_ptr()) if tensor.device.type == "cpu" else None
