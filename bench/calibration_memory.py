@@ -24,7 +24,7 @@ import torch
 from compress.core.text import DEFAULT_CALIBRATION, calibration_windows, load_calibration
 from compress.models.sources import BUILTIN_MODELS, DEFAULT_MODEL, materialize, resolve_model
 from compress.models.loading import load_causal_lm, load_tokenizer
-from compress.transforms.quantize.config import QuantizeConfig
+from compress.transforms.quantize.config import QUANTIZE_CONFIG, quantize_config
 from compress.transforms.quantize.decoder import quantize_model
 
 def rss(field):
@@ -44,7 +44,7 @@ Path("/proc/self/clear_refs").write_text("5")
 before = rss("VmRSS:")
 start = time.perf_counter()
 # The recipes' settings: int8 with the Hadamard down_proj rotation, int4 AWQ + GPTQ.
-config = QuantizeConfig(method=method, hadamard_block=128) if method == "int8" else QuantizeConfig(method=method)
+config = quantize_config(method=method, hadamard_block=128) if method == "int8" else quantize_config(method=method)
 quantize_model(model, windows, config, progress=False)
 print(json.dumps({"layers": layers, "method": method, "weights_mb": round(weights_mb, 1), "rss_before_mb": round(before, 1),
                   "peak_rss_mb": round(rss("VmHWM:"), 1), "extra_mb": round(rss("VmHWM:") - before, 1),

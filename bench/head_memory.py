@@ -36,7 +36,8 @@ from compress.core.text import DEFAULT_CALIBRATION, calibration_windows, load_ca
 from compress.models.loading import load_tokenizer
 from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder
-from compress.transforms.quantize.mixed import FLOAT, MixedPlan, candidate_configs
+from compress.transforms.quantize.config import candidate_configs
+from compress.transforms.quantize.mixed import FLOAT, MixedPlan
 
 folder, out, head, blocks = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4]
 shared = {"calib_windows": 8, "calib_window": 256, "min_calib_tokens": 1}

@@ -37,7 +37,7 @@ import numpy as np
 from compress.algorithms.formats import PRECISIONS, Precision
 from compress.core.config import PowerMode, Target, load_target
 from compress.core.errors import UsageError
-from compress.models.families import BY_MODEL_TYPE, family_of, sliding_layers
+from compress.models.families import BY_MODEL_TYPE, decoder_shape, family_of, sliding_layers
 
 # Bytes of scales per weight: INT4 one FP16 scale per group; NVFP4 one FP8 (E4M3) scale per 16 weights.
 NVFP4_BLOCK = 16
@@ -75,19 +75,10 @@ class ModelShape:
     def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
         """From a Hugging Face decoder ``config.json`` mapping."""
         try:
-            heads = int(cfg["num_attention_heads"])
-            hidden = int(cfg["hidden_size"])
-            return cls(
-                num_layers=int(cfg["num_hidden_layers"]),
-                hidden_size=hidden,
-                intermediate_size=int(cfg["intermediate_size"]),
-                num_heads=heads,
-                num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-                head_dim=int(cfg.get("head_dim") or hidden // heads),
-                vocab_size=int(cfg["vocab_size"]),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                **_windows(cfg),
-            )
+            shape = decoder_shape(cfg)
+            return cls(num_layers=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
+                       num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab,
+                       tie_word_embeddings=shape.tied, **_windows(cfg))
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"model config is not a decoder LLM config: missing or bad {exc}") from exc
 

@@ -87,11 +87,46 @@ def _getter(config: Any):
     return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
 
 
-def attention_geometry(config: Any) -> tuple[int, int, int]:
-    """(query heads, KV heads, head dim) of a config object or ``config.json`` mapping."""
+@dataclass(frozen=True)
+class DecoderShape:
+    """A decoder's geometry as its config states it or its family implies it (KV heads default to the query heads, the
+    head size to hidden / heads): built once by :func:`decoder_shape` and handed to whatever needs heads or widths."""
+
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+
+    @property
+    def queries_per_kv_head(self) -> int:
+        return self.heads // self.kv_heads
+
+
+def decoder_shape(config: Any) -> DecoderShape:
+    """The :class:`DecoderShape` of a config object or ``config.json`` mapping (a KeyError names a missing field)."""
     get = _getter(config)
-    heads = get("num_attention_heads")
-    return heads, get("num_key_value_heads") or heads, get("head_dim") or get("hidden_size") // heads
+
+    def required(key: str) -> int:
+        value = get(key)
+        if value is None:
+            raise KeyError(key)
+        return int(value)
+
+    heads, kv, head_dim = attention_geometry(config)
+    return DecoderShape(required("num_hidden_layers"), required("hidden_size"), required("intermediate_size"), heads, kv,
+                        head_dim, required("vocab_size"), bool(get("tie_word_embeddings", False)))
+
+
+def attention_geometry(config: Any) -> tuple[int, int, int]:
+    """(query heads, KV heads, head dim) of a config object or ``config.json`` mapping: the attention part of
+    :class:`DecoderShape`, for configs that hold no more than the attention's fields."""
+    get = _getter(config)
+    heads = int(get("num_attention_heads"))
+    return heads, int(get("num_key_value_heads") or heads), int(get("head_dim") or get("hidden_size") // heads)
 
 
 def part_sizes(config: Any) -> dict[str, int]:

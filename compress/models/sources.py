@@ -31,6 +31,7 @@ from compress.core.files import (
     waiting_lock,
     written_path,
 )
+from compress.models.families import attention_geometry
 
 log = logging.getLogger(__name__)
 
@@ -165,9 +166,9 @@ def gguf_config_fixes(header: GGUFHeader, config: dict[str, Any]) -> dict[str, A
     ``attention.key_length``), Phi-3's sliding window.
     """
     fields, fixes = header.fields, {}
-    heads = config["num_attention_heads"]
-    head_dim = fields.get("attention.key_length") or config.get("head_dim") or config["hidden_size"] // heads
-    if head_dim != (config.get("head_dim") or config["hidden_size"] // heads):
+    implied = attention_geometry(config)[2]
+    head_dim = fields.get("attention.key_length") or implied
+    if head_dim != implied:
         fixes["head_dim"] = int(head_dim)
     rotary = fields.get("rope.dimension_count")
     if header.architecture == "phi3" and rotary and rotary != head_dim:

@@ -23,6 +23,7 @@ need from the run:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import shutil
@@ -56,21 +57,22 @@ from compress.models.compute import holding_device, largest_part_float32_bytes, 
 from compress.models.families import decoder_blocks, family_of, linear_shapes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
+from compress.pipeline.plan_search import Candidate, SearchLimits, search
 from compress.transforms.checkpoint_logits import window_logits
-from compress.transforms.quantize.config import AutoConfig
+from compress.transforms.quantize.config import AutoConfig, candidate_configs
 from compress.transforms.quantize.decoder import lm_head_of, quantize_folder
 from compress.transforms.quantize.mixed import (
     FLOAT,
     HEAD,
     HEAD_INDEX,
-    Candidate,
     MixedPlan,
-    candidate_configs,
+    SensitivityJob,
+    SensitivityTable,
     choices_from,
     output_fisher,
-    search,
     sensitivity,
 )
+from compress.transforms.quantize.saved import QuantResult
 from compress.transforms.walk import StreamedBlocks
 
 log = logging.getLogger(__name__)
@@ -113,11 +115,34 @@ def kl_budget(margin: float, target: Target) -> float:
     return margin * min(math.log1p(target.budgets.max_ppl_increase_pct / 100), target.budgets.max_mean_kl)
 
 
-def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torch.Tensor, calibration: list[TextSource], tokenizer,
-               config: AutoConfig, target: Target, power_mode: str, device: str, progress: bool,
-               trust_remote_code: bool = False) -> tuple[Any, dict[str, Any]]:
-    """Search, quantize the chosen plan into ``out``; returns its quantization and what the search found (for the report)."""
-    model_config = read_json(source / "config.json")
+@dataclass(frozen=True)
+class SearchRun:
+    """Where a search reads and writes and how it computes: the model to quantize, the teacher plans are measured against,
+    the folder the chosen plan ends in, a work folder for candidates, the compute device."""
+
+    source: Path
+    teacher: Path
+    out: Path
+    work: Path
+    device: str
+    progress: bool
+    trust_remote_code: bool = False
+
+
+@dataclass(frozen=True)
+class _Selection:
+    """The held-out calibration windows plans are measured on (by domain), their rows, and the teacher's logits on them."""
+
+    windows: list[tuple[str, torch.Tensor]]
+    rows: torch.Tensor
+    reference: Any
+
+
+def run_search(run: SearchRun, windows: torch.Tensor, calibration: list[TextSource], tokenizer, config: AutoConfig,
+               target: Target, power_mode: str) -> tuple[QuantResult, dict[str, Any]]:
+    """Search, quantize the chosen plan into ``run.out``; returns its quantization and what the search found (for the
+    report)."""
+    model_config = read_json(run.source / "config.json")
     formats = candidate_formats(config, target)
     shapes = point_shapes(model_config)
 
@@ -132,50 +157,59 @@ def run_search(source: Path, teacher: Path, out: Path, work: Path, windows: torc
              ", ".join([FLOAT, *head_formats]))
     peaks: dict[str, float] = {}
     with _phase(peaks, "fisher"):
-        fisher = _fisher(source, windows[: config.fisher_windows], model_config, trust_remote_code, bool(head_formats), device)
+        fisher = _fisher(run, windows[: config.fisher_windows], model_config, bool(head_formats))
     with _phase(peaks, "sensitivity"):
-        table = _sensitivities(source, windows, configs, allowed, fisher, device, progress, trust_remote_code)
-    ms_per_param = {name: linear_ms_per_param(target, power_mode, name) for name in [FLOAT, *formats]}
-    params = {point: sum(o * i for o, i in group) for point, group in shapes.items()}
-
-    def cost(index: int, point: str, name: str) -> float:
-        return params[point] * ms_per_param[name]
-
+        table = _sensitivities(run, windows, SensitivityJob(configs, allowed, fisher))
     budget = kl_budget(config.margin, target)
-    domains = len({source.domain for source in calibration})
-    selection = held_out_windows(tokenizer, calibration, config.calib_window, config.calib_windows,
-                                 per_domain=max(1, -(-config.selection_windows // domains)))
-    rows = torch.cat([w for _, w in selection])
-    log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
-             rows.shape[0], ", ".join(d for d, _ in selection), budget)
     with _phase(peaks, "teacher"):
-        reference = window_logits(teacher, rows, device, progress, desc="teacher")
-        answers = _held_out_answers(config, tokenizer, teacher, progress, trust_remote_code, device)
-    measure = _measurer(reference, selection, rows, answers, target, config.margin, device, progress)
+        selection = _selection(run, tokenizer, calibration, config, budget)
+        answers = _held_out_answers(config, tokenizer, run.teacher, run.progress, run.trust_remote_code, run.device)
+    measure = _measurer(selection, answers, target, config.margin, run.device, run.progress)
 
-    def quantize(plan: MixedPlan, folder: Path):
+    def quantize(plan: MixedPlan, folder: Path) -> QuantResult:
         log.info("auto precision: quantizing a plan (%s)", ", ".join(f"{n} {c}" for n, c in plan.counts().items()))
-        return quantize_folder(source, folder, windows, config, progress=progress, device=device, trust_remote_code=trust_remote_code,
-                               plan=plan)
+        return quantize_folder(run.source, folder, windows, config, progress=run.progress, device=run.device,
+                               trust_remote_code=run.trust_remote_code, plan=plan)
 
     format_sets = contracts.mixed_format_sets(formats)
     if len(format_sets) > 1:
         log.info("auto precision: one bundle holds %s", " or ".join("+".join(s) for s in format_sets))
+    limits = SearchLimits(config.max_rounds, config.refine_rounds, format_sets)
     with _phase(peaks, "plans"):
-        result, folder, candidates = search(choices_from(table, cost), configs, budget, config.max_rounds, quantize, measure, work,
-                                            format_sets, refine_rounds=config.refine_rounds)
-    shutil.move(str(folder), str(out))
-    shutil.rmtree(work, ignore_errors=True)
+        found = search(_choices(table, shapes, formats, target, power_mode), configs, budget, quantize, measure, run.work,
+                       limits)
+    shutil.move(str(found.folder), str(run.out))
+    shutil.rmtree(run.work, ignore_errors=True)
     shape = ModelShape.from_config(model_config)
-    found = {
+    result = found.quantization
+    report = {
         "formats": formats, "format_sets": [list(names) for names in format_sets], "budget_kl": budget, "margin": config.margin,
-        "selection": {"windows": int(rows.shape[0]), "domains": [d for d, _ in selection]},
-        "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in candidates],
+        "selection": {"windows": int(selection.rows.shape[0]), "domains": [d for d, _ in selection.windows]},
+        "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in found.candidates],
         "references": _uniform_references(table, formats, model_config, target, power_mode, shape, allowed),
         "sensitivity": table.to_json(), "plan": result.plan.to_json(), "lm_head": result.plan.head,
         "mix": mix_of(result.plan, model_config), "phase_peak_rss_mb": peaks,
     }
-    return result, found
+    return result, report
+
+
+def _choices(table: SensitivityTable, shapes: dict[str, list[tuple[int, int]]], formats: list[str], target: Target,
+             power_mode: str):
+    """Each group's options, costed in predicted decode milliseconds on the target at its power mode."""
+    ms_per_param = {name: linear_ms_per_param(target, power_mode, name) for name in [FLOAT, *formats]}
+    params = {point: sum(o * i for o, i in group) for point, group in shapes.items()}
+    return choices_from(table, lambda index, point, name: params[point] * ms_per_param[name])
+
+
+def _selection(run: SearchRun, tokenizer, calibration: list[TextSource], config: AutoConfig, budget: float) -> _Selection:
+    """Held-out calibration windows from every domain, and the teacher's logits on them."""
+    domains = len({source.domain for source in calibration})
+    windows = held_out_windows(tokenizer, calibration, config.calib_window, config.calib_windows,
+                               per_domain=max(1, -(-config.selection_windows // domains)))
+    rows = torch.cat([w for _, w in windows])
+    log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
+             rows.shape[0], ", ".join(d for d, _ in windows), budget)
+    return _Selection(windows, rows, window_logits(run.teacher, rows, run.device, run.progress, desc="teacher"))
 
 
 @contextlib.contextmanager
@@ -190,12 +224,11 @@ def _phase(peaks: dict[str, float], name: str) -> Iterator[None]:
                  peaks[name] / 1024)
 
 
-def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], trust_remote_code: bool,
-            head: bool, device: str) -> dict[str, torch.Tensor]:
+def _fisher(run: SearchRun, windows: torch.Tensor, model_config: dict[str, Any], head: bool) -> dict[str, torch.Tensor]:
     """The output Fisher information of every decoder linear (and of the LM head, with ``head``), from the model held in its
-    own dtype, on ``device`` where it fits there."""
-    model = load_causal_lm(source, trust_remote_code=trust_remote_code, own_dtype=True)
-    model.to(holding_device(device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model)))
+    own dtype, on the run's device where it fits there."""
+    model = load_causal_lm(run.source, trust_remote_code=run.trust_remote_code, own_dtype=True)
+    model.to(holding_device(run.device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model)))
     family = family_of(model_config)
     prefix = module_prefix(model, decoder_blocks(model))
     linears = [f"{prefix}.{index}.{name}" for index in range(len(decoder_blocks(model))) for name in family.linears()]
@@ -205,15 +238,15 @@ def _fisher(source: Path, windows: torch.Tensor, model_config: dict[str, Any], t
     return output_fisher(model, windows, linears)
 
 
-def _sensitivities(source: Path, windows: torch.Tensor, configs, allowed, fisher, device: str, progress: bool,
-                   trust_remote_code: bool):
+def _sensitivities(run: SearchRun, windows: torch.Tensor, job: SensitivityJob) -> SensitivityTable:
     """Every block quantized once per candidate format (one block in memory at a time)."""
-    model = empty_causal_lm(source, trust_remote_code)
-    reader = CheckpointReader(source)
+    model = empty_causal_lm(run.source, run.trust_remote_code)
+    reader = CheckpointReader(run.source)
     embeddings = model.get_input_embeddings()
     materialize(embeddings, module_prefix(model, embeddings), reader)
-    head = lm_head_of(model, reader) if any(allowed(HEAD_INDEX, HEAD, name) for name in configs) else None
-    return sensitivity(model, windows, configs, allowed, fisher, device, progress, blocks=StreamedBlocks(model, reader), head=head)
+    if any(job.allowed(HEAD_INDEX, HEAD, name) for name in job.candidates):
+        job = dataclasses.replace(job, head=lm_head_of(model, reader))
+    return sensitivity(model, windows, job, run.device, run.progress, blocks=StreamedBlocks(model, reader))
 
 
 @dataclass(frozen=True)
@@ -293,14 +326,15 @@ def _plan_passes(folder: Path, held_out: HeldOutAnswers, expected: list[int], pa
     return passes
 
 
-def _measurer(reference, selection: list[tuple[str, torch.Tensor]], rows: torch.Tensor, held_out: HeldOutAnswers | None,
-              target: Target, margin: float, device: str, progress: bool):
+def _measurer(selection: _Selection, held_out: HeldOutAnswers | None, target: Target, margin: float, device: str,
+              progress: bool):
     """A plan's figures against the teacher on the held-out windows (and prompts), and whether they are within the budgets."""
     budgets = target.budgets
 
     def measure(folder: Path) -> tuple[bool, dict[str, Any]]:
-        deployed = window_logits(folder, rows, device, progress, desc="candidate")
-        per_domain = compare_window_pairs(lambda i: (deployed.rows(i), reference.rows(i)), selection, progress=False)
+        deployed = window_logits(folder, selection.rows, device, progress, desc="candidate")
+        per_domain = compare_window_pairs(lambda i: (deployed.rows(i), selection.reference.rows(i)), selection.windows,
+                                          progress=False)
         mixed = per_domain.pop("mixed")
         worst = worst_domain(per_domain)
         figures = {"worst_domain": worst, "worst_increase_pct": per_domain[worst]["perplexity_increase_pct"],

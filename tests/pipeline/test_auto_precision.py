@@ -10,10 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from compress.algorithms.knapsack import Choice
 from compress.backends.edgellm.contracts import mixed_conflict
 from compress.cli.main import main
 from compress.core.errors import StageError
-from compress.transforms.quantize.mixed import BACKOFF_SAFETY, FLOAT, HEAD, Choice, search
+from compress.pipeline.plan_search import BACKOFF_SAFETY, SearchLimits, search
+from compress.transforms.quantize.mixed import FLOAT, HEAD
 from tests.conftest import TINY_SMOKE, build_tiny_llama
 
 SMALL = ["quantize.calib_window=128", "quantize.min_calib_tokens=512", "quantize.calib_windows=6", "quantize.sample_tokens=256",
@@ -113,6 +115,12 @@ def _choices():
             for index in range(4)}
 
 
+def _search(rounds, quantize, measure, work, refine_rounds=0):
+    """The search over :func:`_choices` at a KL budget of 0.03: (the chosen quantization, its folder, the candidates)."""
+    found = search(_choices(), {}, 0.03, quantize, measure, work, SearchLimits(rounds, refine_rounds))
+    return found.quantization, found.folder, found.candidates
+
+
 def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp_path):
     written = []  # (plan, folder) in the order the search quantized them
 
@@ -125,7 +133,7 @@ def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp
         plan = next(p for p, f in written if f == folder)
         return "int4" not in plan.quantized_formats(), {"formats": sorted(plan.quantized_formats())}
 
-    plan, folder, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
+    plan, folder, candidates = _search(rounds=5, quantize=quantize, measure=measure, work=tmp_path)
     assert "int4" in candidates[0].plan.quantized_formats() and not candidates[0].passed
     assert candidates[-1].passed and candidates[-1].chosen and "int4" not in plan.quantized_formats()
     assert [c.budget for c in candidates] == sorted((c.budget for c in candidates), reverse=True)  # each back-off halves it
@@ -142,7 +150,7 @@ def test_the_back_off_is_sized_by_how_far_over_its_limits_a_plan_measured(tmp_pa
         folder.mkdir(parents=True)
         (folder / "formats").write_text(" ".join(sorted(plan.quantized_formats())))
 
-    _, _, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
+    _, _, candidates = _search(rounds=5, quantize=quantize, measure=measure, work=tmp_path)
     assert not candidates[0].passed and candidates[-1].passed
     assert candidates[1].budget == pytest.approx(0.03 * BACKOFF_SAFETY / 4)
     assert "int4" not in candidates[1].plan.quantized_formats() and candidates[1].plan.quantized_formats() == {"int8"}
@@ -161,7 +169,7 @@ def test_a_back_off_past_every_format_backs_up_instead_of_giving_up(tmp_path):
         overshoot = 100.0 if "int4" in (folder / "formats").read_text() else 0.5
         return overshoot <= 1, {"overshoot": overshoot}
 
-    plan, _, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure, work=tmp_path)
+    plan, _, candidates = _search(rounds=5, quantize=quantize, measure=measure, work=tmp_path)
     assert 0.03 * BACKOFF_SAFETY / 100 < 0.002  # the back-off alone leaves even the cheapest INT8 group out
     assert [c.passed for c in candidates] == [False, True]
     assert candidates[1].budget == pytest.approx(math.sqrt(0.03 * 0.03 * BACKOFF_SAFETY / 100))
@@ -180,7 +188,7 @@ def test_an_overshooting_back_off_is_refined_to_the_fastest_plan_that_holds(tmp_
         overshoot = 5.0 if int((folder / "int4").read_text()) > 2 else 0.5
         return overshoot <= 1, {"overshoot": overshoot}
 
-    plan, folder, candidates = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure,
+    plan, folder, candidates = _search(rounds=5, quantize=quantize, measure=measure,
                                       work=tmp_path, refine_rounds=2)
     first_pass = next(c for c in candidates if c.passed)
     assert first_pass.plan.quantized_formats() == {"int8"} and not first_pass.chosen
@@ -189,14 +197,14 @@ def test_an_overshooting_back_off_is_refined_to_the_fastest_plan_that_holds(tmp_
     assert sum(f == "int4" for groups in plan.formats.values() for f in groups.values()) == 2
     assert sum(not c.passed for c in candidates) <= 3 and len(candidates) <= 2 + 2  # two refinements at most
     assert [f.name for f in tmp_path.iterdir()] == [folder.name]  # the slower accepted plan's folder is gone too
-    _, _, unrefined = search(_choices(), {}, budget=0.03, rounds=5, quantize=quantize, measure=measure,
+    _, _, unrefined = _search(rounds=5, quantize=quantize, measure=measure,
                              work=tmp_path / "unrefined")
     assert unrefined[-1].chosen and unrefined[-1].plan.quantized_formats() == {"int8"}
 
 
 def test_a_search_that_never_passes_says_so(tmp_path):
     with pytest.raises(StageError, match="no mixed-precision plan held the budgets"):
-        search(_choices(), {}, budget=0.03, rounds=3, quantize=lambda plan, folder: folder.mkdir(parents=True),
+        _search(rounds=3, quantize=lambda plan, folder: folder.mkdir(parents=True),
                measure=lambda folder: (False, {}), work=tmp_path)
 
 

@@ -18,7 +18,7 @@ from compress.models.families import attention_geometry, decoder_blocks, family_
 from compress.models.loading import load_causal_lm
 from compress.models.sources import materialize, model_config, resolve_model
 from compress.models.surgery import drop_layers, narrow_mlp, prune_heads
-from compress.transforms.quantize.config import QuantizeConfig
+from compress.transforms.quantize.config import QuantizeConfig, quantize_config
 from compress.transforms.quantize.decoder import _kv_groups, fold_scales, quantize_model
 from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
 
@@ -146,8 +146,8 @@ def _int4_logit_error(folder, config: QuantizeConfig) -> tuple[float, float, int
 
 def test_int4_awq_gptq_keeps_each_family_close_to_its_float_model(family_model):
     name, folder = family_model
-    error, agreement, count = _int4_logit_error(folder, QuantizeConfig(method="int4", group_size=32, sample_tokens=256))
-    rtn_error, _, _ = _int4_logit_error(folder, QuantizeConfig(method="rtn", bits=4, group_size=32))
+    error, agreement, count = _int4_logit_error(folder, quantize_config(method="int4", group_size=32, sample_tokens=256))
+    rtn_error, _, _ = _int4_logit_error(folder, quantize_config(method="rtn", bits=4, group_size=32))
     assert count == 2 * len(family_of(load_causal_lm(folder).config).linears())
     # AWQ scales folded into the wrong module would undo the gain over round-to-nearest (measured 0.53-0.63x of it).
     assert error < 0.75 * rtn_error, name

@@ -40,7 +40,7 @@ from compress.backends.onnx.qdq import _nvfp4_activation
 from compress.cli.main import main
 from compress.core.errors import StageError
 from compress.models.weights import CheckpointReader
-from compress.transforms.quantize.config import QuantizeConfig
+from compress.transforms.quantize.config import quantize_config
 from compress.transforms.quantize.decoder import _search_global_scale
 from compress.transforms.quantize.saved import dequantized_weight, load_quantization
 from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, run_compress, tamper_bundle
@@ -151,14 +151,14 @@ def test_nvfp4_activation_graph_in_onnx_runtime_equals_the_torch_fake_quantizati
 
 def test_quantize_options_that_do_not_go_together_are_refused():
     with pytest.raises(ValueError, match="activations=nvfp4 applies to method nvfp4 only"):
-        QuantizeConfig(method="int8", activations="nvfp4")
+        quantize_config(method="int8", activations="nvfp4")
     with pytest.raises(ValueError, match="weight-only is method int4 or nvfp4"):
-        QuantizeConfig(method="fp8", activations="float")
+        quantize_config(method="fp8", activations="float")
     with pytest.raises(ValueError, match="fp8_weight_scale applies to method fp8 only"):
-        QuantizeConfig(method="int8", fp8_weight_scale="channel")
-    assert QuantizeConfig(method="nvfp4").precision() == "nvfp4_a16"
-    assert QuantizeConfig(method="nvfp4", activations="nvfp4").scheme() == (4, True, 16)
-    assert QuantizeConfig(method="fp8").precision() == "fp8" and QuantizeConfig(method="fp8", hadamard_block=64).is_w8a8()
+        quantize_config(method="int8", fp8_weight_scale="channel")
+    assert quantize_config(method="nvfp4").precision() == "nvfp4_a16"
+    assert quantize_config(method="nvfp4", activations="nvfp4").scheme() == (4, True, 16)
+    assert quantize_config(method="fp8").precision() == "fp8" and quantize_config(method="fp8", hadamard_block=64).is_w8a8()
 
 
 @pytest.mark.parametrize("recipe", ["thor-fp8", "thor-nvfp4"])

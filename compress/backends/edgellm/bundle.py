@@ -35,7 +35,7 @@ from compress.backends.edgellm.contracts import check_kernel_nodes, check_mixed_
 from compress.backends.edgellm.env import EDGELLM_VERSION, edgellm_python
 from compress.core.errors import StageError
 from compress.core.files import path_size, read_json
-from compress.models.families import Family, family_of, is_decoder_linear, part_rows
+from compress.models.families import Family, decoder_shape, family_of, is_decoder_linear, part_rows
 from compress.models.weights import CheckpointReader
 from compress.transforms.quantize.saved import kv_cache_scales, load_quantization, quantization_meta
 
@@ -151,13 +151,13 @@ def check_custody(quantized_dir: Path, bundle: Path, work: Path) -> dict[str, An
 
 
 def _model_facts(config: dict[str, Any]) -> dict[str, Any]:
+    shape = decoder_shape(config)
     rope = config.get("rope_parameters") or {}
     eos = config.get("eos_token_id")
     return {
         "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
         "num_hidden_layers": config["num_hidden_layers"], "num_attention_heads": config["num_attention_heads"],
-        "num_key_value_heads": config.get("num_key_value_heads") or config["num_attention_heads"],
-        "head_dim": config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+        "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
         "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         "rope_type": rope.get("rope_type") or rope.get("type") or "default",
         "partial_rotary_factor": float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from safetensors.torch import save_file
 from compress.algorithms.formats import PRECISIONS, e2m1_codes, pack_fp4
 from compress.core.errors import UsageError
 from compress.core.versions import __version__
-from compress.models.families import family_of, is_decoder_linear
+from compress.models.families import Family, family_of, is_decoder_linear
 from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
 from compress.transforms.quantize.saved import MIXED, LinearQuant, kv_cache_scales, level_values, load_quantization, quantization_meta
 
@@ -130,6 +130,19 @@ def _linear_tensors(name: str, quant: LinearQuant) -> dict[str, torch.Tensor]:
     return {f"{name}.weight": pack_int4(integers), f"{name}.weight_scale": quant.weight_scales.float().contiguous()}
 
 
+@dataclass
+class _Shards:
+    """What the shards written so far hold: each quantized linear's algorithm, where each tensor is, the decoder linears
+    left float, and the bytes quantized, as FP16, and written."""
+
+    quantized_layers: dict[str, dict[str, Any]] = field(default_factory=dict)
+    weight_map: dict[str, str] = field(default_factory=dict)
+    float_linears: list[str] = field(default_factory=list)
+    quantized_bytes: int = 0
+    fp16_bytes: int = 0
+    written_bytes: int = 0
+
+
 def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummary:
     """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``, one
     shard per decoder block (and one for the rest) named by ``model.safetensors.index.json``: one block's tensors in memory
@@ -138,61 +151,81 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     meta = quantization_meta(quantized_dir)
     if meta is None:
         raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
-    mixed = meta["precision"] == MIXED
-    bits, group, weight_format = meta["weight_bits"], meta.get("group_size"), meta.get("format", "int")
-    if bits == 8 and meta.get("activations") == "float":
+    if meta["weight_bits"] == 8 and meta.get("activations") == "float":
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
-    quantized_layers: dict[str, dict[str, Any]] = {}
     config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
-    family = family_of(config)
-    source = CheckpointReader(quantized_dir)
     kv_scales = kv_cache_scales(meta)
     layers = int(config["num_hidden_layers"])
     prefixes = [f"model.layers.{layer}." for layer in range(layers)]
-    totals = {"quantized": 0, "fp16": 0, "bytes": 0}
-    weight_map: dict[str, str] = {}
-    float_linears: list[str] = []
+    shards = _Shards()
     out.mkdir(parents=True, exist_ok=True)
     outside = [name for name in meta["linears"] if not any(name.startswith(p) for p in prefixes)]  # a quantized LM head
+    source, family = CheckpointReader(quantized_dir), family_of(config)
     for number, prefix in enumerate([*prefixes, None], start=1):
         linears = load_quantization(quantized_dir, prefix)[1] if prefix else _outside_blocks(quantized_dir, outside)
-        if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
-            raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
-                             "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
-        tensors: dict[str, torch.Tensor] = {}
-        for name, quant in linears.items():
-            quantized_layers[name] = {"quant_algo": quant.format.quant_algo,
-                                      **({"group_size": quant.group_size} if quant.format.weight_format == "int" and quant.group_size
-                                         else {})}
-            written = _linear_tensors(name, quant)
-            totals["quantized"] += sum(t.numel() * t.element_size() for t in written.values())
-            totals["fp16"] += quant.levels.numel() * 2
-            tensors.update(written)
+        tensors = _quantized_tensors(linears, meta.get("format", "int"), shards)
         keys = [k for k in source.names() if (k.startswith(prefix) if prefix else not any(k.startswith(p) for p in prefixes))]
-        for key, tensor in source.read(keys).items():
-            module = key.rsplit(".", 1)[0]
-            tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
-            if key.endswith(".weight") and is_decoder_linear(module, family) and module not in linears:
-                float_linears.append(module)  # a decoder linear the quantize stage left float: FP16, excluded
-                totals["quantized"] += tensor.numel() * 2
-                totals["fp16"] += tensor.numel() * 2
+        tensors.update(_float_tensors(source.read(keys), linears, family, shards))
         if prefix and kv_scales:
-            layer = number - 1
-            tensors[f"{prefix}self_attn.k_proj.k_scale"] = torch.tensor(kv_scales[layer][0], dtype=torch.float32)
-            tensors[f"{prefix}self_attn.v_proj.v_scale"] = torch.tensor(kv_scales[layer][1], dtype=torch.float32)
+            tensors[f"{prefix}self_attn.k_proj.k_scale"] = torch.tensor(kv_scales[number - 1][0], dtype=torch.float32)
+            tensors[f"{prefix}self_attn.v_proj.v_scale"] = torch.tensor(kv_scales[number - 1][1], dtype=torch.float32)
         shard = f"model-{number:05d}-of-{layers + 1:05d}.safetensors"
         save_file(tensors, str(out / shard), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, shard))
-        totals["bytes"] += sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": totals["bytes"]}, "weight_map": weight_map},
-                                                    indent=2) + "\n")
-    quant_algo = quant_algorithm(meta)
-    quant_block = {"quant_algo": quant_algo, "kv_cache_quant_algo": "FP8" if kv_scales else None,
-                   "exclude_modules": [*(["lm_head"] if "lm_head" not in outside else []), *sorted(float_linears)]}
-    if mixed:  # each quantized linear with its own algorithm; any linear not listed is FP16
-        quant_block["quantized_layers"] = quantized_layers
-    elif bits == 4:
-        quant_block["group_size"] = group
+        shards.weight_map.update(dict.fromkeys(tensors, shard))
+        shards.written_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+    (out / SAFETENSORS_INDEX).write_text(json.dumps({"metadata": {"total_size": shards.written_bytes},
+                                                     "weight_map": shards.weight_map}, indent=2) + "\n")
+    quant_block = _quantization_block(meta, bool(kv_scales), outside, shards)
+    _write_configs(quantized_dir, out, config, quant_block)
+    group = meta.get("group_size") if meta["weight_bits"] == 4 else None
+    return CheckpointSummary(quant_block["quant_algo"], group, len(meta["linears"]), shards.quantized_bytes,
+                             shards.fp16_bytes, len(shards.float_linears))
+
+
+def _quantized_tensors(linears: dict[str, LinearQuant], weight_format: str, shards: _Shards) -> dict[str, torch.Tensor]:
+    """The checkpoint tensors of one shard's quantized linears, each linear's algorithm recorded in ``shards``."""
+    if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
+        raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
+                         "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
+    tensors: dict[str, torch.Tensor] = {}
+    for name, quant in linears.items():
+        grouped = quant.format.weight_format == "int" and quant.group_size
+        shards.quantized_layers[name] = {"quant_algo": quant.format.quant_algo,
+                                         **({"group_size": quant.group_size} if grouped else {})}
+        written = _linear_tensors(name, quant)
+        shards.quantized_bytes += sum(t.numel() * t.element_size() for t in written.values())
+        shards.fp16_bytes += quant.levels.numel() * 2
+        tensors.update(written)
+    return tensors
+
+
+def _float_tensors(read: dict[str, torch.Tensor], linears: dict[str, LinearQuant], family: Family,
+                   shards: _Shards) -> dict[str, torch.Tensor]:
+    """The shard's other tensors in FP16; a decoder linear the quantize stage left float is recorded as excluded."""
+    tensors = {}
+    for key, tensor in read.items():
+        module = key.rsplit(".", 1)[0]
+        tensors[key] = tensor.half() if tensor.is_floating_point() else tensor
+        if key.endswith(".weight") and is_decoder_linear(module, family) and module not in linears:
+            shards.float_linears.append(module)
+            shards.quantized_bytes += tensor.numel() * 2
+            shards.fp16_bytes += tensor.numel() * 2
+    return tensors
+
+
+def _quantization_block(meta: dict[str, Any], fp8_kv_cache: bool, outside: list[str], shards: _Shards) -> dict[str, Any]:
+    """The ``quantization`` block of ``hf_quant_config.json`` (and of ``config.json``'s ``quantization_config``)."""
+    block = {"quant_algo": quant_algorithm(meta), "kv_cache_quant_algo": "FP8" if fp8_kv_cache else None,
+             "exclude_modules": [*(["lm_head"] if "lm_head" not in outside else []), *sorted(shards.float_linears)]}
+    if meta["precision"] == MIXED:  # each quantized linear with its own algorithm; any linear not listed is FP16
+        block["quantized_layers"] = shards.quantized_layers
+    elif meta["weight_bits"] == 4:
+        block["group_size"] = meta.get("group_size")
+    return block
+
+
+def _write_configs(quantized_dir: Path, out: Path, config: dict[str, Any], quant_block: dict[str, Any]) -> None:
+    """``hf_quant_config.json``, ``config.json`` in FP16 with its ``quantization_config``, and the tokenizer's files."""
     (out / HF_QUANT_CONFIG).write_text(json.dumps(
         {"producer": {"name": "compress", "version": __version__}, "quantization": quant_block}, indent=2) + "\n")
     config["torch_dtype"] = "float16"
@@ -202,8 +235,6 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     for name in _COPIED:
         if (quantized_dir / name).is_file():
             shutil.copy2(quantized_dir / name, out / name)
-    return CheckpointSummary(quant_algo, group if bits == 4 else None, len(meta["linears"]), totals["quantized"], totals["fp16"],
-                             len(float_linears))
 
 
 

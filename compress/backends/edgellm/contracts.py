@@ -21,7 +21,7 @@ from typing import Any
 from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.config import Target
 from compress.core.errors import UsageError
-from compress.models.families import attention_window, linear_shapes
+from compress.models.families import attention_geometry, attention_window, linear_shapes
 
 
 @dataclass(frozen=True)
@@ -105,9 +105,7 @@ def check_model_type(model_config: dict[str, Any]) -> None:
 
 def check_attention_shape(model_config: dict[str, Any]) -> None:
     """Refuse attention shapes the pinned Edge-LLM's attention plugin has no kernels for, and mixed layer types."""
-    heads = model_config["num_attention_heads"]
-    kv_heads = model_config.get("num_key_value_heads") or heads
-    head_dim = model_config.get("head_dim") or model_config["hidden_size"] // heads
+    heads, kv_heads, head_dim = attention_geometry(model_config)
     if heads % kv_heads:
         raise UsageError(f"export_edgellm: {heads} query heads cannot share {kv_heads} KV heads evenly; Edge-LLM's attention "
                          f"plugin takes {RULES['gqa']}")
@@ -152,8 +150,8 @@ MIXED_FORMATS = ("int8", "int4", "fp8", "nvfp4")
 
 def check_quantization(quantize, model_config: dict[str, Any]) -> None:
     """Refuse a quantize configuration whose checkpoint the pinned Edge-LLM cannot read or its kernels cannot run."""
-    if quantize.method == "auto":
-        check_mixed_formats(quantize.formats or [])
+    if quantize.is_mixed():
+        check_mixed_formats(quantize.candidate_precisions() or [])
         return
     precision = quantize.precision()
     if getattr(quantize, "fp8_weight_scale", "tensor") == "channel":

@@ -105,8 +105,7 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
 def check_plan(config: BuildEngineConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
     """Refuse, before any work, a generic TensorRT build of a graph the target's ONNX parser cannot read."""
     quantize = earlier.get("quantize")
-    nvfp4 = quantize is not None and (quantize.method == "auto" and "nvfp4" in (quantize.formats or [])
-                                      or quantize.method != "auto" and quantize.precision().weight_format == "nvfp4")
+    nvfp4 = quantize is not None and any(config.binds_global_scale() for config in quantize.uniform_configs())
     if nvfp4 and "export_edgellm" not in earlier:
         check_parses_fp4(target)
 

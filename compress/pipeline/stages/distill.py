@@ -11,6 +11,9 @@ import copy
 import logging
 import shutil
 import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -34,20 +37,8 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
     teacher = load_causal_lm(source.path)
     shape = student_shape(teacher.config.to_dict(), config)
     calib = calibration_windows(tokenizer, ctx.calibration, 512, 8)
-    if ctx.train_data:
-        log.info("training windows: the first %d windows of %d tokens packed from %s", config.train_windows, config.seq_len,
-                 ", ".join(map(str, ctx.train_data)))
-        train = packed_windows(tokenizer, ctx.train_data, config.seq_len, config.train_windows)
-    else:
-        train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows)
-    generated = teacher_generations(teacher, tokenizer, ctx.calibration, config)
-    if generated is not None:
-        train = torch.cat([train, generated])
-    unseen_names = set(ctx.unseen_domains)
-    evaluation = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain not in unseen_names], config.eval_windows)
-    unseen = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain in unseen_names], config.eval_windows)
-    if evaluation is None:
-        evaluation, unseen = unseen, None
+    train, generated = _training_windows(tokenizer, teacher, config, ctx)
+    evaluation, unseen = _evaluation_windows(tokenizer, config, ctx)
     student = copy.deepcopy(teacher)
     log.info("building the student: %s", shape)
     built = build_student(student, calib, shape, ctx.device)
@@ -61,19 +52,8 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
     out = ctx.stage_dir / "model"
     started = time.perf_counter()
     torch.manual_seed(config.seed)
-    stopped_early_at = None
-    if config.processes > 1:
-        init = ctx.stage_dir / "student_init"
-        save_model_folder(student, tokenizer, source.path, init)
-        history = train_distributed(init, source.path, train, config, checkpoints, out, built["kept_layers"], ctx.stage_dir)
-        shutil.rmtree(init)
-        student = load_causal_lm(out)
-        tokenizer.save_pretrained(out)
-    else:
-        distiller = Distiller(student, teacher if config.loss == "kd" else None, train, config, checkpoints, built["kept_layers"])
-        history = distiller.run(seen_and_unseen_perplexity(student, evaluation, unseen), progress=ctx.progress, initial=before)
-        stopped_early_at = distiller.stopped_early_at
-        save_model_folder(student, tokenizer, source.path, out)
+    training = _Training(tokenizer, train, built["kept_layers"], (evaluation, unseen, before), checkpoints, out)
+    student, history, stopped_early_at = _train(student, teacher, training, config, ctx, source)
     seconds = time.perf_counter() - started
     after = seen_and_unseen_perplexity(student, evaluation, unseen)()
     log.info("student after training: perplexity %.2f seen / %s unseen domains", after["perplexity"], _fmt(after.get("perplexity_unseen")))
@@ -98,6 +78,63 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
              "before_unseen": before.get("perplexity_unseen"), "teacher_unseen": teacher_figures.get("perplexity_unseen"),
              "stopped_early_at": stopped_early_at, "points": history}
     return StageResult(Artifact(HF_MODEL, out, meta), line, {TRAINING_CURVE: curve})
+
+
+def _training_windows(tokenizer, teacher, config: DistillConfig, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The training windows (packed from ``train_data=``, else the calibration text) with the teacher's generations
+    appended, and those generations alone (None when the config asks for none)."""
+    if ctx.train_data:
+        log.info("training windows: the first %d windows of %d tokens packed from %s", config.train_windows, config.seq_len,
+                 ", ".join(map(str, ctx.train_data)))
+        train = packed_windows(tokenizer, ctx.train_data, config.seq_len, config.train_windows)
+    else:
+        train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows)
+    generated = teacher_generations(teacher, tokenizer, ctx.calibration, config)
+    return (train if generated is None else torch.cat([train, generated])), generated
+
+
+def _evaluation_windows(tokenizer, config: DistillConfig, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Windows of the seen evaluation domains and of the unseen ones (all of them as "seen" where every domain is
+    unseen)."""
+    unseen_names = set(ctx.unseen_domains)
+    evaluation = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain not in unseen_names], config.eval_windows)
+    unseen = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain in unseen_names], config.eval_windows)
+    return (unseen, None) if evaluation is None else (evaluation, unseen)
+
+
+@dataclass(frozen=True)
+class _Training:
+    """What training a student takes besides the models: the tokenizer, the training windows, the teacher layers the
+    student kept, the evaluation (seen windows, unseen windows, the student's figures before training), where
+    checkpoints go and the folder the student ends in."""
+
+    tokenizer: Any
+    train: torch.Tensor
+    kept_layers: list[int]
+    evaluation: tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]
+    checkpoints: Path
+    out: Path
+
+
+def _train(student, teacher, training: _Training, config: DistillConfig, ctx: RunContext,
+           source: Artifact) -> tuple[Any, list, int | None]:
+    """Train the student (in worker processes where ``config.processes`` > 1) into ``training.out``; returns the trained
+    student, its curve and the step it stopped early at (None: it ran every step)."""
+    windows, unseen, before = training.evaluation
+    tokenizer, train, kept_layers, checkpoints, out = (training.tokenizer, training.train, training.kept_layers,
+                                                       training.checkpoints, training.out)
+    if config.processes > 1:
+        init = ctx.stage_dir / "student_init"
+        save_model_folder(student, tokenizer, source.path, init)
+        history = train_distributed(init, source.path, train, config, checkpoints, out, kept_layers, ctx.stage_dir)
+        shutil.rmtree(init)
+        student = load_causal_lm(out)
+        tokenizer.save_pretrained(out)
+        return student, history, None
+    distiller = Distiller(student, teacher if config.loss == "kd" else None, train, config, checkpoints, kept_layers)
+    history = distiller.run(seen_and_unseen_perplexity(student, windows, unseen), progress=ctx.progress, initial=before)
+    save_model_folder(student, tokenizer, source.path, out)
+    return student, history, distiller.stopped_early_at
 
 
 def _fmt(value: float | None) -> str:

@@ -49,7 +49,7 @@ def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], tar
     contracts.check_model_type(model_config)
     contracts.check_attention_shape(model_config)
     contracts.check_attention_window(model_config, target)
-    if quantize is not None and quantize.method == "auto":  # a plan: every format it may choose
+    if quantize is not None and quantize.is_mixed():  # a plan: every format it may choose
         for name in candidate_formats(quantize, target):
             contracts.check_precision_on_target(PRECISIONS[name].edgellm, target)
     else:

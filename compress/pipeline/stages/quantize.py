@@ -18,13 +18,13 @@ from compress.core.files import read_json
 from compress.core.text import calibration_batches, calibration_windows
 from compress.models.families import linear_parameter_fraction, linear_shapes
 from compress.models.loading import load_encoder, load_tokenizer, save_side_files
-from compress.pipeline.auto_precision import candidate_formats, run_search
+from compress.pipeline.auto_precision import SearchRun, candidate_formats, run_search
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import LAYER_SQNR, PRECISION_SEARCH, QUANTIZATION
-from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, AutoConfig, QuantizeConfig, algorithm_name, describe_scheme
+from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, AutoConfig, QuantizeConfig
 from compress.transforms.quantize.decoder import check_group_size, quantize_folder
 from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder, save_encoder_quantization, summary
-from compress.transforms.quantize.mixed import CANDIDATE_METHODS, FLOAT
+from compress.transforms.quantize.mixed import FLOAT
 from compress.transforms.quantize.saved import MIXED
 
 log = logging.getLogger(__name__)
@@ -32,9 +32,9 @@ log = logging.getLogger(__name__)
 
 def check_target(config: QuantizeConfig, target: Target) -> None:
     """Refuse a precision the target's GPU cannot run, naming the target and the precisions it has."""
-    if config.method == "auto":
-        for name in config.formats or []:
-            check_target(QUANTIZE_CONFIG.validate_python(CANDIDATE_METHODS[name]), target)
+    if config.is_mixed():
+        for candidate in config.uniform_configs():
+            check_target(candidate, target)
         if config.kv_cache == "fp8":
             raise UsageError("quantize.kv_cache=fp8 with method auto: a mixed-precision plan keeps the KV cache FP16")
         if not candidate_formats(config, target):
@@ -52,12 +52,12 @@ def check_target(config: QuantizeConfig, target: Target) -> None:
 
 def check_plan(config: QuantizeConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
     """Refuse, before any work, a group size that does not divide a quantized linear's input."""
-    if model_config is not None and config.method != "auto":  # a plan gives each group only the formats its widths take
+    if model_config is not None and not config.is_mixed():  # a plan gives each group only the formats its widths take
         check_group_size(config, linear_shapes(model_config))
 
 
 def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> StageResult:
-    if config.method == "auto":
+    if config.is_mixed():
         return run_auto(source, config, ctx)
     tokenizer = load_tokenizer(source.path)
     windows = calibration_windows(tokenizer, ctx.calibration, config.calib_window, config.calib_windows,
@@ -79,7 +79,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     precision = config.precision()
     sqnr = [q.sqnr_db for q in result.linears.values()]
     metrics = {
-        "method": config.method, "scheme": describe_scheme(config), "algorithm": algorithm_name(config), "weight_bits": bits,
+        "method": config.method, "scheme": config.describe(), "algorithm": config.algorithm_name(), "weight_bits": bits,
         "group_size": group, "calibration_tokens": result.calibration_tokens, "calibration_seconds": round(result.seconds, 2),
         "quantized_linears": len(result.linears), "min_sqnr_db": round(min(sqnr), 2),
         "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2), "layer_sqnr_db": result.layer_errors(),
@@ -114,14 +114,14 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
                                   min_tokens=config.min_calib_tokens)
     out = ctx.stage_dir / "model"
     teacher = ctx.first_artifact(HF_MODEL)
-    result, found = run_search(Path(source.path), Path(teacher.path if teacher else source.path), out, ctx.stage_dir / "search",
-                               windows, ctx.calibration, tokenizer, config, ctx.target, ctx.power_mode, ctx.device, ctx.progress,
-                               ctx.trust_remote_code)
+    run = SearchRun(Path(source.path), Path(teacher.path if teacher else source.path), out, ctx.stage_dir / "search",
+                    ctx.device, ctx.progress, ctx.trust_remote_code)
+    result, found = run_search(run, windows, ctx.calibration, tokenizer, config, ctx.target, ctx.power_mode)
     save_side_files(tokenizer, source.path, out)
     sqnr = [q.sqnr_db for q in result.linears.values()]
     counts = result.plan.counts()
     metrics = {
-        "method": "auto", "scheme": describe_scheme(config), "algorithm": algorithm_name(config),
+        "method": config.method, "scheme": config.describe(), "algorithm": config.algorithm_name(),
         "formats_chosen": counts, "mix": found["mix"], "search": found, "calibration_tokens": result.calibration_tokens,
         "calibration_seconds": round(result.seconds, 2), "quantized_linears": len(result.linears),
         "min_sqnr_db": round(min(sqnr), 2) if sqnr else None, "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2) if sqnr else None,
@@ -132,7 +132,7 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "precision": MIXED,
         "float_linear_fraction": found["mix"].get(FLOAT, 0.0),
-        "quantization": {"method": "auto", "format": MIXED, "weight_bits": None, "group_size": 128, "activations": "per linear",
+        "quantization": {"method": config.method, "format": MIXED, "weight_bits": None, "group_size": 128, "activations": "per linear",
                          "kv_cache": "fp16", "mix": found["mix"], "lm_head": found["lm_head"]},
         "metrics": metrics,
     }
@@ -140,7 +140,7 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
     line = (f"a format per group: {', '.join(f'{count} {name}' for name, count in counts.items())}; predicted "
             f"{chosen['predicted_tokens_per_s']:.1f} tok/s; held-out worst domain {chosen['measured']['worst_domain']} "
             f"{chosen['measured']['worst_increase_pct']:+.2f}% after {len(found['candidates'])} measured plans")
-    figures = {LAYER_SQNR: {"method": "auto", "linears": metrics["layer_sqnr_db"]}, PRECISION_SEARCH: found,
+    figures = {LAYER_SQNR: {"method": config.method, "linears": metrics["layer_sqnr_db"]}, PRECISION_SEARCH: found,
                QUANTIZATION: f"auto (mixed precision: {', '.join(f'{count} groups {name}' for name, count in counts.items())}); "
                              f"calibrated on {result.calibration_tokens:,} tokens"}
     log.info("auto precision: %s", line)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from compress.core.errors import UsageError
-from compress.models.families import attention_geometry, decoder_blocks, family_of
+from compress.models.families import attention_geometry, decoder_blocks, decoder_shape, family_of
 from compress.models.surgery import drop_layers, narrow_mlp, prune_heads
 from compress.transforms.distill.config import DistillConfig
 from compress.transforms.prune.heads import head_importance, plan_heads
@@ -24,23 +24,20 @@ from compress.transforms.walk import BlockInputs, BlockVisitor, walk_blocks
 def decoder_parameters(cfg: dict[str, Any], layers: int | None = None, intermediate: int | None = None,
                        heads: int | None = None) -> int:
     """Parameters of a decoder config with optional new depth, MLP width and query heads."""
-    hidden = cfg["hidden_size"]
-    n_heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or n_heads
-    head_dim = cfg.get("head_dim") or hidden // n_heads
-    heads = heads or n_heads
-    layers = layers or cfg["num_hidden_layers"]
-    intermediate = intermediate or cfg["intermediate_size"]
-    attention = hidden * head_dim * (2 * heads + 2 * kv)
+    shape = decoder_shape(cfg)
+    hidden = shape.hidden
+    heads = heads or shape.heads
+    layers = layers or shape.layers
+    intermediate = intermediate or shape.intermediate
+    attention = hidden * shape.head_dim * (2 * heads + 2 * shape.kv_heads)
     mlp = 3 * hidden * intermediate
-    embed = cfg["vocab_size"] * hidden * (1 if cfg.get("tie_word_embeddings", False) else 2)
+    embed = shape.vocab * hidden * (1 if shape.tied else 2)
     return layers * (attention + mlp + 2 * hidden) + embed + hidden
 
 
 def student_shape(cfg: dict[str, Any], config: DistillConfig) -> dict[str, int]:
     """The student's depth, MLP width and query heads for the configured goal."""
-    n_heads = cfg["num_attention_heads"]
-    kv = cfg.get("num_key_value_heads") or n_heads
+    n_heads, kv, _ = attention_geometry(cfg)
     if config.target_parameters is None and config.target_fraction is None:
         heads = kv * config.heads_per_group if config.heads_per_group else n_heads
         shape = {"num_layers": config.num_layers or cfg["num_hidden_layers"],
@@ -140,7 +137,7 @@ def plan_from_config(cfg: dict[str, Any], config: DistillConfig, gpus: int | Non
         student_cfg = AutoConfig.for_model(**{**cfg, "num_hidden_layers": shape["num_layers"],
                                               "intermediate_size": shape["intermediate_size"],
                                               "num_attention_heads": shape["num_attention_heads"],
-                                              "head_dim": cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]})
+                                              "head_dim": attention_geometry(cfg)[2]})
         student = AutoModelForCausalLM.from_config(student_cfg)
     student_params = sum(p.numel() for p in student.parameters())
     teacher_params = decoder_parameters(cfg)

@@ -8,6 +8,7 @@ method rather than a silently ignored setting: ``alpha`` is SmoothQuant's (W8A8 
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, NonNegativeInt, PositiveInt, Tag, TypeAdapter, model_validator
@@ -32,22 +33,11 @@ DEFAULT_METHOD = "int8"
 
 class QuantizeConfig(StrictModel):
     """Options every method has (calibration budget, linears left float, the KV cache), and the questions every method's
-    config answers.
+    config answers, so that no caller tests a method's name.
 
-    ``QuantizeConfig(method="int4", group_size=128)`` and ``QuantizeConfig.model_validate({...})`` build the class of
-    the given method (``int8`` when absent); each method's class takes only its own options.
+    Build one with :func:`quantize_config` (``quantize_config(method="int4", group_size=128)``) or a method's own class;
+    each method's class takes only its own options.
     """
-
-    def __new__(cls, *args: Any, **options: Any) -> QuantizeConfig:
-        if cls is QuantizeConfig:
-            cls = method_class(options.get("method", DEFAULT_METHOD))
-        return super().__new__(cls)
-
-    @classmethod
-    def model_validate(cls, obj: Any, **kwargs: Any) -> QuantizeConfig:
-        if cls is QuantizeConfig:
-            return QUANTIZE_CONFIG.validate_python(obj, **kwargs)
-        return super().model_validate(obj, **kwargs)
 
     @model_validator(mode="before")
     @classmethod
@@ -60,7 +50,7 @@ class QuantizeConfig(StrictModel):
             if key in cls.model_fields:
                 continue
             owners = [name for name, config in METHODS.items() if key in config.model_fields]
-            if key == "activations" and value == "float" and method in ("int8", "fp8"):
+            if key == "activations" and value == "float" and cls.model_construct().smooths_activations():
                 raise ValueError(f"method {method} quantizes activations; weight-only is method int4 or nvfp4")
             if owners:
                 option = f"{key}={value}" if key == "activations" else key
@@ -121,6 +111,43 @@ class QuantizeConfig(StrictModel):
         """The deployment precision these options produce (see :data:`compress.algorithms.formats.PRECISIONS`)."""
         return PRECISIONS[self.method]  # type: ignore[attr-defined]
 
+    def is_mixed(self) -> bool:
+        """Whether the quantization ends in a plan of a format per group of linears rather than one format."""
+        return False
+
+    def candidate_precisions(self) -> list[str] | None:
+        """The precision names the quantized model may hold (``None``: whichever the target deploys, for a plan)."""
+        return [self.precision().name]
+
+    def uniform_configs(self) -> list[QuantizeConfig]:
+        """The one-format configs this quantization may apply: itself, or a plan's candidate formats' configs."""
+        return [self]
+
+    def smooths_activations(self) -> bool:
+        """Whether a SmoothQuant migration (a scale per input channel folded into the producer) precedes rounding."""
+        return False
+
+    def binds_global_scale(self) -> bool:
+        """Whether the weight grid holds a per-tensor scale bound to the weights it rounds (NVFP4)."""
+        return False
+
+    def searches_global_scale(self) -> bool:
+        """Whether that per-tensor scale is searched for the least output error on calibration samples."""
+        return False
+
+    def clip_on_all_tokens(self) -> bool:
+        """Whether AWQ's clip search scores every calibration token (reads the input's Hessian) rather than samples."""
+        return False
+
+    def describe(self) -> str:
+        """The number formats of weights, activations and KV cache, in words a report can show."""
+        bits, _, group = self.scheme()
+        return _with_inputs(self, f"INT{bits} weights ({f'group {group}' if group else 'one scale per output channel'})")
+
+    def algorithm_name(self) -> str:
+        """How the weights were chosen, in words a report can show."""
+        return "rtn"
+
 
 class _ActivationOptions(StrictModel):
     """Options of the methods that quantize activations under a static per-tensor scale."""
@@ -164,6 +191,12 @@ class _W8A8(_ActivationOptions, _GptqOptions, QuantizeConfig):
     def uses_gptq(self) -> bool:
         return self.weight_algorithm == "gptq"
 
+    def smooths_activations(self) -> bool:
+        return True
+
+    def algorithm_name(self) -> str:
+        return "smoothquant+" + self.weight_algorithm
+
 
 class Int8Config(_W8A8):
     """``method: int8``: INT8 weights per output channel, static per-tensor INT8 activations."""
@@ -181,6 +214,10 @@ class Fp8Config(_W8A8):
     def weight_grid(self) -> WeightGrid:
         return Fp8Grid(per_channel=self.fp8_weight_scale == "channel")
 
+    def describe(self) -> str:
+        scale = "output channel" if self.fp8_weight_scale == "channel" else "tensor"
+        return _with_inputs(self, f"FP8 E4M3 weights (one scale per {scale})")
+
 
 class _FourBit(_GptqOptions, QuantizeConfig):
     """4-bit weights rounded by AWQ (scales and clipping), GPTQ, or AWQ then GPTQ."""
@@ -194,6 +231,12 @@ class _FourBit(_GptqOptions, QuantizeConfig):
 
     def uses_gptq(self) -> bool:
         return "gptq" in self.algorithm
+
+    def clip_on_all_tokens(self) -> bool:
+        return self.uses_awq() and self.clip_tokens == "all"
+
+    def algorithm_name(self) -> str:
+        return self.algorithm
 
 
 class Int4Config(_FourBit):
@@ -224,6 +267,18 @@ class Nvfp4Config(_ActivationOptions, _FourBit):
 
     def precision(self) -> Precision:
         return PRECISIONS["nvfp4" if self.activations == "nvfp4" else "nvfp4_a16"]
+
+    def binds_global_scale(self) -> bool:
+        return True
+
+    def searches_global_scale(self) -> bool:
+        return self.nvfp4_scale_search
+
+    def describe(self) -> str:
+        return _with_inputs(self, "NVFP4 weights (E2M1 in blocks of 16, FP8 block scales, FP32 per-tensor scale)")
+
+    def algorithm_name(self) -> str:
+        return self.algorithm + ("+global-scale-search" if self.nvfp4_scale_search else "")
 
 
 class RtnConfig(_ActivationOptions, QuantizeConfig):
@@ -288,6 +343,21 @@ class AutoConfig(QuantizeConfig):
         """The calibration options every candidate format's method takes from this config."""
         return {key: getattr(self, key) for key in ("calib_windows", "calib_window", "min_calib_tokens", "sample_tokens")}
 
+    def is_mixed(self) -> bool:
+        return True
+
+    def candidate_precisions(self) -> list[str] | None:
+        return list(self.formats) if self.formats else None
+
+    def uniform_configs(self) -> list[QuantizeConfig]:
+        return list(candidate_configs(self.formats or [], {}).values())
+
+    def describe(self) -> str:
+        return "a format per group of linears, chosen against the target (see the plan)"
+
+    def algorithm_name(self) -> str:
+        return "sensitivity search; smoothquant+gptq (8-bit), awq+gptq (4-bit)"
+
 
 METHODS: dict[str, type[QuantizeConfig]] = {cls.model_fields["method"].default: cls
                                              for cls in (Int8Config, Fp8Config, Int4Config, Nvfp4Config, RtnConfig, AutoConfig)}
@@ -315,22 +385,19 @@ AnyQuantizeConfig = Annotated[
 QUANTIZE_CONFIG = TypeAdapter(AnyQuantizeConfig)
 
 
+def quantize_config(**options: Any) -> QuantizeConfig:
+    """The config of ``options["method"]`` (``int8`` when absent) with ``options``; a pydantic ValidationError names any
+    option the method does not take."""
+    return QUANTIZE_CONFIG.validate_python(options)
+
+
 def options_of(method: str) -> set[str]:
     """The option names ``method`` takes."""
     return set(METHODS[method].model_fields)
 
 
-def describe_scheme(config: QuantizeConfig) -> str:
-    """The number formats of weights, activations and KV cache, in words a report can show."""
-    if config.method == "auto":
-        return "a format per group of linears, chosen against the target (see the plan)"
-    bits, acts, group = config.scheme()
-    if config.method == "fp8":
-        weights = f"FP8 E4M3 weights (one scale per {'output channel' if config.fp8_weight_scale == 'channel' else 'tensor'})"
-    elif config.method == "nvfp4":
-        weights = "NVFP4 weights (E2M1 in blocks of 16, FP8 block scales, FP32 per-tensor scale)"
-    else:
-        weights = f"INT{bits} weights ({f'group {group}' if group else 'one scale per output channel'})"
+def _with_inputs(config: QuantizeConfig, weights: str) -> str:
+    """``weights`` followed by the activations' and KV cache's formats."""
     activation = config.activation_format()
     names = {"int8": "static INT8 activations", "fp8": "static FP8 activations",
              "nvfp4": "NVFP4 activations (dynamic blocks of 16, calibrated global scale)"}
@@ -338,12 +405,16 @@ def describe_scheme(config: QuantizeConfig) -> str:
     return f"{weights}, {inputs}" + (", FP8 KV cache" if config.kv_cache == "fp8" else "")
 
 
-def algorithm_name(config: QuantizeConfig) -> str:
-    """How the weights were chosen, in words a report can show."""
-    if config.method in ("int4", "nvfp4"):
-        return config.algorithm + ("+global-scale-search" if config.method == "nvfp4" and config.nvfp4_scale_search else "")
-    if config.method in ("int8", "fp8"):
-        return "smoothquant+" + config.weight_algorithm
-    if config.method == "auto":
-        return "sensitivity search; smoothquant+gptq (8-bit), awq+gptq (4-bit)"
-    return "rtn"
+# Each candidate format of a mixed plan: its method and options (the shared calibration options are added by the caller).
+CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
+    "int8": {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0},
+    "int4": {"method": "int4", "group_size": 128, "algorithm": "awq+gptq"},
+    "fp8": {"method": "fp8", "alpha": "auto", "weight_algorithm": "gptq", "fp8_weight_scale": "tensor"},
+    "nvfp4": {"method": "nvfp4", "activations": "nvfp4"},
+    "nvfp4_a16": {"method": "nvfp4", "activations": "float"},
+}
+
+
+def candidate_configs(formats: Iterable[str], shared: dict[str, Any]) -> dict[str, QuantizeConfig]:
+    """The quantize config of each candidate format, with the ``shared`` calibration options."""
+    return {name: quantize_config(**CANDIDATE_METHODS[name], **shared) for name in formats}

@@ -262,7 +262,7 @@ def _migration(config: QuantizeConfig, point: str, stats: InputStats, weights: l
                kv_groups: torch.Tensor) -> Migration:
     """Scales to fold into the producer of ``point`` (SmoothQuant or AWQ), or a Hadamard rotation."""
     reduce = kv_groups if point == "attn_out" else None
-    if config.method in ("int8", "fp8"):
+    if config.smooths_activations():
         return _smoothquant(config, stats, weights, reduce)
     if config.uses_awq():
         return Migration(*awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, config.weight_grid(), reduce=reduce,
@@ -312,9 +312,9 @@ def _consumer_grids(config: QuantizeConfig, weights: list[torch.Tensor], stats: 
     says, so q, k and v must not fuse).
     """
     grid = config.weight_grid()
-    if config.method != "nvfp4":
+    if not config.binds_global_scale():
         return [grid] * len(weights)
-    hessian = stats.mean_hessian() if config.nvfp4_scale_search else None
+    hessian = stats.mean_hessian() if config.searches_global_scale() else None
 
     def bound(group: list[torch.Tensor]) -> Nvfp4Grid:
         return _search_global_scale(group, hessian) if hessian is not None else Nvfp4Grid().bind(group)
@@ -328,7 +328,7 @@ def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputS
                      search_clip: bool) -> tuple[torch.Tensor, torch.Tensor]:
     clip: torch.Tensor | float = 1.0
     if config.uses_awq() and search_clip:
-        hessian = stats.mean_hessian() if config.clip_tokens == "all" else None
+        hessian = stats.mean_hessian() if config.clip_on_all_tokens() else None
         clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, grid, hessian=hessian)
     if config.uses_gptq():
         act_order = config.gptq_act_order and grid.group_size is None
@@ -338,8 +338,7 @@ def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputS
 
 def _wants_hessian(config: QuantizeConfig) -> bool:
     """Whether the format's weight search reads its input's Hessian (GPTQ, NVFP4's scale search, AWQ's clip on all tokens)."""
-    return (config.uses_gptq() or (config.method == "nvfp4" and config.nvfp4_scale_search)
-            or (config.uses_awq() and config.clip_tokens == "all"))
+    return config.uses_gptq() or config.searches_global_scale() or config.clip_on_all_tokens()
 
 
 def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str,

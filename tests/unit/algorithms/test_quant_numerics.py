@@ -17,7 +17,7 @@ from compress.algorithms.quant import (
     smoothquant_scales,
     sqnr_db,
 )
-from compress.transforms.quantize.config import QuantizeConfig
+from compress.transforms.quantize.config import QUANTIZE_CONFIG, quantize_config
 
 
 def _layer(seed=0, out_features=96, in_features=128, tokens=512, outliers=4, outlier_gain=40.0):
@@ -97,8 +97,8 @@ def test_alpha_search_reranks_with_the_shipped_gptq_weights():
     weight, x = _layer(seed=4, out_features=128, in_features=256, tokens=1024, outliers=6, outlier_gain=80.0)
     stats = InputStats()
     stats.add(x, want_hessian=True, sample_rows=1024, generator=torch.Generator().manual_seed(0))
-    rtn_config = QuantizeConfig(method="int8", weight_algorithm="rtn")
-    gptq_config = QuantizeConfig(method="int8", weight_algorithm="gptq")
+    rtn_config = quantize_config(method="int8", weight_algorithm="rtn")
+    gptq_config = quantize_config(method="int8", weight_algorithm="gptq")
     rtn_choice, _ = _search_alpha(rtn_config, stats, [weight], None)
     gptq_choice, shipped = _search_alpha(gptq_config, stats, [weight], None)
     assert rtn_choice == min(ALPHA_GRID, key=lambda a: _w8a8_candidate(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax,
@@ -171,14 +171,14 @@ def test_mse_activation_scale_clips_and_lowers_error():
 
 
 def test_config_round_trip_and_unknown_keys():
-    config = QuantizeConfig(method="int4", group_size=32, algorithm="gptq")
-    assert QuantizeConfig.model_validate(config.model_dump()) == config
+    config = quantize_config(method="int4", group_size=32, algorithm="gptq")
+    assert QUANTIZE_CONFIG.validate_python(config.model_dump()) == config
     assert config.scheme() == (4, False, 32) and config.precision() == "int4"
-    assert QuantizeConfig(method="int8").scheme() == (8, True, None)
+    assert quantize_config(method="int8").scheme() == (8, True, None)
     with pytest.raises(ValueError):
-        QuantizeConfig.model_validate({"method": "int8", "colour": 1})
+        QUANTIZE_CONFIG.validate_python({"method": "int8", "colour": 1})
     with pytest.raises(ValueError):
-        QuantizeConfig.model_validate({"method": "int4", "group_size": 48})
+        QUANTIZE_CONFIG.validate_python({"method": "int4", "group_size": 48})
 
 
 def test_hadamard_rotation_is_orthogonal_and_preserves_the_linear():
@@ -210,7 +210,7 @@ def test_rotation_is_chosen_for_scattered_outliers_and_refused_for_a_sink():
 
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(64, 256, generator=gen) * 0.05
-    config = QuantizeConfig(method="int8", hadamard_block=64)
+    config = quantize_config(method="int8", hadamard_block=64)
     kv_groups = torch.arange(256)
 
     scattered = torch.randn(4, 128, 256, generator=gen)  # every token has one large value, in a random channel
@@ -224,7 +224,7 @@ def test_rotation_is_chosen_for_scattered_outliers_and_refused_for_a_sink():
     migration = _migration(config, "mlp_hidden", _mlp_hidden_stats(sink, 64), [weight], kv_groups)
     assert migration.rotation == 0 and migration.scales is not None
 
-    without = _migration(QuantizeConfig(method="int8"), "mlp_hidden", _mlp_hidden_stats(scattered, 0), [weight], kv_groups)
+    without = _migration(quantize_config(method="int8"), "mlp_hidden", _mlp_hidden_stats(scattered, 0), [weight], kv_groups)
     assert without.rotation == 0
 
 
@@ -249,8 +249,8 @@ def test_rotated_w8a8_beats_smoothquant_on_scattered_outliers():
 
 def test_hadamard_block_needs_quantized_activations():
     with pytest.raises(ValueError, match="hadamard_block"):
-        QuantizeConfig(method="int4", hadamard_block=128)
-    assert QuantizeConfig(method="rtn", bits=8, hadamard_block=64).hadamard_block == 64
+        quantize_config(method="int4", hadamard_block=128)
+    assert quantize_config(method="rtn", bits=8, hadamard_block=64).hadamard_block == 64
 
 
 def test_clipping_scored_on_every_token_spares_the_weights_an_attention_sink_reads():

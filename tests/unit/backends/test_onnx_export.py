@@ -301,7 +301,8 @@ def test_a_quantized_lm_head_is_a_qdq_linear_of_its_own_in_the_portable_onnx(tmp
     """A plan's quantized LM head (tied in the source) is exported untied: the head's grid values behind their
     DequantizeLinear (and, for FP8, its input's Q/DQ pair), the embedding table as stored; ONNX Runtime computes the
     logits validation measures."""
-    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
+    from compress.transforms.quantize.config import candidate_configs
+    from compress.transforms.quantize.mixed import MixedPlan
 
     source = build_tiny_llama(tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256)
     shared = {"calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1, "sample_tokens": 64}

@@ -40,9 +40,9 @@ def _plan_quantized(tiny: Path, out: Path, points: dict, seed: int, head: str = 
     """``tiny`` quantized under a mixed plan (``points``: each block's formats, ``head``: the LM head's) into ``out``, with
     its tokenizer."""
     from compress.models.loading import load_tokenizer, save_side_files
-    from compress.transforms.quantize.config import QUANTIZE_CONFIG
+    from compress.transforms.quantize.config import QUANTIZE_CONFIG, candidate_configs
     from compress.transforms.quantize.decoder import quantize_folder
-    from compress.transforms.quantize.mixed import MixedPlan, candidate_configs
+    from compress.transforms.quantize.mixed import MixedPlan
 
     used = sorted(({name for block in points.values() for name in block.values()} | {head}) - {"fp16"})
     plan = MixedPlan(points, candidate_configs(used, PLAN_CALIBRATION), head=head)

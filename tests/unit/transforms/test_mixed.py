@@ -11,24 +11,22 @@ import sys
 import pytest
 import torch
 
+from compress.algorithms.knapsack import Choice, solve, solve_apart
 from compress.core.memory import peak_mb, reset_peak
 from compress.models.compute import computed_in_float32
 from compress.models.families import family_of
 from compress.models.loading import load_causal_lm
 from compress.transforms.checkpoint_logits import window_logits
-from compress.transforms.quantize.config import QUANTIZE_CONFIG
+from compress.transforms.quantize.config import QUANTIZE_CONFIG, candidate_configs
 from compress.transforms.quantize.decoder import quantize_folder, quantize_model
 from compress.transforms.quantize.mixed import (
     FLOAT,
     HEAD,
     HEAD_INDEX,
-    Choice,
     MixedPlan,
-    candidate_configs,
+    SensitivityJob,
     output_fisher,
     sensitivity,
-    solve,
-    solve_apart,
 )
 from compress.transforms.quantize.saved import (
     MIXED,
@@ -138,8 +136,8 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     assert set(fisher) == set(linears) and all(f.shape == (model.get_submodule(n).out_features,) for n, f in fisher.items())
     assert all(float(f.sum()) > 0 for f in fisher.values())
     configs = candidate_configs(["int8", "int4"], SHARED)
-    table = sensitivity(model, windows, configs, lambda index, point, name: point != HEAD and not (name == "int4" and point == "attn_out"),
-                        fisher)
+    table = sensitivity(model, windows, SensitivityJob(
+        configs, lambda index, point, name: point != HEAD and not (name == "int4" and point == "attn_out"), fisher))
     assert set(table.kl) == {(i, p.name) for i in range(2) for p in family.points}
     for (_, point), values in table.kl.items():
         assert values[FLOAT] == 0.0 and values["int8"] > 0
@@ -214,13 +212,13 @@ def test_the_lm_head_is_a_group_whose_sensitivity_is_measured_in_the_formats_all
     fisher = output_fisher(model, windows[:2], ["lm_head", "model.layers.1.mlp.down_proj"])
     assert fisher["lm_head"].shape == (model.config.vocab_size,) and float(fisher["lm_head"].sum()) > 0
     configs = candidate_configs(["int8", "fp8", "int4"], SHARED)
-    table = sensitivity(model, windows, configs, lambda index, point, name: point != HEAD or name in ("fp8", "int4"),
-                        {**fisher, **{f"model.layers.{i}.{n}": torch.ones(1) for i in range(2) for n in family_of(model.config).linears()}})
+    ones = {f"model.layers.{i}.{n}": torch.ones(1) for i in range(2) for n in family_of(model.config).linears()}
+    table = sensitivity(model, windows, SensitivityJob(configs, lambda index, point, name: point != HEAD or name in ("fp8", "int4"),
+                                                       {**fisher, **ones}))
     head = table.kl[(HEAD_INDEX, HEAD)]
     assert set(head) == {FLOAT, "fp8", "int4"} and head[FLOAT] == 0.0 and head["int4"] > head["fp8"] > 0  # int8: not for the head
     torch.testing.assert_close(model.lm_head.weight, load_causal_lm(wide).lm_head.weight, rtol=0, atol=0)  # measured on copies
-    none = sensitivity(model, windows, configs, lambda index, point, name: point != HEAD, fisher | {
-        f"model.layers.{i}.{n}": torch.ones(1) for i in range(2) for n in family_of(model.config).linears()})
+    none = sensitivity(model, windows, SensitivityJob(configs, lambda index, point, name: point != HEAD, fisher | ones))
     assert (HEAD_INDEX, HEAD) not in none.kl
 
 
@@ -252,7 +250,7 @@ def test_formats_one_bundle_cannot_hold_together_are_never_chosen_together():
                for group in range(5)}
     for budget in (0.005, 0.02, 0.06):
         free = solve(choices, budget)
-        chosen = solve_apart(choices, budget, sets)
+        chosen = solve_apart(choices, budget, sets, always=FLOAT)
         assert mixed_conflict(c.format for c in chosen.values()) is None and sum(c.kl for c in chosen.values()) <= budget + 1e-12
         best = min(sum(c.cost for c in combo) for combo in itertools.product(*choices.values())
                    if sum(c.kl for c in combo) <= budget + 1e-12 and mixed_conflict(c.format for c in combo) is None)
