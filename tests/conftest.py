@@ -103,6 +103,13 @@ TINY_SMOKE = [
 ]
 
 
+def smoke_overrides(*extra: str) -> list[str]:
+    """:data:`TINY_SMOKE` with ``extra`` on top: a key ``extra`` gives replaces the smoke list's (compress refuses a key
+    given twice)."""
+    given = {word.split("=", 1)[0] for word in extra}
+    return [word for word in TINY_SMOKE if word.split("=", 1)[0] not in given] + list(extra)
+
+
 def cached_decode_logits(decoder, ids, prefill: int):
     """Logits from prefilling ``ids[:, :prefill]`` then decoding the rest one token at a time with the KV cache."""
     import numpy as np

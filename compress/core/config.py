@@ -276,13 +276,16 @@ def parse_override_value(raw: str) -> Any:
 
 
 def split_overrides(items: list[str]) -> dict[str, str]:
-    """Parse ``key=value`` words; a word without ``=`` is a usage error."""
+    """Parse ``key=value`` words; a word without ``=``, or a key given twice, is a usage error."""
     result: dict[str, str] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise UsageError(f"expected key=value, got {item!r}")
-        result[key.strip()] = value
+        key = key.strip()
+        if key in result:
+            raise UsageError(f"{key}= is given twice ({key}={result[key]} and {key}={value}); give it once")
+        result[key] = value
     return result
 
 

@@ -10,6 +10,7 @@ import logging
 import os
 import re
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
@@ -64,6 +65,32 @@ def disk_write_error(exc: BaseException, path: Path | str) -> UsageError:
     return UsageError(f"cannot write to {path}: {reason}")
 
 
+def refuse_link(path: Path, what: str = "") -> None:
+    """Refuse (exit 2) a path compress is about to write through that is a symbolic link: compress never creates one
+    inside a run directory, so a link there came from elsewhere and may point anywhere."""
+    if Path(path).is_symlink():
+        raise UsageError(f"{path}{f' ({what})' if what else ''} is a symbolic link, which compress never creates; it writes "
+                         "nothing through a link: remove it and run again")
+
+
+def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
+    """``os.open`` of a regular file that never follows a symbolic link in the last component; a link or anything but a
+    regular file is refused (exit 2) naming it, and a disk error names the path."""
+    try:
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            refuse_link(path)
+            raise
+        if is_disk_write_error(exc) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
+            raise disk_write_error(exc, path) from exc
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise UsageError(f"{path} is not a regular file; compress writes only files it created there: remove it")
+    return fd
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` through a temporary file in the same folder, then rename."""
     path = Path(path)
@@ -92,8 +119,12 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 def read_json(path: Path) -> Any:
-    """Read a JSON file."""
-    return json.loads(Path(path).read_text(encoding="utf-8"))
+    """Read a JSON file; one nested too deeply to parse is a ValueError, as any other malformed JSON is."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError(f"{path} is JSON nested too deeply to be a file compress wrote") from None
 
 
 @contextmanager

@@ -1,9 +1,11 @@
-"""Records of written files (size, time stamp, sha256) and checking files against them.
+"""Records of written files (size, time stamps, inode, sha256) and checking files against them.
 
 A record is what compress knew of a file when it wrote it. Checking a file against its record is
-cheap when nothing changed (size and modification time are compared) and exact when something did
-(a file whose time stamp moved, say one copied to another machine, is hashed in full and passes
-only when its content is unchanged). ``full=True`` hashes every file whatever its time stamp.
+cheap when nothing changed (size, modification and change times and inode are compared: the change
+time moves on every write and cannot be set back) and exact when something did (a file whose stamp
+moved, say one copied to another machine, is hashed in full and passes only when its content is
+unchanged). ``full=True`` hashes every file whatever its stamp; a record without a change time or
+inode (an older compress wrote it) is always hashed.
 """
 
 from __future__ import annotations
@@ -11,15 +13,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.core.files import folder_files, sha256_file
+from compress.core.files import file_stamp, folder_files, sha256_file
 
-FileRecords = dict[str, dict[str, Any]]  # relative path -> {"size", "mtime_ns", "sha256"}
+FileRecords = dict[str, dict[str, Any]]  # relative path -> {"size", "mtime_ns", "ctime_ns", "inode", "sha256"}
+_STAMP = ("mtime_ns", "ctime_ns", "inode")
 
 
 def record_file(path: Path, sha256: str | None = None) -> dict[str, Any]:
-    """The record of one file: size, modification time in nanoseconds and content hash (computed unless given)."""
-    stat = Path(path).stat()
-    return {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns, "sha256": sha256 or sha256_file(path)}
+    """The record of one file: size, modification and change times in nanoseconds, inode and content hash (computed
+    unless given)."""
+    return {**file_stamp(path), "sha256": sha256 or sha256_file(path)}
 
 
 def record_folder(folder: Path, skip: frozenset[str] = frozenset()) -> FileRecords:
@@ -33,15 +36,22 @@ def record_folder(folder: Path, skip: frozenset[str] = frozenset()) -> FileRecor
     return records
 
 
+def is_plain_relative(path: str) -> bool:
+    """Whether a recorded path is a plain relative POSIX path that stays where it is recorded: no root, no ``..``, no
+    ``.``, no empty part, no backslash."""
+    parts = path.split("/")
+    return bool(path) and "\\" not in path and not path.startswith("/") and all(p not in ("", ".", "..") for p in parts)
+
+
 def file_problem(path: Path, record: dict[str, Any], full: bool = False) -> str | None:
     """Why ``path`` no longer holds what ``record`` says (missing, another size, another content); None when it does."""
     path = Path(path)
     if path.is_symlink() or not path.is_file():
         return "is missing" if not path.is_symlink() else "is a symbolic link, not the file compress wrote"
-    stat = path.stat()
-    if stat.st_size != record.get("size"):
-        return f"has {stat.st_size} bytes where {record.get('size')} were written"
-    if not full and stat.st_mtime_ns == record.get("mtime_ns"):
+    stamp = file_stamp(path)
+    if stamp["size"] != record.get("size"):
+        return f"has {stamp['size']} bytes where {record.get('size')} were written"
+    if not full and all(record.get(key) is not None and stamp[key] == record[key] for key in _STAMP):
         return None
     if sha256_file(path) != record.get("sha256"):
         return "does not hold the content compress wrote (its sha256 differs)"

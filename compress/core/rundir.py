@@ -30,20 +30,19 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError
+from pydantic import BaseModel, ConfigDict, StringConstraints, ValidationError, field_validator
 
 from compress.core.artifact import ENGINE
 from compress.core.errors import ProvenanceError, UsageError, first_line
 from compress.core.files import (
     atomic_write_json,
     cached_sha256,
-    disk_write_error,
-    is_disk_write_error,
+    open_no_follow,
     read_json,
     sha256_file,
     top_level_sha256,
 )
-from compress.core.records import FileRecords, file_problem, folder_problems, record_file, record_folder
+from compress.core.records import FileRecords, file_problem, folder_problems, is_plain_relative, record_file, record_folder
 
 log = logging.getLogger(__name__)
 
@@ -115,6 +114,14 @@ class _Manifest(_Open):
     model: _ManifestModel
     stages: list[_ManifestStage]
     files: dict[str, dict[str, Any]] = {}
+
+    @field_validator("files")
+    @classmethod
+    def _plain_relative_paths(cls, files: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+        for path in files:
+            if not is_plain_relative(path):
+                raise ValueError(f"{path!r} is not a plain relative path inside the run directory")
+        return files
 
 
 def parse_manifest(data: Any, where: Path) -> dict[str, Any]:
@@ -197,6 +204,20 @@ class RunDir:
                 problems.append(f"{self.path / relative} {problem}")
         return problems
 
+    def strays(self) -> list[str]:
+        """What stands where compress writes but is not what it wrote: stage folders the manifest does not name
+        (orphans), and symbolic links under any name compress uses in a run directory."""
+        named = {entry["dir"] for entry in self.manifest()["stages"]}
+        ours = {MANIFEST_FILE, RUN_LOG, LOCK_FILE, CHECKPOINTS_DIR, *REPORT_FILES, *REPORT_DIRS}
+        found = []
+        for item in sorted(self.path.iterdir()):
+            is_stage = re.fullmatch(STAGE_DIR_PATTERN, item.name) is not None
+            if item.is_symlink() and (is_stage or item.name in ours or _VALIDATE_OUTPUT.fullmatch(item.name)):
+                found.append(f"{item} is a symbolic link, which compress never makes")
+            elif is_stage and item.name not in named:
+                found.append(f"{item} is a stage folder the manifest does not name")
+        return found
+
     def require_intact(self, full: bool = False) -> None:
         """:meth:`problems`, raised as one :class:`ProvenanceError` naming the first (and how many more)."""
         problems = self.problems(full)
@@ -240,6 +261,10 @@ def _read_record(path: Path) -> dict[str, Any]:
         raise ProvenanceError(f"{path} is unreadable ({first_line(exc)})") from exc
     if not isinstance(record, dict) or not isinstance(record.get("output"), dict):
         raise ProvenanceError(f"{path} is not a stage record")
+    files = record.get("files") or {}
+    outside = [name for name in files if not is_plain_relative(name)] if isinstance(files, dict) else ["files"]
+    if outside:
+        raise ProvenanceError(f"{path} records {outside[0]!r}, which is not a plain relative path inside its stage folder")
     return record
 
 
@@ -363,14 +388,17 @@ def clean_for_run(out: Path, manifest: dict[str, Any] | None, identity: dict[str
     if manifest is not None:
         earlier = plan_identity(manifest["recipe"], manifest["model"].get("spec", ""))
         ours |= set(earlier["stages"])
+        replaced = []
         if earlier != identity:
-            for stage in manifest["stages"]:
-                folder = stage_folder(out, stage["dir"])
-                if stage["dir"] not in identity["stages"] and folder.is_dir():
-                    require_only_recorded(folder)
-                    log.info("removing %s: a stage of the replaced plan", folder.name)
-                    shutil.rmtree(folder)
-        remove_reports(out, manifest)
+            replaced = [folder for stage in manifest["stages"]
+                        if stage["dir"] not in identity["stages"] and (folder := stage_folder(out, stage["dir"])).is_dir()]
+        for folder in replaced:  # every folder checked before any is removed
+            require_only_recorded(folder)
+        reports = recorded_reports(out, manifest)
+        for folder in replaced:
+            log.info("removing %s: a stage of the replaced plan", folder.name)
+            shutil.rmtree(folder)
+        remove_reports(out, reports)
     remove_stale_staging(out, ours)
 
 
@@ -388,16 +416,33 @@ def require_only_recorded(folder: Path) -> None:
                               "replaced; move it out of the stage folder and rerun")
 
 
-def remove_reports(out: Path, manifest: dict[str, Any]) -> None:
-    """Remove the report files the manifest records compress wrote (``report.*``, ``MODEL_CARD.md``, ``plots/*``,
-    ``validate-*``) and ``plots/`` once empty; a file of the same name compress did not record is left alone."""
+def recorded_reports(out: Path, manifest: dict[str, Any]) -> list[Path]:
+    """The report files the manifest records compress wrote (``report.*``, ``MODEL_CARD.md``, ``plots/*``,
+    ``validate-*``) that are there; one changed since (annotated by its reader) is refused, naming it, so it is neither
+    removed nor written over."""
     out = Path(out)
-    for relative in manifest.get("files", {}):
+    for name in REPORT_DIRS:
+        if (out / name).is_symlink():
+            raise ProvenanceError(f"{out / name} is a symbolic link, which compress never makes; it writes nothing through "
+                                  "a link: remove it and run again")
+    found = []
+    for relative, record in manifest.get("files", {}).items():
         path = out / relative
         top = Path(relative).parts[0]
         is_report = relative in REPORT_FILES or top in REPORT_DIRS or _VALIDATE_OUTPUT.fullmatch(relative)
-        if is_report and not path.is_symlink() and path.is_file() and path.resolve().parent.is_relative_to(out.resolve()):
-            path.unlink()
+        if not is_report or not (path.is_file() or path.is_symlink()):
+            continue
+        problem = file_problem(path, record, full=True)
+        if problem:
+            raise ProvenanceError(f"{path} {problem}, so compress does not replace it: move it out of {out} and rerun")
+        found.append(path)
+    return found
+
+
+def remove_reports(out: Path, reports: list[Path]) -> None:
+    """Remove ``reports`` (see :func:`recorded_reports`) and ``plots/`` once empty."""
+    for path in reports:
+        path.unlink()
     for name in REPORT_DIRS:
         with contextlib.suppress(OSError):
             (out / name).rmdir()  # only when empty
@@ -415,21 +460,21 @@ def remove_stale_staging(out: Path, stage_dirs: set[str]) -> None:
 
 
 class RunDirLock:
-    """An exclusive, non-blocking ``flock`` on ``RUN_DIR/.compress.lock`` holding this process's PID."""
+    """A non-blocking ``flock`` on ``RUN_DIR/.compress.lock``: exclusive, holding this process's PID, for a command that
+    writes; shared for one that only reads (``compress verify``), which also works on a run directory it cannot write
+    (then without a lock). The lock file is never opened through a symbolic link."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, shared: bool = False):
         self.path = Path(run_dir) / LOCK_FILE
+        self.shared = shared
         self._fd: int | None = None
 
     def acquire(self) -> None:
+        fd = self._open_shared() if self.shared else open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        if fd is None:
+            return
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as exc:
-            if is_disk_write_error(exc):
-                raise disk_write_error(exc, self.path) from exc
-            raise
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX) | fcntl.LOCK_NB)
         except OSError as exc:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
@@ -437,14 +482,31 @@ class RunDirLock:
                 raise UsageError(f"{self.path.parent} is in use by another compress process (PID {holder}); "
                                  "wait for it to finish or stop it") from exc
             raise
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        if not self.shared:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+
+    def _open_shared(self) -> int | None:
+        """The lock file opened for reading, created where it is missing and the directory takes it; None where the
+        directory cannot be written (a read-only copy: nothing can change it under this reader either)."""
+        try:
+            return open_no_follow(self.path, os.O_RDONLY)
+        except FileNotFoundError:
+            pass
+        try:
+            return open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
+        except UsageError as exc:
+            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+                raise
+        log.info("%s cannot be written: reading it without its lock", self.path.parent)
+        return None
 
     def release(self) -> None:
         if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
+            if not self.shared:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(self._fd, 0)
             os.close(self._fd)
             self._fd = None
 
@@ -457,9 +519,9 @@ class RunDirLock:
 
 
 @contextlib.contextmanager
-def locked(run_dir: Path) -> Iterator[RunDirLock]:
-    """Hold the run directory's lock for the duration of a ``with`` block."""
-    lock = RunDirLock(run_dir)
+def locked(run_dir: Path, shared: bool = False) -> Iterator[RunDirLock]:
+    """Hold the run directory's lock (``shared``: for reading only) for the duration of a ``with`` block."""
+    lock = RunDirLock(run_dir, shared)
     lock.acquire()
     try:
         yield lock

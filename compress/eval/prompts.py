@@ -11,12 +11,12 @@ regular expression). ``prompts=`` names the file; chat models get the shipped se
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import regex
 import torch
 from tqdm import tqdm
 
@@ -76,8 +76,8 @@ def _case(row: dict[str, Any], number: int, path: Path) -> PromptCase:
         if not isinstance(expect, str) or not expect:
             raise UsageError(f"{where}: 'expect' must be text (a regular expression)")
         try:
-            re.compile(expect)
-        except re.error as exc:
+            regex.compile(expect)
+        except regex.error as exc:
             raise UsageError(f"{where}: 'expect' is not a regular expression ({exc})") from exc
     return PromptCase(str(row.get("id") or number), prompt, expect)
 
@@ -199,9 +199,21 @@ def forced_rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int
     return torch.tensor([[*p, *a] + [pad_id] * (width - len(p) - len(a)) for p, a in zip(prompts, answers, strict=True)])
 
 
+# The longest an ``expect`` pattern may take on one answer: a pattern that backtracks catastrophically is an error, not a
+# hang (the ``regex`` engine takes a timeout; ``re`` does not).
+EXPECT_TIMEOUT_S = 2.0
+
+
 def passes_expect(expect: str | None, text: str) -> bool | None:
-    """Whether an answer's text matches its prompt's ``expect`` regular expression (None: the prompt has none)."""
-    return None if expect is None else re.search(expect, text, re.IGNORECASE) is not None
+    """Whether an answer's text matches its prompt's ``expect`` regular expression (None: the prompt has none); a pattern
+    that runs past :data:`EXPECT_TIMEOUT_S` on it is a usage error naming the pattern."""
+    if expect is None:
+        return None
+    try:
+        return regex.search(expect, text, regex.IGNORECASE, timeout=EXPECT_TIMEOUT_S) is not None
+    except TimeoutError as exc:
+        raise UsageError(f"the prompt's expect pattern {expect!r} ran past {EXPECT_TIMEOUT_S:g} s on a {len(text)}-character "
+                         "answer (it backtracks without bound): write it so it cannot") from exc
 
 
 def answer_prompts(cases: list[PromptCase], tokenizer, generate: BatchGenerate, new_tokens: int, progress: bool = True,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from compress.core.files import (
     atomic_write_json,
     disk_write_error,
     is_disk_write_error,
+    open_no_follow,
     sha256_file,
     sha256_path,
     staging_dir,
@@ -211,8 +213,20 @@ def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | 
     }
 
 
+class _RunLog(logging.StreamHandler):
+    """A log handler that owns its file: closing the handler closes the file."""
+
+    def close(self) -> None:
+        try:
+            self.stream.close()
+        finally:
+            super().close()
+
+
 def _attach_log_file(run_dir: Path) -> logging.Handler:
-    handler = logging.FileHandler(run_dir / RUN_LOG, encoding="utf-8")
+    """The run's log, appended to ``RUN_DIR/run.log`` (never through a link)."""
+    fd = open_no_follow(run_dir / RUN_LOG, os.O_WRONLY | os.O_APPEND | os.O_CREAT)
+    handler = _RunLog(os.fdopen(fd, "a", encoding="utf-8"))
     handler.setLevel(logging.DEBUG)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     logging.getLogger().addHandler(handler)
@@ -229,14 +243,18 @@ def _open_run_dir(plan: Plan) -> tuple[RunDirLock, logging.Handler, dict[str, di
         lock.acquire()
     except OSError as exc:
         raise disk_write_error(exc, out) from exc
+    handler = None
     try:
         # Checked again under the lock: another process may have written here since planning.
         earlier = check_run_dir(out, plan.identity, plan.options.force)
         clean_for_run(out, earlier, plan.identity)
-        atomic_write_json(out / MANIFEST_FILE, _manifest(plan, "running", []))
         handler = _attach_log_file(out)
+        atomic_write_json(out / MANIFEST_FILE, _manifest(plan, "running", []))
         entries = {entry["dir"]: entry for entry in (earlier or {}).get("stages", [])}
     except BaseException as exc:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
         lock.release()
         if is_disk_write_error(exc):
             raise disk_write_error(exc, written_path(exc) or out) from exc

@@ -104,6 +104,14 @@ class StageEstimate:
                 "minutes": round(self.seconds / 60, 1), "peak_device_gb": round(self.device_bytes / GB, 2)}
 
 
+def readable_bytes(size: float) -> str:
+    """``size`` in the largest unit (GB, MB, kB, bytes) that shows it as at least 1, to one decimal."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(size) >= scale:
+            return f"{size / scale:.1f} {unit}"
+    return f"{size:.0f} bytes"
+
+
 def parameter_count(config: dict[str, Any]) -> int:
     """Parameters of a model from its config alone (decoders through the latency model's shape; encoders BERT-like)."""
     if model_kind(config) == "decoder":
@@ -316,6 +324,6 @@ def fit_problem(estimates: list[StageEstimate], machine: Machine, model_spec: st
                 f"({on_device.stage}.calib_windows) or device=cpu")
     disk = sum(e.disk_bytes for e in estimates)
     if disk > machine.free_disk_bytes * REFUSE_MARGIN:
-        return (f"model={model_spec}: the run directory would take about {disk / GB:.1f} GB, its file system has "
-                f"{machine.free_disk_bytes / GB:.1f} GB free; give out= on a larger disk")
+        return (f"model={model_spec}: the run directory would take about {readable_bytes(disk)}, its file system has "
+                f"{readable_bytes(machine.free_disk_bytes)} free; give out= on a larger disk")
     return None

@@ -33,8 +33,8 @@ def verify_run(run_dir: Path) -> Verification:
     """Check every recorded file of ``run_dir`` in full and, where the run made an Edge-LLM bundle, its custody."""
     run = RunDir(run_dir)
     run.require_manifest()
-    with locked(run.path):
-        result = Verification(run.problems(full=True), model=_model_read_in_place(run))
+    with locked(run.path, shared=True):
+        result = Verification(run.strays() + run.problems(full=True), model=_model_read_in_place(run))
         bundle = run.stage_producing(EDGELLM_BUNDLE)
         if bundle is None or result.problems:
             return result

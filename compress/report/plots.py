@@ -12,6 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from compress.core.files import refuse_link  # noqa: E402
 from compress.report.figures import (  # noqa: E402
     DOMAIN_QUALITY,
     LAYER_SQNR,
@@ -28,6 +29,7 @@ from compress.report.markdown import decoder_predictions  # noqa: E402
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     partial = path.with_name(f".{path.stem}.partial.png")
+    refuse_link(partial)
     fig.savefig(partial, dpi=110)
     plt.close(fig)
     os.replace(partial, path)
@@ -217,7 +219,8 @@ def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
 
 
 def make_plots(report: dict[str, Any], folder: Path) -> dict[str, Path]:
-    """Every plot the report has data for, written into ``folder``."""
+    """Every plot the report has data for, written into ``folder`` (never through a link)."""
+    refuse_link(folder, "the report's plots")
     folder.mkdir(parents=True, exist_ok=True)
     plots = {"stages": plot_stages(report, folder / "stages.png")}
     if decoder_predictions(report):

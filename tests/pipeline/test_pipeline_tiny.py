@@ -11,12 +11,12 @@ import torch
 from compress.backends.onnx.runtime import OnnxDecoder
 from compress.cli.main import main
 from compress.eval.decoder import ValidateConfig
-from tests.conftest import TINY_SMOKE, cached_decode_logits
+from tests.conftest import TINY_SMOKE, cached_decode_logits, smoke_overrides
 
 
 def _run(tmp_path, model, *extra, recipe="baseline"):
     out = tmp_path / "run"
-    code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={model}", f"out={out}", *TINY_SMOKE, *extra])
+    code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={model}", f"out={out}", *smoke_overrides(*extra)])
     return code, out
 
 

@@ -18,14 +18,14 @@ import pytest
 from compress.cli.main import main
 from compress.core.errors import UsageError
 from compress.core.rundir import LOCK_FILE, RunDirLock
-from tests.conftest import CALIB, REPO, TINY_SMOKE
+from tests.conftest import CALIB, REPO, TINY_SMOKE, smoke_overrides
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _command(model: Path, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}",
-            *TINY_SMOKE, *extra]
+            *smoke_overrides(*extra)]
 
 
 def _last_error(capsys) -> str:

@@ -19,15 +19,15 @@ import yaml
 from compress.cli.main import main
 from compress.core.errors import Interrupted, raise_interrupted, signals_held
 from compress.core.rundir import LOCK_FILE
-from tests.conftest import CALIB, EVAL, REPO, TINY_SMOKE, build_tiny_llama
+from tests.conftest import CALIB, EVAL, REPO, TINY_SMOKE, build_tiny_llama, smoke_overrides
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 TARGETS = REPO / "compress" / "catalog" / "targets"
 
 
 def _run(model: Path, out: Path, *extra: str) -> int:
-    return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress", *TINY_SMOKE,
-                 *extra])
+    return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress",
+                 *smoke_overrides(*extra)])
 
 
 def _statuses(out: Path) -> dict[str, str]:

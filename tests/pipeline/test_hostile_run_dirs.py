@@ -1,0 +1,231 @@
+"""A run directory received from elsewhere must not make compress write, empty or delete anything outside it: every file
+compress opens for writing there is opened without following a link, and a link is refused (exit 2) and left alone.
+Real runs on a tiny model, real links, real commands."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from compress.cli.main import main
+from compress.core.rundir import LOCK_FILE, PLOTS_DIR, RUN_LOG
+from tests.conftest import TINY_SMOKE, build_tiny_llama
+
+OUTSIDE_TEXT = "a file of the user's, outside the run directory\n"
+
+
+def _run(model: Path, out: Path, *extra: str) -> int:
+    return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress", *TINY_SMOKE,
+                 *extra])
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("user") / "model")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, user_model) -> Path:
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert _run(user_model, out) in (0, 1)
+    return out
+
+
+def _received(finished: Path, dest: Path) -> Path:
+    """A copy of a finished run directory, as it arrives from another machine."""
+    shutil.copytree(finished, dest, ignore=shutil.ignore_patterns(LOCK_FILE), symlinks=True)
+    return dest
+
+
+def _outside(tmp_path: Path, name: str = "victim.txt") -> Path:
+    victim = tmp_path / "elsewhere" / name
+    victim.parent.mkdir(exist_ok=True)
+    victim.write_text(OUTSIDE_TEXT)
+    return victim
+
+
+def _last_error(capsys) -> str:
+    return capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("command", [["verify"], ["validate"], ["show"]])
+def test_a_lock_file_linked_outside_is_refused_and_the_outside_file_is_untouched(capsys, tmp_path, finished, command):
+    run = _received(finished, tmp_path / "run")
+    victim = _outside(tmp_path)
+    (run / LOCK_FILE).symlink_to(victim)
+    code = main([*command, str(run)])
+    assert victim.read_text() == OUTSIDE_TEXT
+    if command != ["show"]:  # show takes no lock: it reads
+        assert code == 2 and "is a symbolic link" in _last_error(capsys)
+    assert (run / LOCK_FILE).is_symlink()  # refused, and left alone
+
+
+def test_a_rerun_through_a_linked_lock_writes_nothing_outside(capsys, tmp_path, finished, user_model):
+    run = _received(finished, tmp_path / "run")
+    victim = _outside(tmp_path)
+    (run / LOCK_FILE).symlink_to(victim)
+    assert _run(user_model, run) == 2
+    error = _last_error(capsys)
+    assert victim.read_text() == OUTSIDE_TEXT and "is a symbolic link" in error
+
+
+def test_a_run_log_linked_outside_is_refused_before_the_run_is_marked_running(capsys, tmp_path, finished, user_model):
+    run = _received(finished, tmp_path / "run")
+    victim = _outside(tmp_path)
+    (run / RUN_LOG).unlink()
+    (run / RUN_LOG).symlink_to(victim)
+    manifest = (run / "manifest.json").read_text()
+    assert _run(user_model, run) == 2
+    assert victim.read_text() == OUTSIDE_TEXT
+    error = _last_error(capsys)
+    assert "run.log" in error and "symbolic link" in error
+    assert (run / "manifest.json").read_text() == manifest  # not left "running"
+
+
+def test_a_plots_folder_linked_outside_gets_no_plot(capsys, tmp_path, finished, user_model):
+    run = _received(finished, tmp_path / "run")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "stages.png"
+    victim.write_text(OUTSIDE_TEXT)
+    shutil.rmtree(run / PLOTS_DIR)
+    (run / PLOTS_DIR).symlink_to(elsewhere, target_is_directory=True)
+    assert _run(user_model, run) == 2
+    assert victim.read_text() == OUTSIDE_TEXT and sorted(p.name for p in elsewhere.iterdir()) == ["stages.png"]
+    error = _last_error(capsys)
+    assert "plots" in error and "symbolic link" in error
+
+
+def test_verify_reads_without_writing_and_two_verifications_run_side_by_side(tmp_path, finished):
+    run = _received(finished, tmp_path / "run")
+    assert main(["verify", str(run)]) in (0, 3)
+    assert (run / LOCK_FILE).read_text() == ""  # a reader writes no PID into the lock
+    from compress.core.rundir import locked
+
+    with locked(run, shared=True):  # another reader holds it: a verification still runs
+        assert main(["verify", str(run)]) in (0, 3)
+    with locked(run):  # a writer holds it: a verification waits for nobody and says so
+        assert main(["verify", str(run)]) == 2
+
+
+def test_verify_on_a_directory_it_cannot_write_verifies_without_a_lock(capsys, tmp_path, finished, monkeypatch):
+    """A read-only copy (a read-only mount: EROFS on creating the lock file) is verified, not reported as tampered."""
+    run = _received(finished, tmp_path / "run")
+    real_open = os.open
+
+    def read_only_mount(path, flags, *args, **kwargs):
+        if flags & os.O_CREAT and Path(path).parent == run:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_mount)
+    assert main(["verify", str(run)]) in (0, 3)
+    assert not (run / LOCK_FILE).exists()
+    assert "cannot write" not in capsys.readouterr().err
+
+
+def _edit_manifest(run: Path, change) -> None:
+    path = run / "manifest.json"
+    manifest = json.loads(path.read_text())
+    change(manifest)
+    path.write_text(json.dumps(manifest))
+
+
+@pytest.mark.parametrize("entry", ["plots/../notes.md", "/etc/hostname", "./notes.md", "plots//notes.md"])
+def test_a_manifest_entry_that_is_not_a_plain_relative_path_is_refused_and_deletes_nothing(capsys, tmp_path, finished,
+                                                                                           user_model, entry):
+    run = _received(finished, tmp_path / "run")
+    notes = run / "notes.md"
+    notes.write_text("the user's notes\n")
+    _edit_manifest(run, lambda m: m["files"].update({entry: {"size": 17, "mtime_ns": 0, "sha256": "0" * 64}}))
+    assert _run(user_model, run) == 2
+    assert "not a compress manifest" in _last_error(capsys) and notes.read_text() == "the user's notes\n"
+    assert main(["verify", str(run)]) == 2
+
+
+def test_a_stage_record_naming_a_file_outside_its_folder_fails_verification(capsys, tmp_path, finished):
+    run = _received(finished, tmp_path / "run")
+    record_path = next(run.glob("01_*/stage.json"))
+    record = json.loads(record_path.read_text())
+    record["files"]["../manifest.json"] = {"size": 1, "mtime_ns": 0, "sha256": "0" * 64}
+    record_path.write_text(json.dumps(record))
+    assert main(["verify", str(run)]) == 2
+    assert "not a plain relative path" in capsys.readouterr().err
+
+
+def test_a_report_the_user_annotated_is_neither_removed_nor_replaced(capsys, tmp_path, finished, user_model):
+    run = _received(finished, tmp_path / "run")
+    annotated = (run / "report.md").read_text() + "\nReviewed: ship it.\n"
+    (run / "report.md").write_text(annotated)
+    assert _run(user_model, run) == 2
+    assert "report.md" in _last_error(capsys) and (run / "report.md").read_text() == annotated
+    assert (run / "report.json").is_file()  # nothing else removed either
+
+
+def test_a_refused_force_has_removed_nothing(capsys, tmp_path, finished, user_model):
+    """Two stage folders of the replaced plan, the second holding a user's file: the refusal comes before the first is
+    removed, and the manifest still describes the directory."""
+    run = _received(finished, tmp_path / "run")
+    stage_dirs = sorted(p.name for p in run.iterdir() if p.is_dir() and p.name[:2].isdigit())
+    (run / stage_dirs[-1] / "mine.txt").write_text("a file of the user's\n")
+    manifest = (run / "manifest.json").read_text()
+    code = main(["run", "target=jetson-orin", "recipe=smoke", f"model={user_model}", f"out={run}", "--no-progress", "--force",
+                 *TINY_SMOKE])
+    assert code == 2 and "mine.txt" in _last_error(capsys)
+    assert sorted(p.name for p in run.iterdir() if p.is_dir() and p.name[:2].isdigit()) == stage_dirs
+    assert (run / "manifest.json").read_text() == manifest
+
+
+@pytest.mark.parametrize("how", ["orphan", "linked orphan", "linked report"])
+def test_verify_fails_on_orphaned_or_linked_entries(capsys, tmp_path, finished, how):
+    run = _received(finished, tmp_path / "run")
+    first = next(p for p in sorted(run.iterdir()) if p.is_dir() and p.name[:2].isdigit())
+    if how == "orphan":
+        shutil.copytree(first, run / "99_extra")
+    elif how == "linked orphan":
+        (run / "99_extra").symlink_to(first, target_is_directory=True)
+    else:
+        shutil.move(run / "report.html", tmp_path / "report.html")
+        (run / "report.html").symlink_to(tmp_path / "report.html")
+    assert main(["verify", str(run)]) == 2
+    said = capsys.readouterr()
+    assert ("99_extra" if how != "linked report" else "report.html") in said.out + said.err
+
+
+def test_a_file_changed_in_place_with_its_modification_time_put_back_is_seen(capsys, tmp_path, finished):
+    """Size and modification time alike, content not: the change time (which cannot be set back) sends it to a full
+    hash, so every command that reads the run refuses it, not only verify."""
+    run = _received(finished, tmp_path / "run")
+    assert main(["show", str(run)]) == 0
+    graph = next(run.glob("*_export_onnx/onnx/*.onnx"))
+    before = graph.stat()
+    data = bytearray(graph.read_bytes())
+    data[-1] ^= 0xFF
+    graph.write_bytes(bytes(data))
+    os.utime(graph, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert graph.stat().st_mtime_ns == before.st_mtime_ns and graph.stat().st_size == before.st_size
+    capsys.readouterr()
+    assert main(["show", str(run)]) == 2
+    assert graph.name in _last_error(capsys)
+
+
+@pytest.mark.parametrize("name", ["manifest.json", "stage.json"])
+def test_a_json_file_nested_too_deeply_is_refused_as_corrupt(capsys, tmp_path, finished, user_model, name):
+    run = _received(finished, tmp_path / "run")
+    path = run / name if name == "manifest.json" else next(run.glob("01_*")) / name
+    path.write_text("[" * 200_000 + "]" * 200_000)
+    for command in (["show", str(run)], ["verify", str(run)]):
+        assert main(command) == 2, command
+    assert _run(user_model, run) == 2
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_key_given_twice_is_refused(capsys, user_model, tmp_path):
+    code = main(["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", "validate.window=64",
+                 "validate.window=32", "--dry-run"])
+    assert code == 2 and "validate.window= is given twice" in _last_error(capsys)
