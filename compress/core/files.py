@@ -108,6 +108,21 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
         raise
 
 
+def rewrite_in_place(path: Path, data: bytes) -> None:
+    """Overwrite an existing regular file with ``data`` over its own blocks, then cut it to ``data``'s length: for a
+    record that must be written when the disk is too full for :func:`atomic_write_bytes`' temporary file (``data`` no
+    longer than the file needs no new block)."""
+    fd = open_no_follow(path, os.O_WRONLY)
+    try:
+        written = 0
+        while written < len(data):
+            written += os.pwrite(fd, data[written:], written)
+        os.ftruncate(fd, len(data))
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def atomic_write_text(path: Path, text: str) -> None:
     """Write UTF-8 text atomically."""
     atomic_write_bytes(path, text.encode("utf-8"))

@@ -34,6 +34,7 @@ from compress.core.files import (
     disk_write_error,
     is_disk_write_error,
     open_no_follow,
+    rewrite_in_place,
     sha256_file,
     sha256_path,
     staging_dir,
@@ -214,7 +215,11 @@ def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | 
 
 
 class _RunLog(logging.StreamHandler):
-    """A log handler that owns its file: closing the handler closes the file."""
+    """A log handler that owns its file: closing the handler closes the file. A line the file cannot take (a full disk)
+    is dropped from it quietly: the console still shows it, and the run's own error says what could not be written."""
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        pass
 
     def close(self) -> None:
         try:
@@ -340,10 +345,17 @@ def _failure_reason(exc: BaseException) -> str:
 
 
 def _mark_failed(plan: Plan, records: list[StageRecord], exc: BaseException) -> None:
+    """Record the failure in the manifest; on a full disk, where no new file can be made, by rewriting the manifest in
+    place (its own blocks are freed first), so a run never stays "running" after it stopped."""
+    manifest = _manifest(plan, "failed", records, error=_failure_reason(exc))
     try:
-        atomic_write_json(plan.out_dir / MANIFEST_FILE, _manifest(plan, "failed", records, error=_failure_reason(exc)))
+        atomic_write_json(plan.out_dir / MANIFEST_FILE, manifest)
     except OSError:
-        log.debug("could not write the failed manifest", exc_info=True)
+        try:
+            compact = json.dumps(manifest, separators=(",", ":"), default=str) + "\n"  # shorter than the indented file
+            rewrite_in_place(plan.out_dir / MANIFEST_FILE, compact.encode())
+        except OSError:
+            log.debug("could not write the failed manifest", exc_info=True)
 
 
 def run(options: RunOptions) -> RunResult:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from compress.report.figures import DOMAIN_QUALITY, PRECISION_SEARCH, PROMPT_ANSWERS, figure
@@ -26,6 +27,23 @@ def decoder_predictions(report: dict[str, Any]) -> dict[str, Any] | None:
 DOMAIN_HEADERS = ["domain", "seen", "tokens", "perplexity", "reference", "change", "top-1 agreement", "mean KL (nats)"]
 
 
+_MARKDOWN_SPECIAL = re.compile(r"([\\`*_\[\]<>|#~!])")
+
+
+def md_text(value: Any) -> str:
+    """``value`` as one line of Markdown text that renders as itself: whitespace (line breaks included) collapsed and
+    the characters Markdown reads as markup escaped, so a name a user gave (a domain, a prompt id, a path) can neither
+    start a heading nor break a table."""
+    return _MARKDOWN_SPECIAL.sub(r"\\\1", " ".join(str(value).split()))
+
+
+def md_code(value: Any) -> str:
+    """``value`` as an inline code span on one line, fenced by more backticks than it holds."""
+    text = " ".join(str(value).split())
+    fence = "`" * (max((len(run) for run in re.findall(r"`+", text)), default=0) + 1)
+    return f"{fence} {text} {fence}" if fence != "`" else f"`{text}`"
+
+
 def domain_rows(metrics: dict[str, Any]) -> list[list[str]]:
     """One row of text cells per evaluation domain, then the mixed text; empty without domain metrics."""
     domains = metrics.get("domains")
@@ -47,11 +65,11 @@ def _domain_table(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     return ["", "## Quality per evaluation domain", "",
-            f"The accuracy budget applies to the worst domain (**{metrics['worst_domain']}**). Unseen domains (no calibration "
-            f"or training text came from them): {', '.join(metrics.get('unseen_domains') or []) or 'none'}. "
+            f"The accuracy budget applies to the worst domain (**{md_text(metrics['worst_domain'])}**). Unseen domains (no "
+            f"calibration or training text came from them): {', '.join(map(md_text, metrics.get('unseen_domains') or [])) or 'none'}. "
             f"{_prefix_sentence(metrics.get('window_prefix'))}", "",
             "| " + " | ".join(DOMAIN_HEADERS) + " |", "|" + "---|" * len(DOMAIN_HEADERS),
-            *("| " + " | ".join(row) + " |" for row in rows)]
+            *("| " + " | ".join([md_text(row[0]), *row[1:]]) + " |" for row in rows)]
 
 
 def _prefix_sentence(prefix: list[str] | None) -> str:
@@ -91,7 +109,7 @@ def _prompt_table(report: dict[str, Any]) -> list[str]:
     for row in measured["rows"]:
         expect = "—" if row["expect"] is None else (f"`{row['expect']}`: teacher {'✓' if row['teacher_passes'] else '✗'}, "
                                                      f"deployed {'✓' if row['model_passes'] else '✗'}")
-        lines.append(f"| {row['id']} | {_cell(row['prompt'], 80)} | {100 * row['prefix_fraction']:.0f}% | "
+        lines.append(f"| {md_text(row['id'])} | {_cell(row['prompt'], 80)} | {100 * row['prefix_fraction']:.0f}% | "
                      f"{_cell(row['teacher_answer'])} | {_cell(marked_answer(row))} | {_cell(expect, 80)} |")
     return lines
 
@@ -176,7 +194,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     target = report["target"]
     gate = report["gate"]
     lines = [
-        f"# compress report: {report['model']['spec']} on {target['name']}",
+        f"# compress report: {md_text(report['model']['spec'])} on {target['name']}",
         "",
         f"**Gate: {gate['verdict']}** (exit code {report['exit_code']}) — recipe `{report['recipe']}`, "
         f"power mode `{target['power_mode']}`.",

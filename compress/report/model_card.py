@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from compress.report.figures import QUANTIZATION, figure, validation_metrics
+from compress.report.markdown import md_code, md_text
 
 
 def render_model_card(report: dict[str, Any]) -> str:
@@ -14,9 +15,9 @@ def render_model_card(report: dict[str, Any]) -> str:
     quantization = figure(report, QUANTIZATION)
     data = report.get("data", {})
     lines = [
-        f"# Model card: {report['model']['spec']} compressed for {report['target']['name']}",
+        f"# Model card: {md_text(report['model']['spec'])} compressed for {report['target']['name']}",
         "",
-        f"- Source model: `{report['model']['spec']}` (licence: {report['model']['license']})",
+        f"- Source model: {md_code(report['model']['spec'])} (licence: {md_text(report['model']['license'])})",
         f"- Target: `{report['target']['name']}`, power mode `{report['target']['power_mode']}`",
         f"- Recipe: `{report['recipe']}` ({' → '.join(stages)})",
         f"- Final artifact: `{report['artifacts'].get('engine') or report['artifacts'].get('onnx')}`",
@@ -32,9 +33,10 @@ def render_model_card(report: dict[str, Any]) -> str:
     lines += ["", "## Calibration and evaluation data", ""]
     for role in ("calibration", "evaluation"):
         for item in data.get(role, []):
-            lines.append(f"- {role} ({item.get('domain', '')}): `{item['path']}` (sha256 `{item['sha256']}`)")
+            lines.append(f"- {role} ({md_text(item.get('domain', ''))}): {md_code(item['path'])} (sha256 `{item['sha256']}`)")
     if data.get("unseen_domains"):
-        lines.append(f"- evaluation domains no calibration or training text came from: {', '.join(data['unseen_domains'])}")
+        names = ", ".join(map(md_text, data["unseen_domains"]))
+        lines.append(f"- evaluation domains no calibration or training text came from: {names}")
     lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
     for key in ("perplexity_teacher", "perplexity_model", "perplexity_onnx", "perplexity_torch_quantized", "perplexity_increase_pct",
                 "perplexity_increase_pct_mixed", "top1_agreement", "mean_kl", "model_size_bytes"):

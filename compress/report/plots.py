@@ -12,7 +12,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from compress.core.files import refuse_link  # noqa: E402
+from compress.core.files import disk_write_error, is_disk_write_error, refuse_link  # noqa: E402
 from compress.report.figures import (  # noqa: E402
     DOMAIN_QUALITY,
     LAYER_SQNR,
@@ -30,8 +30,15 @@ def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     partial = path.with_name(f".{path.stem}.partial.png")
     refuse_link(partial)
-    fig.savefig(partial, dpi=110)
-    plt.close(fig)
+    try:
+        fig.savefig(partial, dpi=110)
+    except OSError as exc:
+        partial.unlink(missing_ok=True)
+        if is_disk_write_error(exc):
+            raise disk_write_error(exc, path) from exc
+        raise
+    finally:
+        plt.close(fig)
     os.replace(partial, path)
     return path
 

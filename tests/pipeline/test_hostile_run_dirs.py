@@ -7,14 +7,17 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from compress.cli.main import main
 from compress.core.rundir import LOCK_FILE, PLOTS_DIR, RUN_LOG
-from tests.conftest import TINY_SMOKE, build_tiny_llama
+from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
 
 OUTSIDE_TEXT = "a file of the user's, outside the run directory\n"
 
@@ -229,3 +232,88 @@ def test_a_key_given_twice_is_refused(capsys, user_model, tmp_path):
     code = main(["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", "validate.window=64",
                  "validate.window=32", "--dry-run"])
     assert code == 2 and "validate.window= is given twice" in _last_error(capsys)
+
+
+HOSTILE = "# Injected heading\n| x | [link](http://example.com) *"
+
+
+def _with_hostile_names(report: dict) -> dict:
+    from compress.report.figures import DOMAIN_QUALITY, PROMPT_ANSWERS
+
+    stage = next(s for s in reversed(report["stages"]) if DOMAIN_QUALITY in (s.get("figures") or {}))
+    quality = stage["figures"][DOMAIN_QUALITY]
+    first = next(iter(quality["domains"]))
+    quality["domains"] = {HOSTILE: quality["domains"][first], **quality["domains"]}
+    quality["worst_domain"], quality["unseen_domains"] = HOSTILE, [HOSTILE]
+    row = {"id": HOSTILE, "prompt": "p", "prefix_fraction": 1.0, "teacher_answer": "a", "model_answer": "a", "identical": True,
+           "common_prefix": "a", "expect": None, "teacher_passes": None, "model_passes": None}
+    stage["figures"][PROMPT_ANSWERS] = {"prompts": 1, "source": "app.jsonl", "new_tokens": 4, "identical_answers": 1.0,
+                                        "answer_prefix_agreement": 1.0, "first_token_agreement": 1.0, "rows": [row]}
+    report["data"]["evaluation"][0]["domain"] = HOSTILE
+    report["data"]["unseen_domains"] = [HOSTILE]
+    report["model"]["spec"] = HOSTILE
+    return report
+
+
+def test_names_a_user_gave_cannot_inject_markdown_into_the_reports(finished):
+    from compress.report.markdown import render_markdown
+    from compress.report.model_card import render_model_card
+
+    report = _with_hostile_names(json.loads((finished / "report.json").read_text()))
+    for text in (render_markdown(report), render_model_card(report)):
+        lines = text.splitlines()
+        assert not [line for line in lines if line.startswith("# Injected") or line.startswith("| x |")]
+        outside_code = re.sub(r"(`+).*?\1", "", text)  # inside a code span Markdown reads nothing as markup
+        assert "[link](http" not in outside_code and "Injected heading" in text
+        tables = [line for line in lines if line.startswith("| ") and "Injected" in line]
+        for line in tables:  # a name stays in its own cell: the row has as many cells as its table's header
+            header = next(h for h in reversed(lines[: lines.index(line)]) if h.startswith("|---"))
+            assert line.replace("\\|", "").count("|") == header.count("|")
+
+
+FILL_THE_DISK_WHEN_PLOTTING = """
+import os, sys
+import compress.report.build as build
+plots = build.make_plots
+
+def fill_the_disk_then_plot(*args, **kwargs):
+    fd = os.open(sys.argv[2], os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\\\\0" * 65536)
+    except OSError:
+        pass
+    os.close(fd)
+    return plots(*args, **kwargs)
+
+build.make_plots = fill_the_disk_then_plot
+from compress.cli.main import main
+sys.exit(main(["run", "target=jetson-orin", "recipe=baseline", "model=" + sys.argv[3], "out=" + sys.argv[1], "--no-progress",
+               *sys.argv[4:]]))
+"""
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 16 MB tmpfs of its own (the disk a full-disk test may fill without touching anything else)."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("needs a tmpfs of its own (mount as root)")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=True)
+
+
+def test_a_disk_that_fills_while_plotting_fails_the_run_naming_the_plot(tmp_path, finished, small_disk):
+    run = _received(finished, small_disk / "run")
+    model = json.loads((run / "manifest.json").read_text())["model"]["spec"]
+    script = tmp_path / "fill.py"
+    script.write_text(FILL_THE_DISK_WHEN_PLOTTING)
+    proc = subprocess.run([sys.executable, str(script), str(run), str(small_disk / "filler"), model, *TINY_SMOKE],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("compress: error: cannot write to ") and "plots/stages.png" in last
+    manifest = json.loads((run / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "stages.png" in manifest["error"]  # the disk was full, the failure is recorded
+    assert not list((run / "plots").glob(".*partial*"))
