@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.core.errors import UsageError
+from compress.core.files import require_readable_file
 
 log = logging.getLogger(__name__)
 
@@ -102,8 +103,7 @@ def opened_rows(spec: DataSpec, role: str, streaming: bool = False) -> Iterator[
     """The rows of a data file as a ``datasets`` dataset (iterable when ``streaming``); its parse cache lives and dies here."""
     datasets = _datasets()
     builder = _builder(spec, role)
-    if not spec.path.exists():
-        raise UsageError(f"{role} data not found: {spec.path}")
+    require_readable_file(spec.path, f"{role} data", folder_ok=builder is None)
     with tempfile.TemporaryDirectory(prefix="compress-data-") as cache:
         try:
             if builder is None:

@@ -65,6 +65,21 @@ def disk_write_error(exc: BaseException, path: Path | str) -> UsageError:
     return UsageError(f"cannot write to {path}: {reason}")
 
 
+def require_readable_file(path: Path, what: str, folder_ok: bool = False) -> None:
+    """Refuse, naming ``path``, what cannot be read as a data file: nothing there, something that is neither a regular
+    file nor (with ``folder_ok``) a folder (a FIFO or a device would block or never end), or an empty file."""
+    path = Path(path)
+    if not path.exists():
+        raise UsageError(f"{what} not found: {path}")
+    if path.is_dir() and folder_ok:
+        return
+    if not path.is_file():
+        kind = "a folder" if path.is_dir() else "a FIFO, a device or a socket"
+        raise UsageError(f"{what} {path} is not a regular file ({kind}); give a file")
+    if path.stat().st_size == 0:
+        raise UsageError(f"{what} {path} is empty")
+
+
 def refuse_link(path: Path, what: str = "") -> None:
     """Refuse (exit 2) a path compress is about to write through that is a symbolic link: compress never creates one
     inside a run directory, so a link there came from elsewhere and may point anywhere."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import re
 from collections.abc import Iterator, Sequence
@@ -15,7 +16,7 @@ import torch
 from compress.catalog import TEXT, catalog_dir
 from compress.core.data_files import DataSpec, Record, iter_records, parse_spec
 from compress.core.errors import UsageError
-from compress.core.files import atomic_write_text, cache_root, cached_sha256, sha256_file, sha256_path
+from compress.core.files import atomic_write_text, cache_root, cached_sha256, require_readable_file, sha256_file, sha256_path
 from compress.core.token_cache import encode_plain
 
 _SHIPPED = catalog_dir(TEXT)
@@ -43,6 +44,7 @@ DEFAULT_EVALUATION = tuple(path for _, path in DEFAULT_EVALUATION_DOMAINS)
 EVAL_SKIP_CHARS = 5000
 EVALUATED_CHARS_PER_TOKEN = 6  # generous: English BPE averages about 4, so the span checked covers all that is evaluated
 SHINGLE_WORDS = 8
+MAX_EVALUATION_DOMAINS = 64  # each domain is evaluated on its own; the gate takes the worst
 _OVERLAP_PROBES = 2000
 _OVERLAP_REFUSE_FRACTION = 0.10
 
@@ -79,8 +81,7 @@ def domain_of(path: Path) -> str:
 def read_text_file(path: Path, role: str) -> TextSource:
     """Read a UTF-8 text file; missing, empty or non-UTF-8 files are usage errors."""
     path = Path(path)
-    if not path.is_file():
-        raise UsageError(f"{role} text not found: {path}")
+    require_readable_file(path, f"{role} text")
     raw = path.read_bytes()
     try:
         text = raw.decode("utf-8")
@@ -133,6 +134,9 @@ def load_calibration(specs: Sequence[DataSpec | Path]) -> list[TextSource]:
 def load_evaluation(specs: Sequence[DataSpec | Path]) -> list[TextSource]:
     """Read the evaluation domains; two sources of one domain name are refused (the report keys on it)."""
     sources = load_texts(specs, "evaluation")
+    if len(sources) > MAX_EVALUATION_DOMAINS:
+        raise UsageError(f"evaluation text has {len(sources):,} domains; at most {MAX_EVALUATION_DOMAINS} are evaluated (each "
+                         "is its own measurement of validate.eval_tokens): give fewer distinct 'domain' values")
     names = [s.domain for s in sources]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
@@ -147,9 +151,12 @@ def unseen_domains(calibration: Sequence[TextSource], evaluation: Sequence[TextS
     return [s.domain for s in evaluation if s.domain not in seen]
 
 
+_WORD = re.compile(r"\w+")
+
+
 def word_shingles(text: str, words: int = SHINGLE_WORDS) -> list[str]:
     """Every run of ``words`` consecutive words, lower-cased: line breaks, wrapping and punctuation cannot hide a copy."""
-    tokens = re.findall(r"\w+", text.lower())
+    tokens = _WORD.findall(text.lower())
     return [" ".join(tokens[i:i + words]) for i in range(max(0, len(tokens) - words + 1))]
 
 
@@ -158,12 +165,29 @@ def shingle_set(text: str) -> set[int]:
     return {hash(shingle) for shingle in word_shingles(text)}
 
 
+def sampled_shingles(text: str, words: int = SHINGLE_WORDS, probes: int = _OVERLAP_PROBES) -> list[str]:
+    """Up to ``probes`` evenly spaced word shingles of ``text`` (those of :func:`word_shingles` at every
+    ``len // probes``-th place), found in two passes that hold ``words`` words at a time, never every shingle of a long
+    text."""
+    lowered = text.lower()
+    count = max(0, sum(1 for _ in _WORD.finditer(lowered)) - words + 1)
+    if not count:
+        return []
+    starts = set(range(0, count, max(1, count // probes))[:probes])
+    recent: collections.deque[str] = collections.deque(maxlen=words)
+    found = []
+    for index, match in enumerate(_WORD.finditer(lowered)):
+        recent.append(match.group())
+        if index - words + 1 in starts:
+            found.append(" ".join(recent))
+    return found
+
+
 def shared_shingle_fraction(probe_text: str, reference: set[int]) -> float:
     """Share of (up to 2,000 evenly sampled) word shingles of ``probe_text`` found in a :func:`shingle_set`."""
-    probe = word_shingles(probe_text)
+    probe = sampled_shingles(probe_text)
     if not probe:
         return 0.0
-    probe = probe[:: max(1, len(probe) // _OVERLAP_PROBES)][:_OVERLAP_PROBES]
     return sum(hash(shingle) in reference for shingle in probe) / len(probe)
 
 
@@ -250,7 +274,7 @@ def source_ids(tokenizer, source: TextSource, skip_chars: int = 0, max_tokens: i
     prefix = window_prefix(tokenizer)
     pieces: list[np.ndarray] = []
     if source.text[skip_chars:].strip():
-        pieces.append(encode_plain(tokenizer, source.text[skip_chars:]))
+        pieces.append(_encode_opening(tokenizer, source.text[skip_chars:], max_tokens))
     for conversation in source.conversations:
         if max_tokens is not None and sum(map(len, pieces)) >= max_tokens:
             break
@@ -258,6 +282,26 @@ def source_ids(tokenizer, source: TextSource, skip_chars: int = 0, max_tokens: i
         pieces.append(ids[len(prefix):] if prefix and ids[:len(prefix)].tolist() == prefix else ids)
     ids = torch.from_numpy(np.concatenate(pieces)) if pieces else torch.empty(0, dtype=torch.long)
     return ids if max_tokens is None else ids[:max_tokens]
+
+
+# Tokens past the budget a prefix must still hold, so the budget's tokens are those of the whole text: only the word at
+# the cut can tokenize otherwise.
+_CUT_MARGIN_TOKENS = 64
+_FIRST_CHARS_PER_TOKEN = 8
+
+
+def _encode_opening(tokenizer, text: str, max_tokens: int | None) -> np.ndarray:
+    """Token ids of ``text``, or of as much of its opening as ``max_tokens`` needs: a growing prefix is tokenized (never
+    the whole of a text far longer than the budget), and cut only where it holds ``_CUT_MARGIN_TOKENS`` more."""
+    if max_tokens is None:
+        return encode_plain(tokenizer, text)
+    chars = (max_tokens + _CUT_MARGIN_TOKENS) * _FIRST_CHARS_PER_TOKEN
+    while chars < len(text):
+        ids = encode_plain(tokenizer, text[:chars])
+        if len(ids) >= max_tokens + _CUT_MARGIN_TOKENS:
+            return ids[:max_tokens]
+        chars *= 4
+    return encode_plain(tokenizer, text)
 
 
 def _windowed(prefix: list[int], body: torch.Tensor) -> torch.Tensor:
@@ -384,8 +428,7 @@ def training_records(spec: DataSpec) -> Iterator[Record]:
     if not spec.is_plain_text:
         yield from iter_records(spec, "training", streaming=True)
         return
-    if not spec.path.is_file():
-        raise UsageError(f"training text not found: {spec.path}")
+    require_readable_file(spec.path, "training text")
     with open(spec.path, encoding="utf-8", errors="strict") as handle:
         carry, number = "", 0
         while True:

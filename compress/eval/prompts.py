@@ -93,6 +93,17 @@ def resolve_prompts(value: str | None, tokenizer) -> tuple[list[PromptCase], str
     return [], "none: the model has no chat template and no prompts= file was given"
 
 
+def check_prompt_lengths(cases: list[PromptCase], tokenizer, new_tokens: int, context_length: int) -> None:
+    """Refuse a prompt that, with the answer's ``new_tokens``, does not fit the target's context (the device could not
+    take it, so a verdict on it would say nothing), naming the prompt and both lengths."""
+    for case in cases:
+        length = len(prompt_ids(tokenizer, case.prompt))
+        if length + new_tokens > context_length:
+            raise UsageError(f"prompt {case.id!r} is {length} tokens, which with {new_tokens} new tokens exceeds the target's "
+                             f"context_length {context_length}; shorten it, or set budgets.context_length if the device "
+                             "takes more")
+
+
 def selection_prompts(count: int) -> list[PromptCase]:
     """The first ``count`` of the shipped chat calibration prompts (:data:`SELECTION_PROMPTS`)."""
     lines = [line.strip() for line in SELECTION_PROMPTS.read_text(encoding="utf-8").splitlines() if line.strip()]

@@ -345,6 +345,58 @@ def _is_converted(folder: Path) -> bool:
     return top_level_sha256(folder) == recorded
 
 
+# The files a tokenizer is read from (transformers' names); each must be a regular file where it exists.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.txt",
+                   "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json")
+
+
+def check_tokenizer_files(folder: Path, spec: str) -> None:
+    """Refuse, in one line, a tokenizer file that is not a regular file (a device, a FIFO, a folder) and a chat template
+    that does not parse, before any work."""
+    folder = Path(folder)
+    for name in TOKENIZER_FILES:
+        path = folder / name
+        if (path.exists() or path.is_symlink()) and not path.is_file():
+            raise UsageError(f"model={spec}: {path} is not a regular file (a device, a FIFO, a folder or a broken link); a "
+                             "tokenizer is read from plain files")
+    for name, template in _chat_templates(folder, spec):
+        _parse_chat_template(template, f"model={spec}: the chat template {name}")
+
+
+def _chat_templates(folder: Path, spec: str) -> list[tuple[str, str]]:
+    """Each chat template a model folder holds, named by where it is."""
+    found = []
+    if (folder / "chat_template.jinja").is_file():
+        found.append(("in chat_template.jinja", (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")))
+    config_file = folder / "tokenizer_config.json"
+    if config_file.is_file():
+        try:
+            templates = json.loads(config_file.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, AttributeError, RecursionError) as exc:
+            raise UsageError(f"model={spec}: {config_file} is not a tokenizer config ({first_line(exc)})") from exc
+        if isinstance(templates, str):
+            found.append(("in tokenizer_config.json", templates))
+        elif isinstance(templates, list):
+            found += [(f"{entry.get('name')!r} in tokenizer_config.json", entry.get("template") or "")
+                      for entry in templates if isinstance(entry, dict)]
+    return found
+
+
+def _parse_chat_template(template: str, where: str) -> None:
+    """Compile ``template`` as transformers does (its sandboxed Jinja environment); a syntax error is a usage error."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # lazy: transformers is heavy
+    except ImportError:  # another transformers: the template is checked when it is first used
+        return
+    from jinja2 import TemplateError  # lazy: a dependency of transformers' chat templates
+
+    try:
+        _compile_jinja_template(template)
+    except TemplateError as exc:
+        line = f" (line {exc.lineno})" if getattr(exc, "lineno", None) else ""
+        raise UsageError(f"{where} does not parse: {first_line(exc)}{line}; fix it or remove it") from exc
+
+
 def tokenizer_size(folder: Path) -> int | None:
     """How many token ids a model folder's tokenizer can produce (its highest id + 1), read from ``tokenizer.json`` or
     ``vocab.txt`` without loading it; None when the folder has neither."""

@@ -37,7 +37,16 @@ from compress.core.text import (
 from compress.core.versions import __version__
 from compress.eval.prompts import PROMPTS_OFF, load_prompts
 from compress.models.families import check_model_dimensions, family_of, model_kind, supported_model_types
-from compress.models.sources import DEFAULT_MODEL, ModelSource, model_config, model_files, model_sha256, resolve_model, tokenizer_size
+from compress.models.sources import (
+    DEFAULT_MODEL,
+    ModelSource,
+    check_tokenizer_files,
+    model_config,
+    model_files,
+    model_sha256,
+    resolve_model,
+    tokenizer_size,
+)
 from compress.pipeline.auto_precision import candidate_formats
 from compress.pipeline.resources import Machine, StageEstimate, estimate_stages, fit_problem, parameter_count
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageVariant, all_stages, get_stage
@@ -275,7 +284,7 @@ def build_plan(options: RunOptions) -> Plan:
     if options.prompts and options.prompts != PROMPTS_OFF:
         load_prompts(Path(options.prompts))
     device = resolve_device(options.device)
-    estimates = _estimates(planned, model, config, device, target)
+    estimates = _estimates(planned, model, config, device, target, len(evaluation))
     problem = fit_problem(estimates, Machine.here(out_dir, device), model.spec)
     if problem and not options.dry_run:
         raise UsageError(problem)  # before the model's files are hashed: a model too large to run is not read
@@ -297,7 +306,7 @@ def _training_data(options: RunOptions, planned: list[PlannedStage]) -> Training
 
 
 def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None, device: str,
-               target: Target) -> list[StageEstimate]:
+               target: Target, domains: int) -> list[StageEstimate]:
     """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later, nor for a
     decoder family compress does not describe, which the plan's rules refuse naming it)."""
     if config is None or (model_kind(config) == DECODER and config.get("model_type") not in supported_model_types()):
@@ -305,7 +314,7 @@ def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str
     searches = [p.config for p in planned if isinstance(p.config, AutoConfig)]
     formats = len(candidate_formats(searches[0], target)) if searches else 0
     return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config), device,
-                           search_formats=formats)
+                           search_formats=formats, evaluation_domains=domains)
 
 
 def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
@@ -319,6 +328,8 @@ def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
 def _check_model_config(config: dict[str, Any], model: ModelSource) -> None:
     """Sane dimensions, and an embedding with a row for every id the tokenizer makes (else evaluation indexes past it)."""
     check_model_dimensions(config, f"model={model.spec}")
+    if model.kind == "hf-folder":
+        check_tokenizer_files(model.path, model.spec)
     tokens = tokenizer_size(model.path) if model.kind == "hf-folder" else None
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     if tokens is not None and vocab is not None and tokens > vocab:

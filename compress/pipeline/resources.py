@@ -101,7 +101,8 @@ class StageEstimate:
 
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "peak_host_gb": round(self.host_bytes / GB, 2), "disk_gb": round(self.disk_bytes / GB, 2),
-                "minutes": round(self.seconds / 60, 1), "peak_device_gb": round(self.device_bytes / GB, 2)}
+                "minutes": round(self.seconds / 60, 1), "seconds": round(self.seconds, 1),
+                "peak_device_gb": round(self.device_bytes / GB, 2)}
 
 
 def readable_bytes(size: float) -> str:
@@ -121,22 +122,24 @@ def parameter_count(config: dict[str, Any]) -> int:
     return layers * (4 * hidden * hidden + 2 * hidden * intermediate) + config.get("vocab_size", 0) * hidden
 
 
-def _tokens_read(stage: str, config: Any) -> int:
-    """Tokens a stage runs the model over, from its config (calibration windows, evaluation tokens, training steps)."""
+def _tokens_read(stage: str, config: Any, domains: int) -> int:
+    """Tokens a stage runs the model over, from its config (calibration windows, evaluation tokens per evaluation domain,
+    training steps)."""
     if stage in ("quantize", "sparsify"):
         return int(getattr(config, "calib_windows", 32)) * int(getattr(config, "calib_window", 512))
     if stage == "validate":
-        return 6 * int(getattr(config, "eval_tokens", 2048))
+        return domains * int(getattr(config, "eval_tokens", 2048))
     if stage == "distill":
         return int(getattr(config, "steps", 0)) * int(getattr(config, "batch_size", 1)) * int(getattr(config, "seq_len", 512))
     return 0
 
 
 def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any], checkpoint_bytes: float,
-                    device: str = "cpu", search_formats: int = 0) -> list[StageEstimate]:
+                    device: str = "cpu", search_formats: int = 0, evaluation_domains: int = 6) -> list[StageEstimate]:
     """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take ``checkpoint_bytes``;
     ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live there);
-    ``search_formats``: the candidate formats of a ``method: auto`` quantize stage's search."""
+    ``search_formats``: the candidate formats of a ``method: auto`` quantize stage's search; ``evaluation_domains``: how
+    many domains validation evaluates (the shipped text has six)."""
     params = parameter_count(model_config)
     fp32 = 4.0 * params
     shape = ModelShape.from_config(model_config) if model_kind(model_config) == "decoder" else None
@@ -146,7 +149,7 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     estimates = []
     for name, config in stages:
         base = name.removesuffix("_encoder")
-        tokens = _tokens_read(base, config)
+        tokens = _tokens_read(base, config, evaluation_domains)
         phased = base == "export_onnx" and shape is not None
         known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES or phased
         host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32

@@ -317,3 +317,80 @@ def test_a_disk_that_fills_while_plotting_fails_the_run_naming_the_plot(tmp_path
     manifest = json.loads((run / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "stages.png" in manifest["error"]  # the disk was full, the failure is recorded
     assert not list((run / "plots").glob(".*partial*"))
+
+
+@pytest.fixture
+def chat_model(tmp_path) -> Path:
+    return build_tiny_llama(tmp_path / "chat", chat_template=True)
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_plan_time(capsys, tmp_path, chat_model):
+    config_file = chat_model / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = "{% for message in messages %}{{ message.content }"
+    config_file.write_text(json.dumps(config))
+    (chat_model / "chat_template.jinja").unlink(missing_ok=True)
+    capsys.readouterr()
+    code = main(["run", "target=jetson-orin", f"model={chat_model}", f"out={tmp_path / 'run'}", "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "chat template" in err[0] and "does not parse" in err[0]
+
+
+def test_a_tokenizer_file_that_is_a_device_is_refused_in_one_line(capsys, tmp_path, chat_model):
+    (chat_model / "tokenizer.json").unlink()
+    (chat_model / "tokenizer.json").symlink_to("/dev/zero")
+    capsys.readouterr()
+    code = main(["run", "target=jetson-orin", f"model={chat_model}", f"out={tmp_path / 'run'}", "--dry-run"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and "tokenizer.json is not a regular file" in err[0]
+
+
+def test_an_app_prompt_longer_than_the_target_s_context_is_refused_not_passed(capsys, tmp_path, user_model):
+    prompts = tmp_path / "app.jsonl"
+    prompts.write_text(json.dumps({"id": "long", "prompt": "word " * 400}) + "\n" + json.dumps({"prompt": "short"}) + "\n")
+    code = _run(user_model, tmp_path / "run", f"prompts={prompts}", "budgets.context_length=128", "budgets.prompt_length=16")
+    error = _last_error(capsys)
+    assert code == 2 and "'long'" in error and "context_length 128" in error
+
+
+@pytest.mark.parametrize("kind", ["empty parquet", "fifo"])
+def test_data_that_cannot_be_read_is_named_for_what_it_is(capsys, tmp_path, user_model, kind):
+    if kind == "fifo":
+        data = tmp_path / "calib.txt"
+        os.mkfifo(data)  # a reader would block on it for ever
+        expected = "is not a regular file (a FIFO, a device or a socket)"
+    else:
+        data = tmp_path / "calib.parquet"
+        data.write_bytes(b"")
+        expected = "is empty"
+    code = main(["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", f"calib={data}", "--dry-run"])
+    error = _last_error(capsys)
+    assert code == 2 and str(data) in error and expected in error
+
+
+def _domains_file(path: Path, domains: int) -> Path:
+    words = (CALIB_TEXT * 4).split()
+    rows = [{"domain": f"d{i}", "text": " ".join(words[i * 300 % 20_000: i * 300 % 20_000 + 1200])} for i in range(domains)]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+CALIB_TEXT = (REPO / "compress" / "catalog" / "text" / "evaluation" / "learned.txt").read_text(encoding="utf-8")[:200_000]
+
+
+def test_thousands_of_evaluation_domains_are_refused_and_a_few_dozen_are_estimated(capsys, tmp_path, user_model):
+    def planned(domains: int) -> tuple[int, dict]:
+        data = _domains_file(tmp_path / f"eval{domains}.jsonl", domains)
+        code = main(["run", "target=jetson-orin", "recipe=baseline", f"model={user_model}", f"out={tmp_path / 'run'}",
+                     f"eval={data}", "--dry-run"])
+        said = capsys.readouterr()
+        return code, (json.loads(said.out) if code == 0 else {"error": said.err})
+
+    code, refused = planned(10_000)
+    assert code == 2 and "10,000 domains" in refused["error"]
+    seconds = {}
+    for domains in (6, 30):
+        code, plan = planned(domains)
+        assert code == 0
+        seconds[domains] = next(e for e in plan["estimates"] if e["stage"] == "validate")["seconds"]
+    assert seconds[30] > 3 * seconds[6]

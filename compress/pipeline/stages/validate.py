@@ -17,6 +17,7 @@ from compress.core.files import atomic_write_json, path_size, read_json
 from compress.core.rundir import DEVICE_REFERENCE, VALIDATION
 from compress.eval import decoder, encoder
 from compress.eval.gate import gate_json
+from compress.eval.prompts import check_prompt_lengths, resolve_prompts
 from compress.models.loading import load_encoder, load_tokenizer
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import DOMAIN_QUALITY, PERPLEXITY_BY_STAGE, PROMPT_ANSWERS
@@ -30,6 +31,9 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     exported_from = ctx.last_artifact(HF_MODEL)
     model_dir = Path(exported_from.path)
     onnx_dir = Path(onnx.path) if onnx is not None else None
+    tokenizer = load_tokenizer(model_dir)
+    cases, _ = resolve_prompts(ctx.prompts, tokenizer)  # checked before any pass: a prompt the device cannot take is refused
+    check_prompt_lengths(cases, tokenizer, config.prompt_new_tokens, ctx.target.budgets.context_length)
     metrics = decoder.measure(model_dir, Path(teacher.path) if teacher else None, ctx.evaluation, config, ctx.progress, onnx_dir,
                               ctx.unseen_domains, ctx.prompts, ctx.device)
     metrics["model_size_bytes"] = _deployed_size(ctx, onnx_dir, model_dir)
