@@ -1,0 +1,34 @@
+"""A run directory an earlier compress wrote still reads: verified in full, shown, and re-gated from its stored
+measurements (a checked-in run directory written at commit 81c160e)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from compress.cli.main import main
+
+FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "run-81c160e"
+
+
+@pytest.fixture
+def earlier_run(tmp_path) -> Path:
+    return Path(shutil.copytree(FIXTURE, tmp_path / "run"))
+
+
+def test_an_earlier_run_directory_verifies_shows_and_regates(capsys, earlier_run):
+    assert main(["verify", str(earlier_run)]) == 0
+    assert "every recorded file holds what compress wrote" in capsys.readouterr().out
+    assert main(["show", str(earlier_run)]) == 0
+    assert main(["validate", str(earlier_run), "target=jetson-agx-orin"]) in (0, 1)
+    regated = json.loads(next(earlier_run.glob("validate-jetson-agx-orin-*.json")).read_text())
+    assert regated["gate"]["verdict"] in ("PASS", "FAIL")
+
+
+def test_an_earlier_run_directory_with_a_changed_file_still_fails_verification(capsys, earlier_run):
+    report = earlier_run / "report.md"
+    report.write_text(report.read_text() + "\nedited\n")
+    assert main(["verify", str(earlier_run)]) == 2
