@@ -262,10 +262,10 @@ def _evaluation():
 
 
 def measure_row(folder: Path, teacher: Path) -> dict:
-    from compress.eval.decoder import ValidateConfig, measure
+    from compress.eval.decoder import DeployedFiles, ValidateConfig, measure
 
     evaluation, unseen = _evaluation()
-    return measure(folder, teacher, evaluation, ValidateConfig(), progress=False, unseen=unseen)
+    return measure(DeployedFiles(folder, teacher), evaluation, ValidateConfig(), progress=False, unseen=unseen)
 
 
 def simulated_row(tool: str, option: str, teacher: Path, windows, out: Path, group: int = 0) -> tuple[dict | None, float, str | None]:

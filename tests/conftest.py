@@ -110,6 +110,28 @@ def smoke_overrides(*extra: str) -> list[str]:
     return [word for word in TINY_SMOKE if word.split("=", 1)[0] not in given] + list(extra)
 
 
+def baseline_run(model: Path, out: Path, *extra: str) -> int:
+    """``compress run recipe=baseline`` of ``model`` into ``out`` at the smoke sizes (``extra`` on top), in this process."""
+    from compress.cli.main import main  # lazy: the suite's helpers import compress only where a test needs it
+
+    return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress",
+                 *smoke_overrides(*extra)])
+
+
+@pytest.fixture(scope="module")
+def user_model(tmp_path_factory) -> Path:
+    """A tiny decoder of a user's, built once per test module."""
+    return build_tiny_llama(tmp_path_factory.mktemp("user") / "model")
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory, user_model) -> Path:
+    """A finished baseline run of :func:`user_model`, made once per test module (copy it before changing it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    assert baseline_run(user_model, out) in (0, 1)
+    return out
+
+
 def cached_decode_logits(decoder, ids, prefill: int):
     """Logits from prefilling ``ids[:, :prefill]`` then decoding the rest one token at a time with the KV cache."""
     import numpy as np

@@ -4,8 +4,9 @@ A record is what compress knew of a file when it wrote it. Checking a file again
 cheap when nothing changed (size, modification and change times and inode are compared: the change
 time moves on every write and cannot be set back) and exact when something did (a file whose stamp
 moved, say one copied to another machine, is hashed in full and passes only when its content is
-unchanged). ``full=True`` hashes every file whatever its stamp; a record without a change time or
-inode (an older compress wrote it) is always hashed.
+unchanged; its hash is then remembered by its new stamp in the cache folder, so the next check is cheap
+again). ``full=True`` hashes every file afresh whatever its stamp; a record without a change time or inode (an
+older compress wrote it) is checked by hash.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.core.files import file_stamp, folder_files, sha256_file
+from compress.core.files import cached_sha256, file_stamp, folder_files, sha256_file
 
 FileRecords = dict[str, dict[str, Any]]  # relative path -> {"size", "mtime_ns", "ctime_ns", "inode", "sha256"}
 _STAMP = ("mtime_ns", "ctime_ns", "inode")
@@ -53,7 +54,10 @@ def file_problem(path: Path, record: dict[str, Any], full: bool = False) -> str 
         return f"has {stamp['size']} bytes where {record.get('size')} were written"
     if not full and all(record.get(key) is not None and stamp[key] == record[key] for key in _STAMP):
         return None
-    if sha256_file(path) != record.get("sha256"):
+    # A moved stamp (a copy, another machine) is hashed once and remembered by its own stamp, as a model's files are;
+    # ``full`` hashes afresh.
+    digest = sha256_file(path) if full else cached_sha256(path)
+    if digest != record.get("sha256"):
         return "does not hold the content compress wrote (its sha256 differs)"
     return None
 

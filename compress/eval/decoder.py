@@ -182,16 +182,26 @@ def onnx_parity(decoder: OnnxDecoder | SlicedDecoder, measured: dict[int, TorchW
             "difference_pct": 100.0 * abs(ppl_onnx / ppl_torch - 1.0), "top1_agreement": agree / count}
 
 
-def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSource], config: ValidateConfig, progress: bool,
-            onnx_dir: Path | None = None, unseen: list[str] | None = None, prompts: str | None = None,
-            device: str = "cpu") -> dict[str, Any]:
+@dataclass(frozen=True)
+class DeployedFiles:
+    """What a decoder validation measures: ``model_dir``, the Hugging Face folder that was exported (the quantized
+    checkpoint, or a float model); ``teacher_dir``, what it is compared with (None: no teacher); ``onnx_dir``, its
+    portable ONNX where one was exported."""
+
+    model_dir: Path
+    teacher_dir: Path | None
+    onnx_dir: Path | None = None
+
+
+def measure(files: DeployedFiles, evaluation: list[TextSource], config: ValidateConfig, progress: bool,
+            unseen: list[str] | None = None, prompts: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Every target-independent measurement of a decoder as deployed.
 
-    ``model_dir``: the Hugging Face folder that was exported (the quantized checkpoint, or a float model), measured in
-    torch on ``device`` block by block with exactly the deployed numbers (and so are the app prompts' answers);
-    ``onnx_dir``: its portable ONNX where one was exported, run in ONNX Runtime on a sample of windows (parity) and for
-    host latency, after the torch models are gone; ``prompts``: the run's ``prompts=``.
+    The exported model is measured in torch on ``device`` block by block with exactly the deployed numbers (and so are the
+    app prompts' answers); its ONNX, where there is one, in ONNX Runtime on a sample of windows (parity) and for host
+    latency, after the torch models are gone; ``prompts``: the run's ``prompts=``.
     """
+    model_dir, teacher_dir, onnx_dir = files.model_dir, files.teacher_dir, files.onnx_dir
     tokenizer = load_tokenizer(model_dir)
     domains = evaluation_windows(tokenizer, evaluation, config)
     windows = torch.cat([w for _, w in domains])
@@ -211,7 +221,7 @@ def measure(model_dir: Path, teacher_dir: Path | None, evaluation: list[TextSour
     cases, prompt_source = resolve_prompts(prompts, tokenizer)
     answers = None
     if cases and teacher_dir is not None:
-        answers = _prompt_answers(cases, prompt_source, tokenizer, teacher_dir, model_dir, config, progress, peaks, device)
+        answers = _prompt_answers(cases, prompt_source, tokenizer, files, config, _Compute(progress, device, peaks))
     parity = latency = None
     if onnx_dir is not None:  # ONNX Runtime's session (float32 copies of the 16-bit tensors) is alone in memory
         with phase_peak(peaks, "onnx_runtime"):
@@ -275,10 +285,21 @@ def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list
             "perplexity_model": math.exp(nll / (windows.shape[0] * predicting))}
 
 
-def _prompt_answers(cases, source: str, tokenizer, teacher_dir: Path, model_dir: Path, config: ValidateConfig,
-                    progress: bool, peaks: dict[str, float], device: str) -> dict[str, Any]:
+@dataclass(frozen=True)
+class _Compute:
+    """How validation computes: progress bars or not, the device, and each phase's peak memory (MB, filled in)."""
+
+    progress: bool
+    device: str
+    peaks: dict[str, float]
+
+
+def _prompt_answers(cases, source: str, tokenizer, files: DeployedFiles, config: ValidateConfig,
+                    compute: _Compute) -> dict[str, Any]:
     """The teacher's greedy answers to the app prompts, then the deployed numbers' in torch (one model held at a time;
-    each phase's peak memory in ``peaks``)."""
+    each phase's peak memory in ``compute.peaks``)."""
+    teacher_dir, model_dir = files.teacher_dir, files.model_dir
+    progress, peaks, device = compute.progress, compute.peaks, compute.device
     log.info("app prompts: %d from %s, greedy %d tokens, deployed numbers vs teacher, both in torch", len(cases), source,
              config.prompt_new_tokens)
     eos = model_eos_ids(model_dir, tokenizer)

@@ -269,7 +269,7 @@ def build_plan(options: RunOptions) -> Plan:
     config = model_config(model)
     if config is not None:
         _check_model_config(config, model)
-    planned = _check_stage_chain(recipe, stage_options, explicit, target, model_kind(config or {}), model.spec, config,
+    planned = _check_stage_chain(recipe, (stage_options, explicit), target, _Model(model_kind(config or {}), model.spec, config),
                                  options.off)
     out_dir = options.out or default_out_dir(options, target, recipe)
     if options.eval_labels is not None and not Path(options.eval_labels).is_file():
@@ -348,10 +348,22 @@ def _default_recipe(target: Target, model: ModelSource) -> str:
     return DEFAULT_RECIPES[kind]
 
 
-def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]], explicit: dict[str, set[str]], target: Target,
-                       kind: str, model_spec: str, config: dict | None, off: tuple[str, ...] = ()) -> list[PlannedStage]:
+@dataclass(frozen=True)
+class _Model:
+    """The model a plan is checked for: its kind (decoder or encoder), how the user named it, its config."""
+
+    kind: str
+    spec: str
+    config: dict | None
+
+
+def _check_stage_chain(recipe: Recipe, options: tuple[dict[str, dict[str, Any]], dict[str, set[str]]], target: Target,
+                       model: _Model, off: tuple[str, ...] = ()) -> list[PlannedStage]:
     """Every stage exists, appears once, takes what the step before gives, works on this kind of model, and has valid
-    options the target can run (``off``: the stages the command line left out, named when the chain breaks)."""
+    options the target can run (``options``: each stage's options and the keys the user gave explicitly; ``off``: the
+    stages the command line left out, named when the chain breaks)."""
+    stage_options, explicit = options
+    kind = model.kind
     label = f"recipe {recipe.name}" + (f" with {', '.join(f'{name}={OFF}' for name in off)}" if off else "")
     planned: list[PlannedStage] = []
     previous_kind = SOURCE
@@ -366,13 +378,13 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
                              f"{previous_kind}")
         variant = stage.variant(kind)
         if variant is None:
-            raise _wrong_kind(stage, stage.model_kinds, kind, model_spec, config)
+            raise _wrong_kind(stage, stage.model_kinds, model)
         try:
             stage_config = variant.make_config(f"stage {spec.name}", stage_options[spec.name], explicit[spec.name])
         except UsageError:
             fits = [other for other, v in stage.variants.items() if other != kind and _validates(v, stage_options[spec.name])]
             if fits:  # the recipe's options are those of another kind of model's stage
-                raise _wrong_kind(stage, tuple(fits), kind, model_spec, config) from None
+                raise _wrong_kind(stage, tuple(fits), model) from None
             raise
         if variant.check_target is not None:
             variant.check_target(stage_config, target)
@@ -381,10 +393,11 @@ def _check_stage_chain(recipe: Recipe, stage_options: dict[str, dict[str, Any]],
     return planned
 
 
-def _wrong_kind(stage: StageDef, kinds: tuple[str, ...], kind: str, model_spec: str, config: dict | None) -> UsageError:
+def _wrong_kind(stage: StageDef, kinds: tuple[str, ...], model: _Model) -> UsageError:
     works_on = " and ".join(f"{k}s" for k in kinds)
-    return UsageError(f"stage {stage.name} works on {works_on}; model={model_spec} is {_article(kind)} {kind} "
-                      f"({(config or {}).get('model_type')}): use {_article(kind)} {kind} recipe (recipe=default picks "
+    kind = model.kind
+    return UsageError(f"stage {stage.name} works on {works_on}; model={model.spec} is {_article(kind)} {kind} "
+                      f"({(model.config or {}).get('model_type')}): use {_article(kind)} {kind} recipe (recipe=default picks "
                       f"{DEFAULT_RECIPES[kind]})")
 
 

@@ -17,26 +17,12 @@ import pytest
 
 from compress.cli.main import main
 from compress.core.rundir import LOCK_FILE, PLOTS_DIR, RUN_LOG
-from tests.conftest import REPO, TINY_SMOKE, build_tiny_llama
+from tests.conftest import REPO, TINY_SMOKE, baseline_run, build_tiny_llama
 
 OUTSIDE_TEXT = "a file of the user's, outside the run directory\n"
 
 
-def _run(model: Path, out: Path, *extra: str) -> int:
-    return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress", *TINY_SMOKE,
-                 *extra])
-
-
-@pytest.fixture(scope="module")
-def user_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("user") / "model")
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory, user_model) -> Path:
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert _run(user_model, out) in (0, 1)
-    return out
+_run = baseline_run
 
 
 def _received(finished: Path, dest: Path) -> Path:

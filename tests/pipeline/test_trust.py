@@ -19,15 +19,13 @@ import yaml
 from compress.cli.main import main
 from compress.core.errors import Interrupted, raise_interrupted, signals_held
 from compress.core.rundir import LOCK_FILE
-from tests.conftest import CALIB, EVAL, REPO, TINY_SMOKE, build_tiny_llama, smoke_overrides
+from tests.conftest import CALIB, EVAL, REPO, TINY_SMOKE, baseline_run, build_tiny_llama
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 TARGETS = REPO / "compress" / "catalog" / "targets"
 
 
-def _run(model: Path, out: Path, *extra: str) -> int:
-    return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress",
-                 *smoke_overrides(*extra)])
+_run = baseline_run
 
 
 def _statuses(out: Path) -> dict[str, str]:
@@ -36,18 +34,6 @@ def _statuses(out: Path) -> dict[str, str]:
 
 def _last_error(capsys) -> str:
     return capsys.readouterr().err.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
-def user_model(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("user") / "model")
-
-
-@pytest.fixture(scope="module")
-def finished(tmp_path_factory, user_model) -> Path:
-    out = tmp_path_factory.mktemp("finished") / "run"
-    assert _run(user_model, out) in (0, 1)
-    return out
 
 
 def _copy(run: Path, dest: Path) -> Path:

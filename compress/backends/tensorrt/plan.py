@@ -175,33 +175,48 @@ def encoder_profile(input_names: list[str], max_tokens: int, opt_batch: int, max
                                for name in input_names])
 
 
-def _target_plan(target: Target, model_kind: str, onnx_file: str, engine_file: str, profiles: list[Profile],
-                 trtexec_profile: Profile, *, has_qdq: bool, int4: bool = False, sparse_24: bool = False,
-                 workspace_fraction: float = 0.25, optimization_level: int = 3, version_compatible: bool = False) -> BuildPlan:
+@dataclass(frozen=True)
+class _Graph:
+    """What a build builds: the model's kind, its ONNX and engine file names, its profiles (and the one ``trtexec``
+    takes), and what its graph holds (Q/DQ nodes, INT4 weights, 2:4 sparse weights)."""
+
+    model_kind: str
+    onnx_file: str
+    engine_file: str
+    profiles: list[Profile]
+    trtexec_profile: Profile
+    has_qdq: bool
+    int4: bool = False
+    sparse_24: bool = False
+
+
+def _target_plan(target: Target, graph: _Graph, workspace_fraction: float = 0.25, optimization_level: int = 3,
+                 version_compatible: bool = False) -> BuildPlan:
     """Settings every build shares: strongly typed from the FP16 engine graph, workspace a share of the target's memory."""
     workspace = int(min(target.memory_gb * workspace_fraction, target.budgets.max_memory_gb) * GB)
     return BuildPlan(
-        model_kind=model_kind, target=target.name, gpu_sm=target.gpu.sm, tensorrt_version=target.tensorrt_version,
-        onnx_file=onnx_file, engine_onnx_file=ENGINE_ONNX_FILE, engine_file=engine_file, precision="fp16",
-        int8=has_qdq and "int8" in target.gpu.precisions, int4=int4, sparse_weights=sparse_24, strongly_typed=True,
-        workspace_bytes=workspace, builder_optimization_level=optimization_level, version_compatible=version_compatible,
-        timing_cache_file=f"timing-{target.name}.cache", profiles=profiles, trtexec_profile=trtexec_profile,
+        model_kind=graph.model_kind, target=target.name, gpu_sm=target.gpu.sm, tensorrt_version=target.tensorrt_version,
+        onnx_file=graph.onnx_file, engine_onnx_file=ENGINE_ONNX_FILE, engine_file=graph.engine_file, precision="fp16",
+        int8=graph.has_qdq and "int8" in target.gpu.precisions, int4=graph.int4, sparse_weights=graph.sparse_24,
+        strongly_typed=True, workspace_bytes=workspace, builder_optimization_level=optimization_level,
+        version_compatible=version_compatible, timing_cache_file=f"timing-{target.name}.cache", profiles=graph.profiles,
+        trtexec_profile=graph.trtexec_profile,
     )
 
 
 def make_plan(target: Target, layout: DecoderLayout, *, has_qdq: bool, sparse_24: bool, max_batch: int = 1, has_int4: bool = False,
               **settings) -> BuildPlan:
     """The decoder build for ``target``: prefill and decode profiles (one covering both for ``trtexec``)."""
-    return _target_plan(target, "decoder", "model.onnx", "model.engine", decoder_profiles(layout, target, max_batch),
-                        decoder_single_profile(layout, target, max_batch), has_qdq=has_qdq, int4=has_int4, sparse_24=sparse_24,
-                        **settings)
+    graph = _Graph("decoder", "model.onnx", "model.engine", decoder_profiles(layout, target, max_batch),
+                   decoder_single_profile(layout, target, max_batch), has_qdq, has_int4, sparse_24)
+    return _target_plan(target, graph, **settings)
 
 
 def make_encoder_plan(target: Target, input_names: list[str], max_tokens: int, *, has_qdq: bool, max_batch: int,
                       **settings) -> BuildPlan:
     """The encoder build for ``target``: one profile over batch and sentence length."""
     profile = encoder_profile(input_names, max_tokens, target.budgets.encoder_batch, max_batch)
-    return _target_plan(target, "encoder", "encoder.onnx", "encoder.engine", [profile], profile, has_qdq=has_qdq, **settings)
+    return _target_plan(target, _Graph("encoder", "encoder.onnx", "encoder.engine", [profile], profile, has_qdq), **settings)
 
 
 def device_script(plan: BuildPlan) -> str:

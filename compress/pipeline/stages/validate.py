@@ -34,8 +34,8 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     tokenizer = load_tokenizer(model_dir)
     cases, _ = resolve_prompts(ctx.prompts, tokenizer)  # checked before any pass: a prompt the device cannot take is refused
     check_prompt_lengths(cases, tokenizer, config.prompt_new_tokens, ctx.target.budgets.context_length)
-    metrics = decoder.measure(model_dir, Path(teacher.path) if teacher else None, ctx.evaluation, config, ctx.progress, onnx_dir,
-                              ctx.unseen_domains, ctx.prompts, ctx.device)
+    files = decoder.DeployedFiles(model_dir, Path(teacher.path) if teacher else None, onnx_dir)
+    metrics = decoder.measure(files, ctx.evaluation, config, ctx.progress, ctx.unseen_domains, ctx.prompts, ctx.device)
     metrics["model_size_bytes"] = _deployed_size(ctx, onnx_dir, model_dir)
     if onnx is not None and "onnx_pattern_24_fraction" in onnx.meta.get("metrics", {}):
         metrics["onnx_pattern_24_fraction"] = onnx.meta["metrics"]["onnx_pattern_24_fraction"]

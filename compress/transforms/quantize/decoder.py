@@ -371,8 +371,9 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             input_scale = None if config.keeps_float_input(name) else point_scale
             # As in AWQ, weights computing queries and keys are not clipped: attention scores are too sensitive.
             search_clip = not {"q", "k"} & set(family.parts(name))
-            result[f"{prefix}.{name}"] = _quantize_linear(config, linears[name], stats[point.name], samples, input_scale,
-                                                          migrations[point.name], index, grids[name], search_clip)
+            shared = _SharedInput(stats[point.name], samples, migrations[point.name])
+            result[f"{prefix}.{name}"] = _quantize_linear(config, linears[name], shared, input_scale, index, grids[name],
+                                                          search_clip)
     return result
 
 
@@ -405,11 +406,20 @@ def _stored(config: QuantizeConfig, dequantized: torch.Tensor, grid: WeightGrid,
     return levels, grid.dequantize(levels.float(), expand_scales(scales.float(), dequantized.shape[1]))
 
 
-def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, stats: InputStats, samples: torch.Tensor,
-                     input_scale: float | None, migration: Migration, index: int, grid: WeightGrid, search_clip: bool
-                     ) -> LinearQuant:
+@dataclass(frozen=True)
+class _SharedInput:
+    """What the linears reading one input share: its statistics, a sample of it, and the migration folded into it."""
+
+    stats: InputStats
+    samples: torch.Tensor
+    migration: Migration
+
+
+def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, shared: _SharedInput, input_scale: float | None,
+                     index: int, grid: WeightGrid, search_clip: bool) -> LinearQuant:
     """Quantize one linear in place (the ``index``-th consumer of its input) on its bound ``grid`` and measure its SQNR on
-    ``samples``."""
+    the input's samples."""
+    stats, samples, migration = shared.stats, shared.samples, shared.migration
     weight = _input_basis(linear.weight.detach().clone(), migration)
     if migration.gptq_weights:
         dequantized, weight_scales = migration.gptq_weights[index]
