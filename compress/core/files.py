@@ -91,12 +91,14 @@ def refuse_link(path: Path, what: str = "") -> None:
 def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
     """``os.open`` of a regular file that never follows a symbolic link in the last component; a link or anything but a
     regular file is refused (exit 2) naming it, and a disk error names the path."""
-    try:
-        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    try:  # non-blocking: a FIFO planted under the name must not hang the open (no effect on a regular file)
+        fd = os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, mode)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             refuse_link(path)
             raise
+        if exc.errno == errno.ENXIO:  # a FIFO with no reader
+            raise UsageError(f"{path} is not a regular file; compress writes only files it created there: remove it") from exc
         if is_disk_write_error(exc) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
             raise disk_write_error(exc, path) from exc
         raise

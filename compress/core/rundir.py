@@ -442,7 +442,7 @@ def recorded_reports(out: Path, manifest: dict[str, Any]) -> list[Path]:
 def remove_reports(out: Path, reports: list[Path]) -> None:
     """Remove ``reports`` (see :func:`recorded_reports`) and ``plots/`` once empty."""
     for path in reports:
-        path.unlink()
+        path.unlink(missing_ok=True)
     for name in REPORT_DIRS:
         with contextlib.suppress(OSError):
             (out / name).rmdir()  # only when empty

@@ -326,10 +326,13 @@ def token_windows(tokenizer, source: TextSource, window: int, max_tokens: int, s
     return _windowed(prefix, ids[: n_windows * body].view(n_windows, body))
 
 
-def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n_windows: int, min_tokens: int = 0) -> torch.Tensor:
+def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n_windows: int, min_tokens: int = 0,
+                        at_least: int | None = None) -> torch.Tensor:
     """Calibration windows drawn evenly from all sources, each led by the window prefix; too little text is a usage error.
 
-    A shipped chat source is left out for a model without a chat template (a user's is refused)."""
+    ``n_windows`` are asked for; with ``at_least``, fewer are taken where the text holds no more (a training budget), and
+    only fewer than ``at_least`` is an error. A shipped chat source is left out for a model without a chat template (a
+    user's is refused)."""
     sources = usable_sources(tokenizer, sources)
     if not sources:
         raise UsageError("no calibration text this model can read (the shipped chat text needs a chat template)")
@@ -345,10 +348,11 @@ def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n
         chunks.extend(ids[p * body:(p + 1) * body] for p in _calibration_picks(usable, per_source))
     windows = _windowed(prefix, torch.stack(chunks[:n_windows])) if chunks else torch.empty(0, window, dtype=torch.long)
     have = windows.numel()
-    if windows.shape[0] < n_windows or have < min_tokens:
+    needed = n_windows if at_least is None else at_least
+    if windows.shape[0] < needed or have < min_tokens:
         raise UsageError(
             f"too little calibration text: {have} tokens in {windows.shape[0]} windows of {window}; "
-            f"need {max(min_tokens, n_windows * window)} tokens"
+            f"need {max(min_tokens, needed * window)} tokens"
         )
     return windows
 

@@ -219,7 +219,8 @@ class _RunLog(logging.StreamHandler):
     is dropped from it quietly: the console still shows it, and the run's own error says what could not be written."""
 
     def handleError(self, record: logging.LogRecord) -> None:
-        pass
+        if not isinstance(sys.exc_info()[1], OSError):  # a formatting mistake is still reported
+            super().handleError(record)
 
     def close(self) -> None:
         try:
@@ -346,7 +347,7 @@ def _failure_reason(exc: BaseException) -> str:
 
 def _mark_failed(plan: Plan, records: list[StageRecord], exc: BaseException) -> None:
     """Record the failure in the manifest; on a full disk, where no new file can be made, by rewriting the manifest in
-    place (its own blocks are freed first), so a run never stays "running" after it stopped."""
+    place over its own blocks, so a run never stays "running" after it stopped."""
     manifest = _manifest(plan, "failed", records, error=_failure_reason(exc))
     try:
         atomic_write_json(plan.out_dir / MANIFEST_FILE, manifest)

@@ -380,3 +380,11 @@ def test_thousands_of_evaluation_domains_are_refused_and_a_few_dozen_are_estimat
         assert code == 0
         seconds[domains] = next(e for e in plan["estimates"] if e["stage"] == "validate")["seconds"]
     assert seconds[30] > 3 * seconds[6]
+
+
+def test_a_fifo_planted_as_the_run_log_is_refused_not_waited_on(capsys, tmp_path, finished, user_model):
+    run = _received(finished, tmp_path / "run")
+    (run / RUN_LOG).unlink()
+    os.mkfifo(run / RUN_LOG)
+    assert _run(user_model, run) == 2
+    assert "run.log is not a regular file" in _last_error(capsys)

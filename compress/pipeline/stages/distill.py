@@ -88,7 +88,10 @@ def _training_windows(tokenizer, teacher, config: DistillConfig, ctx: RunContext
                  ", ".join(map(str, ctx.train_data)))
         train = packed_windows(tokenizer, ctx.train_data, config.seq_len, config.train_windows)
     else:
-        train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows)
+        train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows, at_least=config.batch_size)
+        if train.shape[0] < config.train_windows:
+            log.info("training windows: %d of %d tokens, all the calibration text holds (distill.train_windows=%d)",
+                     train.shape[0], config.seq_len, config.train_windows)
     generated = teacher_generations(teacher, tokenizer, ctx.calibration, config)
     return (train if generated is None else torch.cat([train, generated])), generated
 
