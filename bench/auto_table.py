@@ -29,7 +29,8 @@ from runs import REPO, compress_run  # noqa: E402
 from scale_table import SHAPES, build  # noqa: E402
 
 # SmolLM2's 576-wide inputs are not multiples of INT4's group of 128, which Edge-LLM's INT4 kernels need: the uniform
-# INT4 recipe is refused at plan time as it ships, so it runs with only the 1,536-wide down_proj in INT4 (the README's way).
+# INT4 recipe is refused at plan time as it ships, so it runs with only the 1,536-wide down_proj in INT4 (the README's
+# way).
 INT4_WHERE_LEGAL = "edgellm-int4 quantize.float_linears=[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj]"
 RECIPES = {"jetson-orin-nano-8gb": ["default", "edgellm-int8", INT4_WHERE_LEGAL, "auto"],
            "jetson-agx-thor": ["thor-fp8", "thor-nvfp4", "edgellm-int8", "auto"]}
@@ -46,11 +47,13 @@ def row(target: str, recipe: str, report: dict | None) -> str:
     head = (quantize.get("search") or {}).get("lm_head", "fp16")
     checkpoint = stages["export_edgellm"]["metrics"]["checkpoint_bytes"] / 1e6
     prompts = validate.get("prompts") or {}
-    return (f"| {target} | {recipe} | {validate['worst_domain']} {validate['perplexity_increase_pct']:+.2f}% | "
-            f"{100 * validate['top1_agreement']:.1f}% | {validate['mean_kl']:.4f} | "
-            f"{100 * prompts.get('answer_prefix_agreement', float('nan')):.1f}% | {chosen['decode_tokens_per_s']:.1f} | "
-            f"{chosen['decode_latency_ms']:.3f} | {checkpoint:.0f} | {', '.join(f'{k} {v}' for k, v in formats.items())} | {head} | "
-            f"{stages['quantize']['duration_s'] / 60:.1f} | {report['gate']['verdict']} |")
+    return (
+        f"| {target} | {recipe} | {validate['worst_domain']} {validate['perplexity_increase_pct']:+.2f}% | "
+        f"{100 * validate['top1_agreement']:.1f}% | {validate['mean_kl']:.4f} | "
+        f"{100 * prompts.get('answer_prefix_agreement', float('nan')):.1f}% | {chosen['decode_tokens_per_s']:.1f} | "
+        f"{chosen['decode_latency_ms']:.3f} | {checkpoint:.0f} | {', '.join(f'{k} {v}' for k, v in formats.items())} | "
+        f"{head} | {stages['quantize']['duration_s'] / 60:.1f} | {report['gate']['verdict']} |"
+    )
 
 
 def main() -> None:
@@ -58,7 +61,9 @@ def main() -> None:
     parser.add_argument("--targets", nargs="+", default=list(RECIPES), choices=list(RECIPES))
     parser.add_argument("--recipes", nargs="+", help="only these rows (a recipe name, or the INT4 row's name)")
     parser.add_argument("--shape", choices=list(SHAPES), help="a random-weight checkpoint of this published shape")
-    parser.add_argument("--with", dest="extra", nargs="*", default=[], metavar="KEY=VALUE", help="more words for compress run")
+    parser.add_argument(
+        "--with", dest="extra", nargs="*", default=[], metavar="KEY=VALUE", help="more words for compress run"
+    )
     args = parser.parse_args()
     model = [f"model={build(args.shape, weights=True)}"] if args.shape else []
     prefix = f"{args.shape}-" if args.shape else ""
@@ -71,8 +76,14 @@ def main() -> None:
             name = recipe + ("-down-proj-only" if extra else "")
             if args.recipes and name not in args.recipes:
                 continue
-            report = compress_run(recipe, REPO / "bench_runs" / "auto" / f"{prefix}{target}-{name}", *extra, *model, *args.extra,
-                                  target=target)
+            report = compress_run(
+                recipe,
+                REPO / "bench_runs" / "auto" / f"{prefix}{target}-{name}",
+                *extra,
+                *model,
+                *args.extra,
+                target=target,
+            )
             lines.append(row(target, name, report))
             print("\n".join(lines), flush=True)
     print("\n".join(lines))

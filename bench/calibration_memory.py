@@ -27,10 +27,12 @@ from compress.models.loading import load_causal_lm, load_tokenizer
 from compress.transforms.quantize.config import QUANTIZE_CONFIG, quantize_config
 from compress.transforms.quantize.decoder import quantize_model
 
+
 def rss(field):
     for line in Path("/proc/self/status").read_text().splitlines():
         if line.startswith(field):
             return int(line.split()[1]) / 1024
+
 
 layers, method = int(sys.argv[1]), sys.argv[2]
 folder = materialize(resolve_model(DEFAULT_MODEL))
@@ -46,9 +48,19 @@ start = time.perf_counter()
 # The recipes' settings: int8 with the Hadamard down_proj rotation, int4 AWQ + GPTQ.
 config = quantize_config(method=method, hadamard_block=128) if method == "int8" else quantize_config(method=method)
 quantize_model(model, windows, config, progress=False)
-print(json.dumps({"layers": layers, "method": method, "weights_mb": round(weights_mb, 1), "rss_before_mb": round(before, 1),
-                  "peak_rss_mb": round(rss("VmHWM:"), 1), "extra_mb": round(rss("VmHWM:") - before, 1),
-                  "seconds": round(time.perf_counter() - start, 1)}))
+print(
+    json.dumps(
+        {
+            "layers": layers,
+            "method": method,
+            "weights_mb": round(weights_mb, 1),
+            "rss_before_mb": round(before, 1),
+            "peak_rss_mb": round(rss("VmHWM:"), 1),
+            "extra_mb": round(rss("VmHWM:") - before, 1),
+            "seconds": round(time.perf_counter() - start, 1),
+        }
+    )
+)
 """
 
 

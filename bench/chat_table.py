@@ -47,14 +47,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipes", nargs="+", default=["baseline", "default", "int8", "int4", "thor-fp8"])
     args = parser.parse_args()
-    lines = ["| recipe | calibration | worst text domain | chat domain | top-1 | KL | identical answers | answer prefix | "
-             "first token |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| recipe | calibration | worst text domain | chat domain | top-1 | KL | identical answers | answer prefix | "
+        "first token |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for recipe in args.recipes:
         # The baseline calibrates nothing: one row.
-        mixes = (("today's text", TODAY),) if recipe == "baseline" else (("today's text", TODAY), ("with the chat set", WITH_CHAT))
+        mixes = (
+            (("today's text", TODAY),)
+            if recipe == "baseline"
+            else (("today's text", TODAY), ("with the chat set", WITH_CHAT))
+        )
         for name, calib in mixes:
             out = REPO / "bench_runs" / "chat" / f"{recipe}-{'chat' if calib == WITH_CHAT else 'text'}"
-            report = compress_run(recipe, out, f"calib={calib}", f"eval={EVALUATION}", target=TARGETS.get(recipe, "jetson-orin"))
+            report = compress_run(
+                recipe, out, f"calib={calib}", f"eval={EVALUATION}", target=TARGETS.get(recipe, "jetson-orin")
+            )
             lines.append(row(recipe, name, report))
             print("\n".join(lines), flush=True)
     print("\n".join(lines))

@@ -24,26 +24,38 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 WINDOW = 512
 
-_CHILD = r'''
+_CHILD = r"""
 import json, sys, time
 from pathlib import Path
 import torch
 from compress.eval.fidelity import compare_window_pairs
 from compress.transforms.checkpoint_logits import window_logits
 
+
 def peak_gib():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:")) / 1024**2
+
 
 folder, way, count, window = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 windows = torch.randint(0, 1000, (count, window), generator=torch.Generator().manual_seed(0))
 model, teacher = window_logits(folder, windows), window_logits(folder, windows)
 after_passes = peak_gib()
-read = (lambda i: (model.logits(i), teacher.logits(i))) if way == "whole" else (lambda i: (model.rows(i), teacher.rows(i)))
+read = (
+    (lambda i: (model.logits(i), teacher.logits(i))) if way == "whole" else (lambda i: (model.rows(i), teacher.rows(i)))
+)
 start = time.perf_counter()
 figures = compare_window_pairs(read, [("all", windows)], progress=False)["mixed"]
-print(json.dumps({"after_passes_gib": after_passes, "after_comparison_gib": peak_gib(),
-                  "comparison_s": time.perf_counter() - start, "mean_kl": figures["mean_kl"]}))
-'''
+print(
+    json.dumps(
+        {
+            "after_passes_gib": after_passes,
+            "after_comparison_gib": peak_gib(),
+            "comparison_s": time.perf_counter() - start,
+            "mean_kl": figures["mean_kl"],
+        }
+    )
+)
+"""
 
 WAYS = {"whole": "whole windows' logits (as it did)", "rows": "a block of positions at a time (as it does)"}
 
@@ -59,8 +71,11 @@ def main() -> None:
         out = subprocess.run([sys.executable, "-c", _CHILD, str(args.folder), way, str(args.windows), str(WINDOW)],
                              cwd=REPO, check=True, capture_output=True, text=True).stdout
         row = json.loads(out.strip().splitlines()[-1])
-        print(f"| {label} | {row['after_passes_gib']:.2f} | {row['after_comparison_gib']:.2f} | {row['comparison_s']:.0f} |",
-              flush=True)
+        print(
+            f"| {label} | {row['after_passes_gib']:.2f} | {row['after_comparison_gib']:.2f} | "
+            f"{row['comparison_s']:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -21,9 +21,20 @@ OUT = REPO / "bench_runs" / "distill"
 
 def run(loss: str, steps: int) -> dict:
     out = OUT / loss
-    cmd = [str(REPO / ".venv" / "bin" / "compress"), "run", "target=jetson-orin", "recipe=distill", f"out={out}", "--no-progress",
-           f"distill.loss={loss}", f"distill.steps={steps}", f"distill.eval_every={max(1, steps // 4)}",
-           f"distill.checkpoint_every={max(1, steps // 4)}", "validate.eval_tokens=2048", "validate.latency_new_tokens=16"]
+    cmd = [
+        str(REPO / ".venv" / "bin" / "compress"),
+        "run",
+        "target=jetson-orin",
+        "recipe=distill",
+        f"out={out}",
+        "--no-progress",
+        f"distill.loss={loss}",
+        f"distill.steps={steps}",
+        f"distill.eval_every={max(1, steps // 4)}",
+        f"distill.checkpoint_every={max(1, steps // 4)}",
+        "validate.eval_tokens=2048",
+        "validate.latency_new_tokens=16",
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=False)
     report = json.loads((out / "report.json").read_text())
@@ -35,7 +46,9 @@ def main() -> None:
     kd, ce = run("kd", steps), run("ce", steps)
     OUT.mkdir(parents=True, exist_ok=True)
     (OUT / "results.json").write_text(json.dumps({"kd": kd, "ce": ce}, indent=2))
-    print(f"student shape {kd['student_shape']}, {kd['parameters']:,} parameters (teacher {kd['teacher_parameters']:,})")
+    print(
+        f"student shape {kd['student_shape']}, {kd['parameters']:,} parameters (teacher {kd['teacher_parameters']:,})"
+    )
     print(f"kept layers {kd['kept_layers']}")
     print("| | perplexity |\n|---|---|")
     print(f"| teacher | {kd['perplexity_teacher']:.2f} |")

@@ -39,25 +39,43 @@ def run_cell(data: str, recipe: str) -> dict | None:
         return None
     validate = next(s["metrics"] for s in report["stages"] if s["name"] == "validate")
     distill = next((s["metrics"] for s in report["stages"] if s["name"] == "distill"), None)
-    return {"data": data, "recipe": recipe, "verdict": report["gate"]["verdict"], "domains": validate["domains"],
-            "worst_domain": validate["worst_domain"], "worst_pct": validate["perplexity_increase_pct"],
-            "mixed_pct": validate["perplexity_increase_pct_mixed"], "top1": validate["top1_agreement"], "kl": validate["mean_kl"],
-            "stopped_early_at": distill.get("stopped_early_at") if distill else None}
+    return {
+        "data": data,
+        "recipe": recipe,
+        "verdict": report["gate"]["verdict"],
+        "domains": validate["domains"],
+        "worst_domain": validate["worst_domain"],
+        "worst_pct": validate["perplexity_increase_pct"],
+        "mixed_pct": validate["perplexity_increase_pct_mixed"],
+        "top1": validate["top1_agreement"],
+        "kl": validate["mean_kl"],
+        "stopped_early_at": distill.get("stopped_early_at") if distill else None,
+    }
 
 
 def print_table(rows: list[dict]) -> None:
     if not rows:
         return
     domains = list(rows[0]["domains"])
-    print("\nperplexity change vs the fp32 teacher per domain (ONNX Runtime; * = unseen by that row's calibration/training)\n")
+    print(
+        "\nperplexity change vs the fp32 teacher per domain (ONNX Runtime; * = unseen by that row's "
+        "calibration/training)\n"
+    )
     print("| data | recipe | " + " | ".join(domains) + " | worst | mixed | top-1 | KL | gate |")
     print("|---|---|" + "---|" * (len(domains) + 5))
     for row in rows:
-        cells = [f"{row['domains'][d]['perplexity_increase_pct']:+.2f}%{'' if row['domains'][d]['seen'] else '*'}" for d in domains]
+        cells = [
+            f"{row['domains'][d]['perplexity_increase_pct']:+.2f}%{'' if row['domains'][d]['seen'] else '*'}"
+            for d in domains
+        ]
         stopped = f" (stopped at {row['stopped_early_at']})" if row["stopped_early_at"] else ""
-        print(f"| {row['data']} | {row['recipe']}{stopped} | " + " | ".join(cells)
-              + f" | {row['worst_pct']:+.2f}% ({row['worst_domain']}) | {row['mixed_pct']:+.2f}% | {100 * row['top1']:.1f}% "
-              f"| {row['kl']:.4f} | {row['verdict']} |")
+        print(
+            f"| {row['data']} | {row['recipe']}{stopped} | "
+            + " | ".join(cells)
+            + f" | {row['worst_pct']:+.2f}% ({row['worst_domain']}) | {row['mixed_pct']:+.2f}% | "
+                f"{100 * row['top1']:.1f}% "
+            f"| {row['kl']:.4f} | {row['verdict']} |"
+        )
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
-"""all-MiniLM-L6-v2 as fp32, INT8 (compress's W8A8) and head-pruned (a quarter of the heads): sentences/s in ONNX Runtime
-and in torch at batch 1, 8 and 32, and the embedding fidelity of each to the fp32 model (and of the same W8A8 without
-SmoothQuant's migration).
+"""all-MiniLM-L6-v2 as fp32, INT8 (compress's W8A8) and head-pruned (a quarter of the heads): sentences/s in ONNX
+Runtime and in torch at batch 1, 8 and 32, and the embedding fidelity of each to the fp32 model (and of the same W8A8
+without SmoothQuant's migration).
 
 Sentences come from the six evaluation domains, dynamically padded in both backends; the backends
 and variants alternate round by round so machine noise affects all alike. torch's INT8 is its
@@ -20,8 +20,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from compress.backends.onnx.encoder import ENCODER_FILE, HIDDEN_OUTPUT, OnnxEncoder, export_encoder, torch_outputs, write_encoder_qdq
-from compress.core.text import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, domain_sentences, load_calibration, load_evaluation
+from compress.backends.onnx.encoder import (
+    ENCODER_FILE,
+    HIDDEN_OUTPUT,
+    OnnxEncoder,
+    export_encoder,
+    torch_outputs,
+    write_encoder_qdq,
+)
+from compress.core.text import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_EVALUATION,
+    domain_sentences,
+    load_calibration,
+    load_evaluation,
+)
 from compress.eval.embeddings import cosines, neighbour_agreement
 from compress.models.loading import load_encoder, load_tokenizer
 from compress.models.pruned_bert import prune_encoder_heads
@@ -49,8 +62,10 @@ def _torch_embed(model, tokenizer, sentences: list[str], batch_size: int) -> np.
 def _variants(folder: Path, tokenizer, sentences: list[str]):
     reference = load_encoder(folder)
     calibration = [s for _, found in domain_sentences(load_calibration(DEFAULT_CALIBRATION), 52) for s in found]
-    batches = [dict(tokenizer(calibration[i:i + 32], padding=True, truncation=True, max_length=128, return_tensors="pt"))
-               for i in range(0, len(calibration), 32)]
+    batches = [
+        dict(tokenizer(calibration[i : i + 32], padding=True, truncation=True, max_length=128, return_tensors="pt"))
+        for i in range(0, len(calibration), 32)
+    ]
     quantized_model = load_encoder(folder)
     quantized = quantize_encoder(quantized_model, batches, EncoderQuantizeConfig())
     unsmoothed_model = load_encoder(folder)
@@ -75,9 +90,15 @@ def main() -> None:
     print(f"{len(sentences)} evaluation sentences, {torch.get_num_threads()} threads\n")
     print("| variant | backend | cosine mean | cosine min | 5-NN agreement |\n|---|---|---|---|---|")
     for name, (encoder, model) in variants.items():
-        for backend, embeddings in (("ONNX Runtime", encoder.embed(sentences)), ("torch", _torch_embed(model, tokenizer, sentences, 32))):
+        for backend, embeddings in (
+            ("ONNX Runtime", encoder.embed(sentences)),
+            ("torch", _torch_embed(model, tokenizer, sentences, 32)),
+        ):
             c = cosines(embeddings, truth)
-            print(f"| {name} | {backend} | {c.mean():.4f} | {c.min():.4f} | {neighbour_agreement(truth, embeddings):.3f} |")
+            print(
+                f"| {name} | {backend} | {c.mean():.4f} | {c.min():.4f} | {neighbour_agreement(truth, embeddings):.3f} "
+                "|"
+            )
     embeddings = unsmoothed.embed(sentences)
     c = cosines(embeddings, truth)
     print(f"| INT8 without migration (alpha 0) | ONNX Runtime | {c.mean():.4f} | {c.min():.4f} | "
@@ -95,7 +116,10 @@ def main() -> None:
         for name in variants:
             onnx_rate = len(sentences) / sorted(times[(name, "onnx")])[ROUNDS // 2]
             torch_rate = len(sentences) / sorted(times[(name, "torch")])[ROUNDS // 2]
-            print(f"| {batch_size} | {name} | {onnx_rate:.0f} | {torch_rate:.0f} | {onnx_rate / torch_rate:.2f}x |", flush=True)
+            print(
+                f"| {batch_size} | {name} | {onnx_rate:.0f} | {torch_rate:.0f} | {onnx_rate / torch_rate:.2f}x |",
+                flush=True,
+            )
     encoder = variants["fp32"][0]
     rates = {}
     for _ in range(ROUNDS):

@@ -37,11 +37,18 @@ def main() -> None:
     args = parser.parse_args()
     source = args.run_dir / "02_quantize" / "model"
     loaded = json.loads((args.run_dir / "01_load" / "stage.json").read_text())["output"]["path"]
-    model = Path(loaded) if Path(loaded).is_absolute() else args.run_dir / "01_load" / loaded  # read in place, or a copy
+    model = (
+        Path(loaded) if Path(loaded).is_absolute() else args.run_dir / "01_load" / loaded
+    )  # read in place, or a copy
     checkpoint = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     with tempfile.TemporaryDirectory() as work:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(source), str(Path(work) / "onnx")], capture_output=True,
-                              text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(source), str(Path(work) / "onnx")],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
     if proc.returncode != 0:
         raise SystemExit(proc.stderr[-2000:])
     row = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -2,9 +2,9 @@
 
 A random-weight bf16 checkpoint of a published width with two decoder layers (``bench/scale_table.py``'s builder:
 Qwen3-0.6B's 1024 x 151,936 tied head, Llama-3.1-8B's 4096 x 128,256 untied one) is quantized by the quantize stage's
-own code (:func:`compress.transforms.quantize.decoder.quantize_folder`) under one mixed plan: every ``down_proj`` in FP8,
-the rest of the blocks FP16 (``--blocks fp16``: every block FP16, the head's cost alone), and the LM head in each format
-Edge-LLM quantizes a head in (``fp16``: left as it is, the reference). Each row is a fresh process under
+own code (:func:`compress.transforms.quantize.decoder.quantize_folder`) under one mixed plan: every ``down_proj`` in
+FP8, the rest of the blocks FP16 (``--blocks fp16``: every block FP16, the head's cost alone), and the LM head in each
+format Edge-LLM quantizes a head in (``fp16``: left as it is, the reference). Each row is a fresh process under
 ``/usr/bin/time -v``, one after the other; ``--before DIR`` adds the same rows computed by another checkout of compress
 (e.g. a ``git worktree`` of an earlier commit), so a change is measured side by side in one run.
 
@@ -68,7 +68,9 @@ def quantize(folder: Path, head: str, code: Path, label: str, blocks: str) -> di
     proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), head, blocks],
                           cwd=code, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(code)})
     if proc.returncode != 0:
-        program = proc.stderr.split("\tCommand being timed:")[0].strip().splitlines()  # before /usr/bin/time's own lines
+        program = (
+            proc.stderr.split("\tCommand being timed:")[0].strip().splitlines()
+        )  # before /usr/bin/time's own lines
         return {"head": head, "code": label, "error": (program or ["?"])[-1]}
     peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))
@@ -82,8 +84,12 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["qwen3-0.6b"], choices=list(WIDTHS))
     parser.add_argument("--heads", nargs="+", default=["fp16", "fp8", "int4"], choices=["fp16", "fp8", "int4", "nvfp4"])
     parser.add_argument("--before", type=Path, help="another checkout of compress, measured beside this one")
-    parser.add_argument("--blocks", choices=["fp8", "fp16"], default="fp8",
-                        help="the blocks' down_proj format (fp16: the head's cost alone, much faster at Llama-3.1-8B's width)")
+    parser.add_argument(
+        "--blocks",
+        choices=["fp8", "fp16"],
+        default="fp8",
+        help="the blocks' down_proj format (fp16: the head's cost alone, much faster at Llama-3.1-8B's width)",
+    )
     args = parser.parse_args()
     codes = [("this", REPO)] + ([("before", args.before.resolve())] if args.before else [])
     print("| width | checkpoint GB (bf16) | LM head | code | quantize peak RSS GB | quantized GB written | seconds |\n"
@@ -94,8 +100,11 @@ def main() -> None:
         for head in args.heads:
             for label, code in codes:
                 row = quantize(folder, head, code, label, args.blocks)
-                figures = (f"{row['peak_gb']:.2f} | {row['written_gb']:.2f} | {row['seconds']:.0f}" if "error" not in row
-                           else f"failed: {row['error']} | |")
+                figures = (
+                    f"{row['peak_gb']:.2f} | {row['written_gb']:.2f} | {row['seconds']:.0f}"
+                    if "error" not in row
+                    else f"failed: {row['error']} | |"
+                )
                 print(f"| {width} | {checkpoint:.2f} | {head} | {label} | {figures} |", flush=True)
     print(json.dumps({"layers": LAYERS, "calibration": "8 windows x 256 tokens", "down_proj": args.blocks}))
 

@@ -64,13 +64,27 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=40)
     parser.add_argument("--new-tokens", type=int, default=32)
     args = parser.parse_args()
-    print("| pages | peak GiB | of it, anonymous (largest sampled) | of it, the checkpoint mapped (largest sampled) | seconds |\n"
-          "|---|---|---|---|---|")
+    print(
+        "| pages | peak GiB | of it, anonymous (largest sampled) | of it, the checkpoint mapped (largest sampled) | "
+        "seconds |\n|---|---|---|---|---|"
+    )
     answers = []
     for hand_back in (False, True):
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(args.model_dir), str(args.prompts), str(args.new_tokens),
-                               "1" if hand_back else "0"],
-                              capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _CHILD,
+                str(args.model_dir),
+                str(args.prompts),
+                str(args.new_tokens),
+                "1" if hand_back else "0",
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-2000:])
         row = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -53,14 +53,30 @@ def main() -> None:
     model = args.model or tiny_model(OUT / "model")
     run = OUT / "run"
     shutil.rmtree(run, ignore_errors=True)
-    command = ["/usr/bin/time", "-v", str(REPO / ".venv" / "bin" / "compress"), "run", "target=jetson-orin", "recipe=baseline",
-               f"model={model}", f"out={run}", f"eval={text}", "validate.eval_tokens=256", "validate.window=64",
-               "export_onnx.parity_new_tokens=4", "--no-progress"]
+    command = [
+        "/usr/bin/time",
+        "-v",
+        str(REPO / ".venv" / "bin" / "compress"),
+        "run",
+        "target=jetson-orin",
+        "recipe=baseline",
+        f"model={model}",
+        f"out={run}",
+        f"eval={text}",
+        "validate.eval_tokens=256",
+        "validate.window=64",
+        "export_onnx.parity_new_tokens=4",
+        "--no-progress",
+    ]
     started = time.monotonic()
     proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
-    print(f"{text.stat().st_size / 1e6:.0f} MB on one line: exit {proc.returncode}, {time.monotonic() - started:.0f} s, "
-          f"peak {int(peak.group(1)) / 1024 ** 2:.2f} GiB" if peak else proc.stderr[-2000:])
+    print(
+        f"{text.stat().st_size / 1e6:.0f} MB on one line: exit {proc.returncode}, {time.monotonic() - started:.0f} s, "
+        f"peak {int(peak.group(1)) / 1024**2:.2f} GiB"
+        if peak
+        else proc.stderr[-2000:]
+    )
 
 
 if __name__ == "__main__":

@@ -32,13 +32,22 @@ def answers(prompts: list[str]) -> list[dict]:
     rows = []
     for number, prompt in enumerate(prompts, start=1):
         answer = tokenizer.decode(generate(prompt_ids(tokenizer, prompt), NEW_TOKENS), skip_special_tokens=True).strip()
-        rows.append({"domain": "chat", "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+        rows.append(
+            {
+                "domain": "chat",
+                "messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}],
+            }
+        )
         print(f"{number:3d}/{len(prompts)} {prompt[:50]!r} -> {answer[:60]!r}", flush=True)
     return rows
 
 
 def main() -> None:
-    calibration = [line.strip() for line in (CHAT / "prompts_calibration.txt").read_text(encoding="utf-8").splitlines() if line.strip()]
+    calibration = [
+        line.strip()
+        for line in (CHAT / "prompts_calibration.txt").read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     evaluation = [case.prompt for case in load_prompts(DEFAULT_PROMPTS)]
     shared = set(calibration) & set(evaluation)
     if shared:

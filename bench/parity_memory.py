@@ -1,4 +1,5 @@
-"""ONNX Runtime's memory in validation's parity check: a whole 512-token window at a time against the chunks it now runs.
+"""ONNX Runtime's memory in validation's parity check: a whole 512-token window at a time against the chunks it now
+runs.
 
 Each way runs in a fresh process on the portable ONNX of a finished run (e.g. the Qwen3-0.6B shape's from
 ``bench/scale_table.py --measure qwen3-0.6b``): the session is opened, then validation's parity check
@@ -22,7 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 WINDOW = 512
 
-_CHILD = r'''
+_CHILD = r"""
 import json, sys
 import numpy as np
 import torch
@@ -31,8 +32,10 @@ from compress.backends.onnx.runtime import OnnxDecoder
 from compress.eval import decoder as validation
 from compress.eval import perplexity
 
+
 def peak_gib():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024**2
+
 
 folder, chunk, nll_rows, windows, window = Path(sys.argv[1]), *map(int, sys.argv[2:6])
 validation.PARITY_CHUNK, perplexity.NLL_ROWS = chunk, nll_rows
@@ -41,8 +44,10 @@ opened = peak_gib()
 rows = torch.randint(0, 1000, (windows, window), generator=torch.Generator().manual_seed(0))
 torch_side = {i: validation.TorchWindow(0.0, np.zeros(window - 1, dtype=np.int64)) for i in range(windows)}
 parity = validation.onnx_parity(session, torch_side, rows)
-print(json.dumps({"session_gib": round(opened, 2), "after_windows_gib": round(peak_gib(), 2), "tokens": parity["tokens"]}))
-'''
+print(
+    json.dumps({"session_gib": round(opened, 2), "after_windows_gib": round(peak_gib(), 2), "tokens": parity["tokens"]})
+)
+"""
 
 
 def main() -> None:
@@ -55,9 +60,22 @@ def main() -> None:
             ("whole window, NLL 32 rows at a time", WINDOW, 32),
             ("128 tokens at a time, NLL 32 rows at a time (validation now)", 128, 32))
     for name, chunk, nll_rows in ways:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(args.onnx_dir), str(chunk), str(nll_rows), str(args.windows),
-                               str(WINDOW)], capture_output=True, text=True, cwd=REPO,
-                              env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                _CHILD,
+                str(args.onnx_dir),
+                str(chunk),
+                str(nll_rows),
+                str(args.windows),
+                str(WINDOW),
+            ],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-2000:])
         row = json.loads(proc.stdout.strip().splitlines()[-1])

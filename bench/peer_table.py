@@ -69,12 +69,13 @@ ROWS = {
     "edgellm-int8_sq": ("simulated", {"tool": "edgellm", "option": "int8_sq"}),
     "compress-fp8": ("compress", {"method": "fp8"}),
     "edgellm-fp8": ("simulated", {"tool": "edgellm", "option": "fp8"}),
-    # Edge-LLM's int4_awq groups 128 inputs, which SmolLM2's 576-wide inputs do not divide: the table's group of 64 instead
+    # Edge-LLM's int4_awq groups 128 inputs, which SmolLM2's 576-wide inputs do not divide: the table's group of 64
+    # instead
     "edgellm-int4_awq": ("simulated", {"tool": "edgellm", "option": "int4_awq", "group": GROUP}),
     "edgellm-nvfp4": ("simulated", {"tool": "edgellm", "option": "nvfp4"}),
 }
 
-_PEER = r'''
+_PEER = r"""
 import json, sys, torch
 from pathlib import Path
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -89,25 +90,51 @@ if tool.startswith("llmcompressor"):
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-    scheme = {"targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                                                 "group_size": group}}
-    modifier = (GPTQModifier if tool.endswith("gptq") else QuantizationModifier)(config_groups={"group_0": scheme},
-                                                                                  ignore=["lm_head"])
+
+    scheme = {
+        "targets": ["Linear"],
+        "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": group},
+    }
+    modifier = (GPTQModifier if tool.endswith("gptq") else QuantizationModifier)(
+        config_groups={"group_0": scheme}, ignore=["lm_head"]
+    )
     data = Dataset.from_dict({"input_ids": windows.tolist(), "attention_mask": torch.ones_like(windows).tolist()})
-    oneshot(model=model, dataset=data, recipe=[modifier], max_seq_length=windows.shape[1], num_calibration_samples=len(windows))
+    oneshot(
+        model=model,
+        dataset=data,
+        recipe=[modifier],
+        max_seq_length=windows.shape[1],
+        num_calibration_samples=len(windows),
+    )
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
     with torch.no_grad():  # the weights as its forward pass computes with them (its own fake quantization)
         for name in names:
             module = model.get_submodule(name)
-            module.weight.copy_(fake_quantize(module.weight, module.weight_scale, getattr(module, "weight_zero_point", None),
-                                              module.quantization_scheme.weights))
+            module.weight.copy_(
+                fake_quantize(
+                    module.weight,
+                    module.weight_scale,
+                    getattr(module, "weight_zero_point", None),
+                    module.quantization_scheme.weights,
+                )
+            )
     state = model.state_dict()
 else:
     from auto_round import AutoRound
+
     texts = [tokenizer.decode(row, skip_special_tokens=True) for row in windows]
-    rounder = AutoRound(model, tokenizer, bits=4, group_size=group, sym=True, iters=options["iters"], nsamples=len(texts),
-                        seqlen=windows.shape[1], dataset=texts)
+    rounder = AutoRound(
+        model,
+        tokenizer,
+        bits=4,
+        group_size=group,
+        sym=True,
+        iters=options["iters"],
+        nsamples=len(texts),
+        seqlen=windows.shape[1],
+        dataset=texts,
+    )
     rounder.quantize_and_save(str(out / "fake"), format="fake")
     saved = next((out / "fake").rglob("config.json")).parent  # AutoRound names a sub-folder after the model and scheme
     model = AutoModelForCausalLM.from_pretrained(saved, dtype=torch.float32)
@@ -121,18 +148,20 @@ dense.load_state_dict({k: v.float() for k, v in state.items() if k in keys})
 for name in names:  # each quantized linear's weight is on a 4-bit grid: at most 16 values per group
     weight = dense.get_submodule(name).weight.detach()
     values = weight.reshape(weight.shape[0], -1, group)
-    worst = max(len(torch.unique(values[row, g])) for row in range(0, weight.shape[0], 97) for g in range(values.shape[1]))
+    worst = max(
+        len(torch.unique(values[row, g])) for row in range(0, weight.shape[0], 97) for g in range(values.shape[1])
+    )
     if worst > 16:
         raise SystemExit(f"{tool}: {name} holds {worst} values in a group of {group}: not quantized")
 dense.save_pretrained(out / "model")
 tokenizer.save_pretrained(out / "model")
 print(json.dumps({"linears": len(names)}))
-'''
+"""
 
 
 # A quantizer that simulates activations too, run in its own environment and measured there on its own fake quantization
-# (its model's forward pass) by compress's fidelity code: this head, one tool's ``quantize(model)`` (returning the model and
-# how many linears it quantized; raising AssertionError for the tool's own refusal), then _MEASURED_TAIL.
+# (its model's forward pass) by compress's fidelity code: this head, one tool's ``quantize(model)`` (returning the model
+# and how many linears it quantized; raising AssertionError for the tool's own refusal), then _MEASURED_TAIL.
 _MEASURED_HEAD = r'''
 import json, sys, time, warnings
 from pathlib import Path
@@ -150,42 +179,55 @@ reference = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).e
 model = AutoModelForCausalLM.from_pretrained(teacher, dtype=torch.float32).eval()
 '''
 
-_EDGELLM = r'''
+_EDGELLM = r"""
 import modelopt.torch.quantization as mtq
 from tensorrt_edgellm.quantization.quantization_configs import build_quant_config
+
 TOOL = "Model Optimizer"
+
+
 def calibrate(m):
     with torch.no_grad():
         for window in calibration:
             m(window[None])
+
+
 def quant_config():
     config = build_quant_config(option, None, None)
     for entry in config["quant_cfg"] if group else []:
         if entry.get("quantizer_name") == "*weight_quantizer" and (entry.get("cfg") or {}).get("block_sizes"):
             entry["cfg"]["block_sizes"][-1] = group
     return config
+
+
 def quantize(model):
     model = mtq.quantize(model, quant_config(), forward_loop=calibrate)
-    return model, sum(1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False))
-'''
+    return model, sum(
+        1 for _, m in model.named_modules() if getattr(getattr(m, "weight_quantizer", None), "is_enabled", False)
+    )
+"""
 
 # llm-compressor's documented W8A8 recipe (SmoothQuant 0.8, then GPTQ with the W8A8 preset: INT8 weights per channel,
 # activations INT8 per token, dynamic).
-_LLMCOMPRESSOR_W8A8 = r'''
+_LLMCOMPRESSOR_W8A8 = r"""
 TOOL = "llm-compressor"
 def quantize(model):
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier
     from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
-    data = Dataset.from_dict({"input_ids": calibration.tolist(), "attention_mask": torch.ones_like(calibration).tolist()})
-    recipe = [SmoothQuantModifier(smoothing_strength=0.8), GPTQModifier(targets="Linear", scheme=option, ignore=["lm_head"])]
-    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=calibration.shape[1], num_calibration_samples=len(calibration))
+    mask = torch.ones_like(calibration).tolist()
+    data = Dataset.from_dict({"input_ids": calibration.tolist(), "attention_mask": mask})
+    gptq = GPTQModifier(targets="Linear", scheme=option, ignore=["lm_head"])
+    recipe = [SmoothQuantModifier(smoothing_strength=0.8), gptq]
+    samples = len(calibration)
+    length = calibration.shape[1]
+    oneshot(model=model, dataset=data, recipe=recipe, max_seq_length=length, num_calibration_samples=samples)
     model.eval()
     return model, sum(1 for _, m in model.named_modules() if getattr(m, "quantization_scheme", None) is not None)
-'''
+"""
 
-_MEASURED_TAIL = r'''
+_MEASURED_TAIL = r"""
 def measure(model):
     started = time.perf_counter()
     model, quantized = quantize(model)
@@ -198,18 +240,24 @@ def measure(model):
         per_domain = compare_window_pairs(pair, domains, progress=False)
         answers = []
         for ids in inputs["prompts"]:
-            out = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                 max_new_tokens=inputs["new_tokens"], do_sample=False, eos_token_id=inputs["eos"] or None,
-                                 pad_token_id=inputs["pad"])
+            out = model.generate(
+                input_ids=torch.tensor([ids]),
+                attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                max_new_tokens=inputs["new_tokens"],
+                do_sample=False,
+                eos_token_id=inputs["eos"] or None,
+                pad_token_id=inputs["pad"],
+            )
             answer = out[0, len(ids):].tolist()
             cut = next((i + 1 for i, token in enumerate(answer) if token in inputs["eos"]), len(answer))
             answers.append(answer[:cut])
     return {"per_domain": per_domain, "answers": answers, "quantized_linears": quantized, "seconds": seconds}
 try:
     print(json.dumps(measure(model)))
-except AssertionError as exc:  # the tool's own refusal (Model Optimizer's NVFP4 dynamic block quantization asks for CUDA)
+# the tool's own refusal (Model Optimizer's NVFP4 dynamic block quantization asks for CUDA)
+except AssertionError as exc:
     print(json.dumps({"not_run": f"{TOOL}: {exc}"}))
-'''
+"""
 
 
 def _teacher() -> Path:
@@ -255,7 +303,13 @@ def quantize_row(name: str, teacher: Path, windows, out: Path) -> tuple[Path, fl
 
 
 def _evaluation():
-    from compress.core.text import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, load_calibration, load_evaluation, unseen_domains
+    from compress.core.text import (
+        DEFAULT_CALIBRATION,
+        DEFAULT_EVALUATION,
+        load_calibration,
+        load_evaluation,
+        unseen_domains,
+    )
 
     evaluation = load_evaluation(DEFAULT_EVALUATION)
     return evaluation, unseen_domains(load_calibration(DEFAULT_CALIBRATION), evaluation)
@@ -268,17 +322,30 @@ def measure_row(folder: Path, teacher: Path) -> dict:
     return measure(DeployedFiles(folder, teacher), evaluation, ValidateConfig(), progress=False, unseen=unseen)
 
 
-def simulated_row(tool: str, option: str, teacher: Path, windows, out: Path, group: int = 0) -> tuple[dict | None, float, str | None]:
-    """A tool's quantization of the teacher (Edge-LLM's, or llm-compressor's W8A8), measured in its own environment on its
-    own fake quantization: the metrics validation computes (its prompts compared here with the teacher's answers), the
-    seconds, or why it did not run. ``group``: a weight group size in place of the format's own (0: the format's)."""
+def simulated_row(
+    tool: str, option: str, teacher: Path, windows, out: Path, group: int = 0
+) -> tuple[dict | None, float, str | None]:
+    """A tool's quantization of the teacher (Edge-LLM's, or llm-compressor's W8A8), measured in its own environment on
+    its own fake quantization: the metrics validation computes (its prompts compared here with the teacher's answers),
+    the seconds, or why it did not run. ``group``: a weight group size in place of the format's own (0: the
+    format's)."""
     import torch
 
-    from compress.eval.decoder import ValidateConfig, domain_quality, evaluation_windows, model_eos_ids, pad_id_of, teacher_answers
+    from compress.eval.decoder import (
+        ValidateConfig,
+        domain_quality,
+        evaluation_windows,
+        model_eos_ids,
+        pad_id_of,
+        teacher_answers,
+    )
     from compress.eval.prompts import DEFAULT_PROMPTS, compare_answers, load_prompts, prompt_ids
     from compress.models.loading import load_tokenizer
 
-    python, script = {"edgellm": (EDGELLM_QUANT_PYTHON, _EDGELLM), "llmcompressor": (PEERS_PYTHON, _LLMCOMPRESSOR_W8A8)}[tool]
+    python, script = {
+        "edgellm": (EDGELLM_QUANT_PYTHON, _EDGELLM),
+        "llmcompressor": (PEERS_PYTHON, _LLMCOMPRESSOR_W8A8),
+    }[tool]
     if not python.is_file():
         raise SystemExit(f"{tool} {option}: {python} is missing; create it as this script's docstring says")
     config, tokenizer = ValidateConfig(), load_tokenizer(teacher)
@@ -286,18 +353,37 @@ def simulated_row(tool: str, option: str, teacher: Path, windows, out: Path, gro
     cases = load_prompts(DEFAULT_PROMPTS)
     eos = model_eos_ids(teacher, tokenizer)
     torch.save(windows, out / "windows.pt")
-    torch.save({"domains": evaluation_windows(tokenizer, evaluation, config), "prompts": [prompt_ids(tokenizer, c.prompt) for c in cases],
-                "new_tokens": config.prompt_new_tokens, "eos": eos, "pad": pad_id_of(tokenizer, eos)}, out / "evaluation.pt")
-    proc = subprocess.run([str(python), "-c", _MEASURED_HEAD + script + _MEASURED_TAIL, str(teacher), str(out), option, str(group)],
-                          capture_output=True, text=True, cwd=out, env={**os.environ, "PYTHONPATH": str(REPO)})
+    torch.save(
+        {
+            "domains": evaluation_windows(tokenizer, evaluation, config),
+            "prompts": [prompt_ids(tokenizer, c.prompt) for c in cases],
+            "new_tokens": config.prompt_new_tokens,
+            "eos": eos,
+            "pad": pad_id_of(tokenizer, eos),
+        },
+        out / "evaluation.pt",
+    )
+    proc = subprocess.run(
+        [str(python), "-c", _MEASURED_HEAD + script + _MEASURED_TAIL, str(teacher), str(out), option, str(group)],
+        capture_output=True,
+        text=True,
+        cwd=out,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{tool} {option} failed:\n{proc.stderr[-3000:]}")
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if "not_run" in result:
         return None, 0.0, result["not_run"]
     teacher_ids = teacher_answers(cases, tokenizer, teacher, eos, config.prompt_new_tokens, progress=False)
-    prompts = compare_answers(cases, tokenizer, teacher_ids, result["answers"], config.prompt_new_tokens, "the shipped app prompts")
-    quality = {**domain_quality(result["per_domain"], unseen), "prompts": prompts, "quantized_linears": result["quantized_linears"]}
+    prompts = compare_answers(
+        cases, tokenizer, teacher_ids, result["answers"], config.prompt_new_tokens, "the shipped app prompts"
+    )
+    quality = {
+        **domain_quality(result["per_domain"], unseen),
+        "prompts": prompts,
+        "quantized_linears": result["quantized_linears"],
+    }
     return quality, result["seconds"], None
 
 
@@ -325,23 +411,34 @@ def main() -> None:
         else:
             folder, seconds = quantize_row(name, teacher, windows, out)
             metrics = measure_row(folder, teacher)
-        row = {"row": name, "seconds": round(seconds, 1), "worst_domain": metrics["worst_domain"],
-               "worst_pct": metrics["perplexity_increase_pct"], "top1": metrics["top1_agreement"], "kl": metrics["mean_kl"],
-               "prefix": (metrics["prompts"] or {}).get("answer_prefix_agreement"),
-               "domains": {d: r["perplexity_increase_pct"] for d, r in metrics["domains"].items()}}
+        row = {
+            "row": name,
+            "seconds": round(seconds, 1),
+            "worst_domain": metrics["worst_domain"],
+            "worst_pct": metrics["perplexity_increase_pct"],
+            "top1": metrics["top1_agreement"],
+            "kl": metrics["mean_kl"],
+            "prefix": (metrics["prompts"] or {}).get("answer_prefix_agreement"),
+            "domains": {d: r["perplexity_increase_pct"] for d, r in metrics["domains"].items()},
+        }
         (out / "row.json").write_text(json.dumps(row, indent=2))
         results.append(row)
         print(json.dumps(row), flush=True)
-    print(f"\nSmolLM2-135M-Instruct, {len(windows)} calibration windows of {windows.shape[1]} tokens; measured by compress's "
-          "validation code against the unquantized model (edgellm rows: on Model Optimizer's fake quantization)\n")
+    print(
+        f"\nSmolLM2-135M-Instruct, {len(windows)} calibration windows of {windows.shape[1]} tokens; measured by "
+        "compress's "
+        "validation code against the unquantized model (edgellm rows: on Model Optimizer's fake quantization)\n"
+    )
     print("| row | worst domain | top-1 | KL | app-prompt answer prefix | quantize s |\n|---|---|---|---|---|---|")
     for row in results:
         if "not_run" in row:
             print(f"| {row['row']} | not run: {row['not_run']} | | | | |")
             continue
         prefix = f"{100 * row['prefix']:.1f}%" if row["prefix"] is not None else "—"
-        print(f"| {row['row']} | {row['worst_pct']:+.2f}% ({row['worst_domain']}) | {100 * row['top1']:.1f}% | {row['kl']:.4f} | "
-              f"{prefix} | {row['seconds']:.0f} |")
+        print(
+            f"| {row['row']} | {row['worst_pct']:+.2f}% ({row['worst_domain']}) | {100 * row['top1']:.1f}% | "
+            f"{row['kl']:.4f} | {prefix} | {row['seconds']:.0f} |"
+        )
 
 
 if __name__ == "__main__":

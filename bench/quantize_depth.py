@@ -11,7 +11,8 @@ plus 10% (it holds one block at a time, so it should not grow at all).
 
     .venv/bin/python bench/quantize_depth.py                       # recipe=default's quantize options
     .venv/bin/python bench/quantize_depth.py --recipe edgellm-int4
-    .venv/bin/python bench/quantize_depth.py --with quantize.method=rtn quantize.calib_windows=8   # the walk alone, quickly
+    # the walk alone, quickly:
+    .venv/bin/python bench/quantize_depth.py --with quantize.method=rtn quantize.calib_windows=8
 """
 
 from __future__ import annotations
@@ -54,34 +55,53 @@ def quantize(name: str, recipe: str, overrides: dict) -> dict:
     folder = build(name, weights=True)
     out = RUNS / f"quantize-depth-{name}"
     subprocess.run(["rm", "-rf", str(out)], check=True)  # this script's own earlier output
-    proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), recipe, json.dumps(overrides)],
-                          cwd=REPO,
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), recipe, json.dumps(overrides)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
     if proc.returncode != 0:
         raise SystemExit(f"{name}: quantize failed: {proc.stderr.strip().splitlines()[-1]}")
     peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
     config = json.loads((folder / "config.json").read_text())
     checkpoint = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    return {"name": name, "layers": config["num_hidden_layers"], "peak_gb": peak_kb * 1024 / 1e9, "checkpoint_gb": checkpoint / 1e9,
-            "seconds": float(re.search(r"SECONDS ([\d.]+)", proc.stdout).group(1)),
-            "written_gb": sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9}
+    return {
+        "name": name,
+        "layers": config["num_hidden_layers"],
+        "peak_gb": peak_kb * 1024 / 1e9,
+        "checkpoint_gb": checkpoint / 1e9,
+        "seconds": float(re.search(r"SECONDS ([\d.]+)", proc.stdout).group(1)),
+        "written_gb": sum(p.stat().st_size for p in out.glob("*.safetensors")) / 1e9,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="default")
-    parser.add_argument("--with", dest="overrides", nargs="*", default=[], metavar="OPTION=VALUE",
-                        help="quantize options over the recipe's (quantize.method=rtn alone starts from rtn's defaults)")
+    parser.add_argument(
+        "--with",
+        dest="overrides",
+        nargs="*",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="quantize options over the recipe's (quantize.method=rtn alone starts from rtn's defaults)",
+    )
     args = parser.parse_args()
     overrides = {}
     for word in args.overrides:
         key, _, value = word.partition("=")
         overrides[key.removeprefix("quantize.")] = json.loads(value) if value[:1] in "[{0123456789" else value
     rows = [quantize(name, args.recipe, overrides) for name in SHAPES_BY_DEPTH]
-    print("| shape | layers | bf16 checkpoint GB | quantize peak RSS GB | quantized GB written | seconds |\n|---|---|---|---|---|---|")
+    print(
+        "| shape | layers | bf16 checkpoint GB | quantize peak RSS GB | quantized GB written | seconds "
+        "|\n|---|---|---|---|---|---|"
+    )
     for row in rows:
-        print(f"| {row['name']} | {row['layers']} | {row['checkpoint_gb']:.2f} | {row['peak_gb']:.2f} | {row['written_gb']:.2f} | "
-              f"{row['seconds']:.0f} |")
+        print(
+            f"| {row['name']} | {row['layers']} | {row['checkpoint_gb']:.2f} | {row['peak_gb']:.2f} | "
+            f"{row['written_gb']:.2f} | {row['seconds']:.0f} |"
+        )
     shallow, deep = rows
     extra_layers = deep["checkpoint_gb"] - shallow["checkpoint_gb"]  # the 4 extra layers' bf16 bytes
     growth = deep["peak_gb"] - shallow["peak_gb"]

@@ -60,7 +60,9 @@ def run_row(name: str) -> dict:
     }
 
 
-def interleaved_latency(names: list[str], rounds: int = 3, prompt_tokens: int = 128, new_tokens: int = 16) -> dict[str, float]:
+def interleaved_latency(
+    names: list[str], rounds: int = 3, prompt_tokens: int = 128, new_tokens: int = 16
+) -> dict[str, float]:
     """Median ORT decode ms/token per row, measured round-robin so machine noise hits every row alike."""
     from compress.backends.onnx.runtime import OnnxDecoder
     from compress.core.text import DEFAULT_EVALUATION, EVAL_SKIP_CHARS
@@ -82,16 +84,21 @@ def interleaved_latency(names: list[str], rounds: int = 3, prompt_tokens: int = 
 
 def table(rows: list[dict]) -> str:
     fp32 = next((r for r in rows if r["row"] == "fp32"), None)
-    lines = ["| row | ppl (deployed numbers, torch) | vs fp32 teacher | ppl torch on the ONNX parity sample | ONNX MB | size vs fp32 | "
-             "ORT decode ms/token (interleaved) | latency vs fp32 | calibration s | quantize peak RSS MB |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| row | ppl (deployed numbers, torch) | vs fp32 teacher | ppl torch on the ONNX parity sample | ONNX MB | "
+        "size vs fp32 | "
+        "ORT decode ms/token (interleaved) | latency vs fp32 | calibration s | quantize peak RSS MB |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         size_ratio = f"{r['onnx_size_mb'] / fp32['onnx_size_mb']:.2f}x" if fp32 else "—"
         lat_ratio = f"{r['decode_ms_p50'] / fp32['decode_ms_p50']:.2f}x" if fp32 else "—"
         torch_q = f"{r['ppl_torch_quantized']:.3f}" if r["ppl_torch_quantized"] else "—"
-        lines.append(f"| {r['row']} | {r['ppl_model']:.3f} | {r['increase_pct']:+.2f}% | {torch_q} | {r['onnx_size_mb']:.0f} | "
-                     f"{size_ratio} | {r['decode_ms_p50']:.1f} | {lat_ratio} | {r['calibration_s'] or '—'} | "
-                     f"{r['quantize_peak_rss_mb'] or '—'} |")
+        lines.append(
+            f"| {r['row']} | {r['ppl_model']:.3f} | {r['increase_pct']:+.2f}% | {torch_q} | {r['onnx_size_mb']:.0f} | "
+            f"{size_ratio} | {r['decode_ms_p50']:.1f} | {lat_ratio} | {r['calibration_s'] or '—'} | "
+            f"{r['quantize_peak_rss_mb'] or '—'} |"
+        )
     return "\n".join(lines)
 
 

@@ -10,9 +10,17 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def compress_run(recipe: str, out: Path, *extra: str, target: str = "jetson-orin") -> dict | None:
-    """Run (or resume) ``compress run target=TARGET recipe=RECIPE out=OUT EXTRA...``; the report, or None if it failed."""
-    cmd = [str(REPO / ".venv" / "bin" / "compress"), "run", f"target={target}", f"recipe={recipe}", f"out={out}", "--no-progress",
-           *extra]
+    """Run (or resume) ``compress run target=TARGET recipe=RECIPE out=OUT EXTRA...``; the report, or None if it
+    failed."""
+    cmd = [
+        str(REPO / ".venv" / "bin" / "compress"),
+        "run",
+        f"target={target}",
+        f"recipe={recipe}",
+        f"out={out}",
+        "--no-progress",
+        *extra,
+    ]
     print("$", " ".join(cmd), flush=True)
     subprocess.run(cmd, cwd=REPO, check=False)
     if not (out / "report.json").is_file():

@@ -24,7 +24,9 @@ def bare_loop(session, layout, prompt: list[int], new_tokens: int) -> list[float
     names = past_names(layout.num_layers)
     ids = np.asarray([prompt], dtype=np.int64)
     feed = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(len(prompt))[None]}
-    feed.update({n: np.zeros((1, layout.num_kv_heads[i // 2], 0, layout.head_dim), np.float32) for i, n in enumerate(names)})
+    feed.update(
+        {n: np.zeros((1, layout.num_kv_heads[i // 2], 0, layout.head_dim), np.float32) for i, n in enumerate(names)}
+    )
     out = session.run(None, feed)
     steps = []
     for step in range(new_tokens):

@@ -35,18 +35,84 @@ COMPRESS = [sys.executable, "-m", "compress"]
 
 # Published shapes (config.json of each model card), as keyword arguments of the family's config class.
 SHAPES = {
-    "qwen3-0.6b": ("Qwen3", dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
-                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
-    "qwen3-1.7b": ("Qwen3", dict(hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
-                                 num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True)),
-    "llama-3.2-3b": ("Llama", dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24,
-                                   num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=True)),
-    "llama-3.1-8b-4l": ("Llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=4, num_attention_heads=32,
-                                      num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)),
-    "llama-3.1-8b-8l": ("Llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=8, num_attention_heads=32,
-                                      num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)),
-    "llama-3.1-8b": ("Llama", dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                                   num_key_value_heads=8, head_dim=128, vocab_size=128256, tie_word_embeddings=False)),
+    "qwen3-0.6b": (
+        "Qwen3",
+        dict(
+            hidden_size=1024,
+            intermediate_size=3072,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "qwen3-1.7b": (
+        "Qwen3",
+        dict(
+            hidden_size=2048,
+            intermediate_size=6144,
+            num_hidden_layers=28,
+            num_attention_heads=16,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.2-3b": (
+        "Llama",
+        dict(
+            hidden_size=3072,
+            intermediate_size=8192,
+            num_hidden_layers=28,
+            num_attention_heads=24,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "llama-3.1-8b-4l": (
+        "Llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=4,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-3.1-8b-8l": (
+        "Llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=8,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        ),
+    ),
+    "llama-3.1-8b": (
+        "Llama",
+        dict(
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=128256,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 
@@ -68,7 +134,9 @@ def build(name: str, weights: bool, tokenizer: Path | None = None) -> Path:
     if (folder / "model.safetensors.index.json").is_file() or (folder / "model.safetensors").is_file():
         return folder
     folder.mkdir(parents=True, exist_ok=True)
-    config = getattr(transformers, f"{family}Config")(**shape, max_position_embeddings=32768, rms_norm_eps=1e-6, dtype="bfloat16")
+    config = getattr(transformers, f"{family}Config")(
+        **shape, max_position_embeddings=32768, rms_norm_eps=1e-6, dtype="bfloat16"
+    )
     for file in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         source = (tokenizer or _tokenizer_folder()) / file
         if source.is_file():
@@ -97,7 +165,9 @@ def estimate(folder: Path, recipe: str, extra: list[str]) -> list[dict]:
     plan = json.loads(proc.stdout)
     rows = plan["estimates"]
     if not plan["fits_this_machine"]:
-        rows.append({"stage": "refused", "reason": plan["fit_problem"]})  # a real run is refused; the dry run only says so
+        rows.append(
+            {"stage": "refused", "reason": plan["fit_problem"]}
+        )  # a real run is refused; the dry run only says so
     return rows
 
 
@@ -126,9 +196,15 @@ def measure(folder: Path, name: str, recipe: str, extra: list[str]) -> dict:
     # /usr/bin/time reads at exit; the run's peak is the larger of that and every stage's own.
     stage_peak = max((max(s["peak_gb"], s["subprocess_gb"] or 0.0) for s in stages.values()), default=0.0)
     time_peak = int(peak_kb.group(1)) / 1024**2 if peak_kb else 0.0
-    return {"exit": proc.returncode, "peak_rss_gb": max(time_peak, stage_peak) or None,
-            "wall": f"{int(seconds) // 60}:{int(seconds) % 60:02d}", "run_dir_gb": size / 1e9, "checkpoint_gb": checkpoint / 1e9,
-            "stages": stages, "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1, 3) else None}
+    return {
+        "exit": proc.returncode,
+        "peak_rss_gb": max(time_peak, stage_peak) or None,
+        "wall": f"{int(seconds) // 60}:{int(seconds) % 60:02d}",
+        "run_dir_gb": size / 1e9,
+        "checkpoint_gb": checkpoint / 1e9,
+        "stages": stages,
+        "error": proc.stderr.strip().splitlines()[-1] if proc.returncode not in (0, 1, 3) else None,
+    }
 
 
 def main() -> None:
@@ -136,12 +212,18 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="*", default=[s for s in SHAPES if s != "llama-3.1-8b"], choices=list(SHAPES))
     parser.add_argument("--measure", nargs="*", default=[], choices=list(SHAPES))
     parser.add_argument("--recipe", default="default")
-    parser.add_argument("--tokenizer", type=Path, help="a folder whose tokenizer files the models get (default: the embedded "
-                        "model's, which needs its package)")
+    parser.add_argument(
+        "--tokenizer",
+        type=Path,
+        help="a folder whose tokenizer files the models get (default: the embedded model's, which needs its package)",
+    )
     parser.add_argument("--with", dest="extra", nargs="*", default=[], metavar="KEY=VALUE",
                         help="more words for compress run (export_onnx=off, quantize.calib_windows=16, ...)")
     args = parser.parse_args()
-    print("| shape | parameters | stage | estimated peak GB | estimated disk GB | estimated min |\n|---|---|---|---|---|---|")
+    print(
+        "| shape | parameters | stage | estimated peak GB | estimated disk GB | estimated min "
+        "|\n|---|---|---|---|---|---|"
+    )
     for name in args.shapes:
         folder = build(name, weights=name in args.measure, tokenizer=args.tokenizer)
         sys.path.insert(0, str(REPO))
@@ -152,14 +234,24 @@ def main() -> None:
             if "reason" in row:
                 print(f"| {name} | {params / 1e9:.2f}B | refused: {row['reason']} | | | |")
                 continue
-            print(f"| {name} | {params / 1e9:.2f}B | {row['stage']} | {row['peak_host_gb']} | {row['disk_gb']} | {row['minutes']} |")
+            print(
+                f"| {name} | {params / 1e9:.2f}B | {row['stage']} | {row['peak_host_gb']} | {row['disk_gb']} | "
+                f"{row['minutes']} |"
+            )
     for name in args.measure:
         result = measure(build(name, weights=True, tokenizer=args.tokenizer), name, args.recipe, args.extra)
-        print(f"\n{name}, recipe={args.recipe} {' '.join(args.extra)}: exit {result['exit']}, wall {result['wall']}, peak RSS "
-              f"{result['peak_rss_gb']:.2f} GiB ({result['peak_rss_gb'] * 1.073741824 / result['checkpoint_gb']:.1f}x the "
-              f"{result['checkpoint_gb']:.2f} GB bf16 checkpoint), run directory {result['run_dir_gb']:.2f} GB "
-              f"({result['run_dir_gb'] / result['checkpoint_gb']:.1f}x)" + (f"; error: {result['error']}" if result["error"] else ""))
-        print("| stage | wall s | peak GiB (compress) | peak GiB (a program it ran) | peak GiB (CUDA device) |\n|---|---|---|---|---|")
+        print(
+            f"\n{name}, recipe={args.recipe} {' '.join(args.extra)}: exit {result['exit']}, wall {result['wall']}, "
+            "peak RSS "
+            f"{result['peak_rss_gb']:.2f} GiB ({result['peak_rss_gb'] * 1.073741824 / result['checkpoint_gb']:.1f}x "
+            f"the {result['checkpoint_gb']:.2f} GB bf16 checkpoint), run directory {result['run_dir_gb']:.2f} GB "
+            f"({result['run_dir_gb'] / result['checkpoint_gb']:.1f}x)"
+            + (f"; error: {result['error']}" if result["error"] else "")
+        )
+        print(
+            "| stage | wall s | peak GiB (compress) | peak GiB (a program it ran) | peak GiB (CUDA device) "
+            "|\n|---|---|---|---|---|"
+        )
         for stage, row in result["stages"].items():
             device = "—" if row["device_gb"] is None else row["device_gb"]
             print(f"| {stage} | {row['s']:.1f} | {row['peak_gb']} | {row['subprocess_gb'] or '—'} | {device} |")

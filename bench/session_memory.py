@@ -26,51 +26,76 @@ SETTINGS = {
     "no prepacking": {"config": {"session.disable_prepacking": "1"}},
     "no constant folding": {"disabled_optimizers": ["ConstantFolding"]},
     "no constant folding, no arena": {"disabled_optimizers": ["ConstantFolding"], "arena": False},
-    "folding only outputs up to 1 MiB": {"config": {"optimization.constant_folding_max_output_size_in_bytes": str(2**20)}},
-    "folding only outputs up to 1 MiB, no prepacking": {"config": {
-        "optimization.constant_folding_max_output_size_in_bytes": str(2**20), "session.disable_prepacking": "1"}},
+    "folding only outputs up to 1 MiB": {
+        "config": {"optimization.constant_folding_max_output_size_in_bytes": str(2**20)}
+    },
+    "folding only outputs up to 1 MiB, no prepacking": {
+        "config": {
+            "optimization.constant_folding_max_output_size_in_bytes": str(2**20),
+            "session.disable_prepacking": "1",
+        }
+    },
 }
 
-_CHILD = r'''
+_CHILD = r"""
 import json, sys, time
 from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 from compress.backends.onnx import runtime
 
+
 def status_gib(field):
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field + ":")) / 1024**2
+
 
 def peak_gib():
     return status_gib("VmHWM")
 
-folder, setting, tokens, chunk, decode, reference = Path(sys.argv[1]), json.loads(sys.argv[2]), *map(int, sys.argv[3:6]), sys.argv[6]
+
+folder, setting, tokens, chunk, decode, reference = (
+    Path(sys.argv[1]),
+    json.loads(sys.argv[2]),
+    *map(int, sys.argv[3:6]),
+    sys.argv[6],
+)
 layout = runtime.DecoderLayout.load(folder)
 options = runtime.session_options(int8_activations=layout.int8_activations)
 options.enable_cpu_mem_arena = setting.get("arena", True)
 for key, value in setting.get("config", {}).items():
     options.add_session_config_entry(key, value)
 start = time.perf_counter()
-session = ort.InferenceSession(str(folder / runtime.ONNX_FILE), options, providers=["CPUExecutionProvider"],
-                               disabled_optimizers=setting.get("disabled_optimizers", []))
+session = ort.InferenceSession(
+    str(folder / runtime.ONNX_FILE),
+    options,
+    providers=["CPUExecutionProvider"],
+    disabled_optimizers=setting.get("disabled_optimizers", []),
+)
 open_s, opened = time.perf_counter() - start, peak_gib()
 names = runtime.past_names(layout.num_layers)
 dtype = np.float16 if {i.name: i.type for i in session.get_inputs()}[names[0]] == "tensor(float16)" else np.float32
-past = [np.zeros((1, layout.num_kv_heads[i // 2], 0, layout.head_dim), dtype=dtype) for i in range(2 * layout.num_layers)]
+past = [
+    np.zeros((1, layout.num_kv_heads[i // 2], 0, layout.head_dim), dtype=dtype) for i in range(2 * layout.num_layers)
+]
 vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
 ids = np.random.default_rng(0).integers(0, min(vocab, 1000), (1, tokens))
 
+
 def step(piece, past):
     length = past[0].shape[2] + piece.shape[1]
-    feed = {"input_ids": piece, "attention_mask": np.ones((1, length), dtype=np.int64),
-            "position_ids": np.arange(length - piece.shape[1], length)[None]}
+    feed = {
+        "input_ids": piece,
+        "attention_mask": np.ones((1, length), dtype=np.int64),
+        "position_ids": np.arange(length - piece.shape[1], length)[None],
+    }
     feed.update(zip(names, past))
     out = session.run(None, feed)
     return out[0], out[1:]
 
+
 start, last = time.perf_counter(), []
 for begin in range(0, tokens, chunk):
-    logits, past = step(ids[:, begin:begin + chunk], past)
+    logits, past = step(ids[:, begin : begin + chunk], past)
     last.append(logits[0, -1].astype(np.float32))
 prefill_s = time.perf_counter() - start
 start = time.perf_counter()
@@ -84,11 +109,20 @@ if Path(reference).exists():
 else:
     np.save(reference, last)
     difference = 0.0
-print(json.dumps({"open_s": round(open_s, 1), "session_gib": round(opened, 2), "after_gib": round(peak_gib(), 2),
-                  "file_gib": round(status_gib("RssFile"), 2),
-                  "prefill_s": round(prefill_s, 1), "decode_ms_per_token": round(1000 * decode_s / max(decode, 1), 1),
-                  "max_logit_difference": difference}))
-'''
+print(
+    json.dumps(
+        {
+            "open_s": round(open_s, 1),
+            "session_gib": round(opened, 2),
+            "after_gib": round(peak_gib(), 2),
+            "file_gib": round(status_gib("RssFile"), 2),
+            "prefill_s": round(prefill_s, 1),
+            "decode_ms_per_token": round(1000 * decode_s / max(decode, 1), 1),
+            "max_logit_difference": difference,
+        }
+    )
+)
+"""
 
 
 def main() -> None:
@@ -100,9 +134,14 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", choices=list(SETTINGS), default=list(SETTINGS))
     args = parser.parse_args()
     graph_gb = sum(f.stat().st_size for f in args.onnx_dir.iterdir() if f.is_file()) / 1e9
-    print(f"graph files {graph_gb:.2f} GB; {args.tokens} tokens {args.chunk} at a time, then {args.decode} greedy tokens\n")
-    print("| session setting | open s | peak GiB, session open | peak GiB, after the tokens | of it, the graph's file mapped | "
-          "prefill s | decode ms/token | largest logit difference |")
+    print(
+        f"graph files {graph_gb:.2f} GB; {args.tokens} tokens {args.chunk} at a time, then {args.decode} greedy "
+        "tokens\n"
+    )
+    print(
+        "| session setting | open s | peak GiB, session open | peak GiB, after the tokens | of it, the graph's file "
+        "mapped | prefill s | decode ms/token | largest logit difference |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as scratch:
         reference = str(Path(scratch) / "reference.npy")
@@ -114,8 +153,12 @@ def main() -> None:
                 print(f"| {name} | failed: {result.stderr.strip().splitlines()[-1]} | | | | | | |")
                 continue
             r = json.loads(result.stdout.strip().splitlines()[-1])
-            print(f"| {name} | {r['open_s']} | {r['session_gib']} | {r['after_gib']} | {r['file_gib']} | {r['prefill_s']} | "
-                  f"{r['decode_ms_per_token']} | {r['max_logit_difference']:.2e} |", flush=True)
+            print(
+                f"| {name} | {r['open_s']} | {r['session_gib']} | {r['after_gib']} | {r['file_gib']} | "
+                f"{r['prefill_s']} | "
+                f"{r['decode_ms_per_token']} | {r['max_logit_difference']:.2e} |",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

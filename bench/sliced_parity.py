@@ -22,7 +22,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 WINDOW = 512
 
-_CHILD = r'''
+_CHILD = r"""
 import json, sys, time
 import numpy as np
 import torch
@@ -30,8 +30,10 @@ from pathlib import Path
 from compress.backends.onnx.runtime import OnnxDecoder
 from compress.eval import decoder as validation
 
+
 def peak_gib():
     return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM")) / 1024**2
+
 
 folder, limit_mb, windows = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 started = time.perf_counter()
@@ -41,9 +43,17 @@ decoder = decoder or OnnxDecoder(folder)
 rows = torch.randint(0, 1000, (windows, 512), generator=torch.Generator().manual_seed(0))
 torch_side = {i: validation.TorchWindow(0.0, np.zeros(511, dtype=np.int64)) for i in range(windows)}
 parity = validation.onnx_parity(decoder, torch_side, rows)
-print(json.dumps({"slices": slices, "peak_gib": round(peak_gib(), 2), "seconds": round(time.perf_counter() - started, 1),
-                  "perplexity_onnx": parity["perplexity_onnx"]}))
-'''
+print(
+    json.dumps(
+        {
+            "slices": slices,
+            "peak_gib": round(peak_gib(), 2),
+            "seconds": round(time.perf_counter() - started, 1),
+            "perplexity_onnx": parity["perplexity_onnx"],
+        }
+    )
+)
+"""
 
 
 def main() -> None:
@@ -54,13 +64,21 @@ def main() -> None:
     args = parser.parse_args()
     print("| way | slices | peak GiB | seconds | ONNX Runtime perplexity |\n|---|---|---|---|---|")
     for limit in [0, *args.slices_mb]:
-        proc = subprocess.run([sys.executable, "-c", _CHILD, str(args.onnx_dir), str(limit), str(args.windows)],
-                              capture_output=True, text=True, cwd=REPO, env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+        proc = subprocess.run(
+            [sys.executable, "-c", _CHILD, str(args.onnx_dir), str(limit), str(args.windows)],
+            capture_output=True,
+            text=True,
+            cwd=REPO,
+            env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"},
+        )
         if proc.returncode != 0:
             raise SystemExit(proc.stderr[-2000:])
         row = json.loads(proc.stdout.strip().splitlines()[-1])
         name = "whole graph, one session" if limit == 0 else f"slices of at most {limit} MiB of weights"
-        print(f"| {name} | {row['slices']} | {row['peak_gib']} | {row['seconds']} | {row['perplexity_onnx']:.6f} |", flush=True)
+        print(
+            f"| {name} | {row['slices']} | {row['peak_gib']} | {row['seconds']} | {row['perplexity_onnx']:.6f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

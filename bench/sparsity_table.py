@@ -26,13 +26,32 @@ ROWS: dict[str, tuple[str, list[str]]] = {
     "2:4 magnitude": ("sparse24", ["sparsify.method=magnitude"]),
     "2:4 wanda": ("sparse24", ["sparsify.method=wanda"]),
     "2:4 sparsegpt": ("sparse24", ["sparsify.method=sparsegpt"]),
-    "50% unstructured sparsegpt": ("sparse24", ["sparsify.method=sparsegpt", "sparsify.pattern=unstructured", "sparsify.ratio=0.5"]),
+    "50% unstructured sparsegpt": (
+        "sparse24",
+        ["sparsify.method=sparsegpt", "sparsify.pattern=unstructured", "sparsify.ratio=0.5"],
+    ),
     "heads -25%": ("prune-heads", ["prune_heads.fraction=0.25"]),
     "heads -50%": ("prune-heads", ["prune_heads.fraction=0.5"]),
-    "heads -25% + 60 KD steps": ("distill", ["distill.target_fraction=null", "distill.heads_per_group=2", "distill.steps=60",
-                                            "distill.eval_every=60", "distill.checkpoint_every=60"]),
-    "heads -50% + 60 KD steps": ("distill", ["distill.target_fraction=null", "distill.heads_per_group=1", "distill.steps=60",
-                                            "distill.eval_every=60", "distill.checkpoint_every=60"]),
+    "heads -25% + 60 KD steps": (
+        "distill",
+        [
+            "distill.target_fraction=null",
+            "distill.heads_per_group=2",
+            "distill.steps=60",
+            "distill.eval_every=60",
+            "distill.checkpoint_every=60",
+        ],
+    ),
+    "heads -50% + 60 KD steps": (
+        "distill",
+        [
+            "distill.target_fraction=null",
+            "distill.heads_per_group=1",
+            "distill.steps=60",
+            "distill.eval_every=60",
+            "distill.checkpoint_every=60",
+        ],
+    ),
 }
 
 
@@ -49,11 +68,17 @@ def run_row(name: str) -> dict:
     validate = stages["validate"]["metrics"]
     step = stages.get("sparsify") or stages.get("prune_heads") or stages["distill"]
     metrics = step["metrics"]
-    return {"row": name, "ppl": validate["perplexity_model"], "teacher": validate["perplexity_teacher"],
-            "ratio": validate["perplexity_model"] / validate["perplexity_teacher"],
-            "nonzero_parameters": metrics.get("nonzero_parameters", metrics["parameters"]), "parameters": metrics["parameters"],
-            "pattern_24": stages["export_onnx"]["metrics"].get("onnx_pattern_24_fraction"),
-            "onnx_mb": validate["model_size_bytes"] / 1e6, "seconds": step["duration_s"]}
+    return {
+        "row": name,
+        "ppl": validate["perplexity_model"],
+        "teacher": validate["perplexity_teacher"],
+        "ratio": validate["perplexity_model"] / validate["perplexity_teacher"],
+        "nonzero_parameters": metrics.get("nonzero_parameters", metrics["parameters"]),
+        "parameters": metrics["parameters"],
+        "pattern_24": stages["export_onnx"]["metrics"].get("onnx_pattern_24_fraction"),
+        "onnx_mb": validate["model_size_bytes"] / 1e6,
+        "seconds": step["duration_s"],
+    }
 
 
 def main() -> None:
@@ -65,8 +90,10 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         pattern = f"{100 * r['pattern_24']:.2f}%" if r["pattern_24"] is not None else "—"
-        print(f"| {r['row']} | {r['ppl']:.2f} | {r['ratio']:.2f}x (dense {r['teacher']:.2f}) | {r['nonzero_parameters']:,} / "
-              f"{r['parameters']:,} | {pattern} | {r['onnx_mb']:.0f} | {r['seconds']} |")
+        print(
+            f"| {r['row']} | {r['ppl']:.2f} | {r['ratio']:.2f}x (dense {r['teacher']:.2f}) | "
+            f"{r['nonzero_parameters']:,} / {r['parameters']:,} | {pattern} | {r['onnx_mb']:.0f} | {r['seconds']} |"
+        )
 
 
 if __name__ == "__main__":

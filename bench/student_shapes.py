@@ -54,17 +54,24 @@ def main() -> None:
     print("| student (layers x MLP width) | parameters | layers dropped | perplexity before training | vs teacher "
           "| KD steps | perplexity after | vs teacher | training s |")
     print("|---|---|---|---|---|---|---|---|---|")
-    print(f"| teacher {teacher.config.num_hidden_layers}x{teacher.config.intermediate_size} | {count_parameters(teacher):,} | — | "
-          f"{dense:.2f} | — | | | | |")
+    print(
+        f"| teacher {teacher.config.num_hidden_layers}x{teacher.config.intermediate_size} | "
+        f"{count_parameters(teacher):,} | — | {dense:.2f} | — | | | | |"
+    )
     for spec in sys.argv[1:] or ["29x1536", "28x1536", "30x1408", "30x1280"]:
         shape_spec, _, steps_spec = spec.partition(":")
         layers, width = (int(v) for v in shape_spec.split("x"))
-        shape = {"num_layers": layers, "intermediate_size": width, "num_attention_heads": teacher.config.num_attention_heads}
+        shape = {
+            "num_layers": layers,
+            "intermediate_size": width,
+            "num_attention_heads": teacher.config.num_attention_heads,
+        }
         student = copy.deepcopy(teacher)
         kept = build_student(student, calibration, shape)
         dropped = sorted(set(range(teacher.config.num_hidden_layers)) - set(kept["kept_layers"])) or "—"
         before = perplexity(torch_logits_fn(student), evaluation, progress=False)
-        row = f"| {shape_spec} | {count_parameters(student):,} | {dropped} | {before:.2f} | {100 * (before / dense - 1):+.1f}% |"
+        change = 100 * (before / dense - 1)
+        row = f"| {shape_spec} | {count_parameters(student):,} | {dropped} | {before:.2f} | {change:+.1f}% |"
         if steps_spec:
             config = DistillConfig(num_layers=layers, intermediate_size=width, steps=int(steps_spec), **training,
                                    eval_every=10**6, checkpoint_every=10**6)

@@ -29,7 +29,9 @@ def main() -> int:
     gate = result.report["gate"]
     print(f"gate: {gate['verdict']}")
     for check in gate["checks"]:
-        print(f"  {check['name']}: {check['value']:.4g} (limit {check['limit']}, {check['verdict']}, {check['source']})")
+        print(
+            f"  {check['name']}: {check['value']:.4g} (limit {check['limit']}, {check['verdict']}, {check['source']})"
+        )
     answer = compress.runtime.load(result.run_dir).generate("What is the capital of France?", max_new_tokens=16)
     print(f"answer: {answer}")
     return result.exit_code

@@ -61,10 +61,20 @@ def build_tiny_llama(folder: Path, layers: int = 2, hidden: int = 64, heads: int
             "sliding_attention" if i % 2 == 0 else "full_attention" for i in range(layers)]},
         "phi3": {"partial_rotary_factor": 0.5},
     }.get(family, {}) | config_overrides
-    config = config_cls(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate,
-                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        max_position_embeddings=2048, tie_word_embeddings=True,
-                        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, bos_token_id=None, **extra)
+    config = config_cls(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        **extra,
+    )
     model = model_cls(config).eval()
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -111,7 +121,8 @@ def smoke_overrides(*extra: str) -> list[str]:
 
 
 def baseline_run(model: Path, out: Path, *extra: str) -> int:
-    """``compress run recipe=baseline`` of ``model`` into ``out`` at the smoke sizes (``extra`` on top), in this process."""
+    """``compress run recipe=baseline`` of ``model`` into ``out`` at the smoke sizes (``extra`` on top), in this
+    process."""
     from compress.cli.main import main  # lazy: the suite's helpers import compress only where a test needs it
 
     return main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "--no-progress",
@@ -153,7 +164,9 @@ def tamper_bundle(bundle: Path, tensor: str, change) -> None:
     model = onnx.load(path, load_external_data=True)
     for index, init in enumerate(model.graph.initializer):
         if init.name == tensor:
-            model.graph.initializer[index].CopyFrom(numpy_helper.from_array(change(numpy_helper.to_array(init)), tensor))
+            model.graph.initializer[index].CopyFrom(
+                numpy_helper.from_array(change(numpy_helper.to_array(init)), tensor)
+            )
     (bundle / "llm" / "model.onnx.data").unlink()
     onnx.save(model, path, save_as_external_data=True, location="model.onnx.data")
 
@@ -166,5 +179,11 @@ def run_compress(*args: str, timeout: int = 900):
     import subprocess
     import sys
 
-    return subprocess.run([sys.executable, "-m", "compress", *args], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "compress", *args],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

@@ -98,7 +98,9 @@ def _nonzero(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == 0, torch.ones_like(scales), scales)
 
 
-ROWS_AT_A_TIME = 8192  # rows of a weight taken to float32 at a time where a whole copy would be large (a 150k-word LM head)
+ROWS_AT_A_TIME = (
+    8192  # rows of a weight taken to float32 at a time where a whole copy would be large (a 150k-word LM head)
+)
 
 
 def tensor_absmax(weights: list[torch.Tensor]) -> float:
@@ -107,7 +109,8 @@ def tensor_absmax(weights: list[torch.Tensor]) -> float:
 
 
 def expand_scales(scales: torch.Tensor, in_features: int) -> torch.Tensor:
-    """Scales broadcast against an ``(out, in)`` weight: per tensor ``()``, per channel ``(out,)``, per group ``(out, groups)``."""
+    """Scales broadcast against an ``(out, in)`` weight: per tensor ``()``, per channel ``(out,)``, per group ``(out,
+    groups)``."""
     if scales.dim() == 0:
         return scales
     if scales.dim() == 1:
@@ -288,7 +291,8 @@ class Fp8Activation:
 
 @dataclass(frozen=True)
 class Nvfp4Activation:
-    """Dynamic NVFP4 blocks of 16 along the last axis, FP8 block scales relative to a calibrated power-of-two global scale.
+    """Dynamic NVFP4 blocks of 16 along the last axis, FP8 block scales relative to a calibrated power-of-two global
+    scale.
 
     TensorRT's FP4 dynamic quantization divides by the FP32 product of block and global scale but
     multiplies back by their FP16 product; with a power-of-two global scale both products are exact,
@@ -310,11 +314,14 @@ class Nvfp4Activation:
         return (round_e2m1(blocks / quantize_scale) * quantize_scale).reshape(x.shape).to(x.dtype)
 
 
-ACTIVATION_FORMATS: dict[str, ActivationFormat] = {f.name: f for f in (Int8Activation(), Fp8Activation(), Nvfp4Activation())}
+ACTIVATION_FORMATS: dict[str, ActivationFormat] = {
+    f.name: f for f in (Int8Activation(), Fp8Activation(), Nvfp4Activation())
+}
 
 
-
-def levels_on_grid(weight: torch.Tensor, grid: WeightGrid, scales: torch.Tensor, tolerance: float = 1e-5) -> torch.Tensor:
+def levels_on_grid(
+    weight: torch.Tensor, grid: WeightGrid, scales: torch.Tensor, tolerance: float = 1e-5
+) -> torch.Tensor:
     """The grid values of a weight that lies on ``grid`` under ``scales``; raises ValueError for one that does not.
 
     ``tolerance`` is relative to the weight's largest magnitude (integer grids recovered from a
@@ -369,13 +376,28 @@ class Precision:
         return min(self.weight_bits, 16)
 
 
-PRECISIONS: dict[str, Precision] = {p.name: p for p in (
-    Precision("fp32", 32, "fp32", "fp16", "float", None, "fp16", None, "float (FP16 on the device)"),
-    Precision("fp16", 16, "fp16", "fp16", "float", None, "fp16", None, "FP16"),
-    Precision("bf16", 16, "bf16", "fp16", "float", None, "fp16", None, "float (FP16 on the device)"),
-    Precision("int8", 8, "int8", "int8", "int", "int8", "int8", "W8A8_SQ_PER_CHANNEL", "INT8 weights and activations (W8A8)"),
-    Precision("int4", 4, "int4", "fp16", "int", None, "int4", "W4A16_AWQ", "INT4 weight-only (W4A16), grouped scales"),
-    Precision("fp8", 8, "fp8", "fp8", "fp8", "fp8", "fp8", "FP8", "FP8 E4M3 weights and activations"),
-    Precision("nvfp4", 4, "fp4", "fp4", "nvfp4", "nvfp4", "nvfp4", "NVFP4", "NVFP4 weights and activations (W4A4)"),
-    Precision("nvfp4_a16", 4, "fp4", "fp16", "nvfp4", None, "nvfp4", "W4A16_NVFP4", "NVFP4 weight-only (W4A16)"),
-)}
+PRECISIONS: dict[str, Precision] = {
+    p.name: p
+    for p in (
+        Precision("fp32", 32, "fp32", "fp16", "float", None, "fp16", None, "float (FP16 on the device)"),
+        Precision("fp16", 16, "fp16", "fp16", "float", None, "fp16", None, "FP16"),
+        Precision("bf16", 16, "bf16", "fp16", "float", None, "fp16", None, "float (FP16 on the device)"),
+        Precision(
+            "int8",
+            8,
+            "int8",
+            "int8",
+            "int",
+            "int8",
+            "int8",
+            "W8A8_SQ_PER_CHANNEL",
+            "INT8 weights and activations (W8A8)",
+        ),
+        Precision(
+            "int4", 4, "int4", "fp16", "int", None, "int4", "W4A16_AWQ", "INT4 weight-only (W4A16), grouped scales"
+        ),
+        Precision("fp8", 8, "fp8", "fp8", "fp8", "fp8", "fp8", "FP8", "FP8 E4M3 weights and activations"),
+        Precision("nvfp4", 4, "fp4", "fp4", "nvfp4", "nvfp4", "nvfp4", "NVFP4", "NVFP4 weights and activations (W4A4)"),
+        Precision("nvfp4_a16", 4, "fp4", "fp16", "nvfp4", None, "nvfp4", "W4A16_NVFP4", "NVFP4 weight-only (W4A16)"),
+    )
+}

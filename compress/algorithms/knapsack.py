@@ -30,7 +30,9 @@ def solve(choices: Choices, budget: float) -> dict[Hashable, Choice]:
     """The choice per group of least total cost whose summed KL stays within ``budget``; every group must offer a choice
     of zero KL (its float format), so a solution exists."""
     if budget <= 0:
-        return {group: min((c for c in options if c.kl == 0), key=lambda c: c.cost) for group, options in choices.items()}
+        return {
+            group: min((c for c in options if c.kl == 0), key=lambda c: c.cost) for group, options in choices.items()
+        }
     unit = budget / KL_STEPS
     groups = list(choices)
     best = [0.0] * (KL_STEPS + 1)  # best[w]: the least cost so far with total weight at most w
@@ -67,8 +69,8 @@ def _add_group(best: list[float], options: list[Choice], unit: float) -> tuple[l
 def solve_apart(choices: Choices, budget: float, format_sets: Sequence[Iterable[str]] | None = None,
                 always: str = "fp16") -> dict[Hashable, Choice]:
     """:func:`solve` where one plan may only use formats of one of ``format_sets`` (those a deployment can hold side by
-    side, each with the ``always`` format; ``None``: any): solved within each set, the cheapest plan wins (the smaller KL
-    on a tie)."""
+    side, each with the ``always`` format; ``None``: any): solved within each set, the cheapest plan wins (the smaller
+    KL on a tie)."""
     if not format_sets:
         return solve(choices, budget)
     best: dict[Hashable, Choice] | None = None

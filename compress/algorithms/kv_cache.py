@@ -56,7 +56,9 @@ def route_attention(model) -> None:
     if inner == KV_ATTENTION:
         return
     if inner != "sdpa":
-        raise UsageError(f"an FP8 KV cache is simulated around transformers' SDPA attention, and the model uses {inner!r}")
+        raise UsageError(
+            f"an FP8 KV cache is simulated around transformers' SDPA attention, and the model uses {inner!r}"
+        )
     for block in decoder_blocks(model):
         block.self_attn.compress_kv_inner = inner
     model.config._attn_implementation = KV_ATTENTION

@@ -21,8 +21,9 @@ def qmax(bits: int) -> int:
     return 2 ** (bits - 1) - 1
 
 
-def quantize_dequantize_weight(weight: torch.Tensor, bits: int, group_size: int | None, clip_ratio: torch.Tensor | float = 1.0
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_dequantize_weight(
+    weight: torch.Tensor, bits: int, group_size: int | None, clip_ratio: torch.Tensor | float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Round-to-nearest on the ``bits``-bit integer grid: the dequantized weight and its scales."""
     return quantize_dequantize(weight, IntGrid(bits, group_size), clip_ratio)
 
@@ -34,7 +35,9 @@ def quantize_dequantize_activation(x: torch.Tensor, scale: float, bits: int = 8)
 
 def sqnr_db(reference: torch.Tensor, approximation: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio in dB (higher is better)."""
-    return sqnr_of_energies(reference.double().pow(2).sum().item(), (reference - approximation).double().pow(2).sum().item())
+    return sqnr_of_energies(
+        reference.double().pow(2).sum().item(), (reference - approximation).double().pow(2).sum().item()
+    )
 
 
 def sqnr_of_energies(signal: float, noise: float) -> float:
@@ -51,9 +54,14 @@ def smoothquant_scales(act_absmax: torch.Tensor, weights: list[torch.Tensor], al
     return scales.clamp(min=1e-5)
 
 
-def awq_search_scales(x: torch.Tensor, weights: list[torch.Tensor], grid: WeightGrid, steps: int = 20,
-                      reduce: torch.Tensor | None = None, activation: Callable[[torch.Tensor], torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, float]:
+def awq_search_scales(
+    x: torch.Tensor,
+    weights: list[torch.Tensor],
+    grid: WeightGrid,
+    steps: int = 20,
+    reduce: torch.Tensor | None = None,
+    activation: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, float]:
     """AWQ: the per-input-channel scale ``mean|x|^r`` (r on a grid) that minimises the quantized output error.
 
     Each candidate's weights are rounded to ``grid`` (bound to each scaled weight, so NVFP4 takes
@@ -123,7 +131,11 @@ def _search_clip_rows(x: torch.Tensor, weight: torch.Tensor, grid: WeightGrid, s
         reference = torch.einsum("tng,ong->tno", xg, w)
 
         def group_error(wq: torch.Tensor) -> torch.Tensor:
-            return (torch.einsum("tng,ong->tno", xg, wq.reshape(out_features, groups, group_size)) - reference).pow(2).mean(dim=0)
+            return (
+                (torch.einsum("tng,ong->tno", xg, wq.reshape(out_features, groups, group_size)) - reference)
+                .pow(2)
+                .mean(dim=0)
+            )
 
     best_error = weight.new_full((groups, out_features), math.inf, dtype=torch.float32)
     best_ratio = weight.new_ones(out_features, groups, dtype=torch.float32)
@@ -170,7 +182,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid,
             raise ValueError("act_order needs per-channel or per-tensor scales (no groups)")
         order = torch.argsort(torch.diag(hessian), descending=True, stable=True)
         restore = torch.argsort(order)
-        dequantized, scales = gptq_quantize(weight[:, order], hessian[order][:, order], grid, damp, block_size, clip_ratio)
+        dequantized, scales = gptq_quantize(
+            weight[:, order], hessian[order][:, order], grid, damp, block_size, clip_ratio
+        )
         return dequantized[:, restore], scales
     w, h_inv = prepare_obs(weight, hessian, damp)
     out_features, in_features = w.shape
@@ -205,7 +219,9 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, grid: WeightGrid,
     return grid.dequantize(levels, expand_scales(scales, in_features)), scales
 
 
-def activation_scale(samples: torch.Tensor, absmax: float, rule: str, activation: ActivationFormat, steps: int = 20) -> float:
+def activation_scale(
+    samples: torch.Tensor, absmax: float, rule: str, activation: ActivationFormat, steps: int = 20
+) -> float:
     """Static per-tensor activation scale: from the absolute maximum, or the clipped maximum with least MSE."""
     if rule == "absmax":
         return activation.scale_for(absmax)

@@ -1,1 +1,2 @@
-"""Deployment formats, one folder each: the portable ONNX (onnx/), TensorRT engines (tensorrt/), TensorRT Edge-LLM (edgellm/)."""
+"""Deployment formats, one folder each: the portable ONNX (onnx/), TensorRT engines (tensorrt/), TensorRT Edge-LLM
+(edgellm/)."""

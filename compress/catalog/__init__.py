@@ -1,4 +1,5 @@
-"""What compress ships as data: recipes, targets and text, read through ``importlib.resources`` so an installed wheel has them.
+"""What compress ships as data: recipes, targets and text, read through ``importlib.resources`` so an installed wheel
+has them.
 
 * ``recipes/*.yaml``: named stage lists with their options;
 * ``targets/*.yaml``: hardware facts, power modes and budgets of each deployment target;

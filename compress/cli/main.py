@@ -48,14 +48,24 @@ exit codes: 0 gate PASS, 1 gate FAIL, 2 usage or input error, 3 gate NOT_MEASURE
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="compress", description="Compress a Hugging Face model into a validated edge engine.",
-                                     epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="compress",
+        description="Compress a Hugging Face model into a validated edge engine.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("-q", "--quiet", action="store_true", help="only warnings and the result")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    run = sub.add_parser("run", help="run a recipe for a target", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    run.add_argument("pairs", nargs="*", metavar="key=value",
-                     help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, device=, stage.option=, budgets.key=")
+    run = sub.add_parser(
+        "run", help="run a recipe for a target", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    run.add_argument(
+        "pairs",
+        nargs="*",
+        metavar="key=value",
+        help="target=, recipe=, model=, out=, calib=, eval=, power=, seed=, device=, stage.option=, budgets.key=",
+    )
     run.add_argument("--dry-run", action="store_true", help="print the resolved config and stage plan; do no work")
     run.add_argument("--require-measured", action="store_true", help="predicted checks count as NOT_MEASURED")
     run.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -72,16 +82,22 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("run_dir", type=Path)
     validate.add_argument("pairs", nargs="*", metavar="key=value", help="target=, power=, budgets.key=")
     validate.add_argument("--require-measured", action="store_true")
-    validate.add_argument("--on-device", action="store_true", help="measure latency with the run's TensorRT engine on this GPU")
+    validate.add_argument(
+        "--on-device", action="store_true", help="measure latency with the run's TensorRT engine on this GPU"
+    )
 
     build = sub.add_parser("build-engine", help="build a run's TensorRT engine on this device from its build plan")
     build.add_argument("run_dir", type=Path)
 
-    verify = sub.add_parser("verify", help="check every file a run recorded, in full, and its Edge-LLM bundle's custody (exit 0 or 2)")
+    verify = sub.add_parser(
+        "verify", help="check every file a run recorded, in full, and its Edge-LLM bundle's custody (exit 0 or 2)"
+    )
     verify.add_argument("run_dir", type=Path)
 
     predict = sub.add_parser("predict", help="predict decode speed, TTFT, memory and energy for a decoder config")
-    predict.add_argument("pairs", nargs="+", metavar="key=value", help="target=, model_config=, precision=, power=, prompt_len=")
+    predict.add_argument(
+        "pairs", nargs="+", metavar="key=value", help="target=, model_config=, precision=, power=, prompt_len="
+    )
     return parser
 
 
@@ -173,7 +189,10 @@ def _cmd_show(args: argparse.Namespace) -> int:
     if report is not None:
         print(f"gate:    {report['gate']['verdict']}")
         for check in report["gate"]["checks"]:
-            print(f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, {check['source']})")
+            print(
+                f"  {check['verdict']:<12} {check['name']}: {check['value']} (limit {check['limit']}, "
+                f"{check['source']})"
+            )
     return 0
 
 
@@ -202,7 +221,11 @@ def _cmd_verify(args: argparse.Namespace) -> int:
             print(f"  {result.model} (not part of the run directory)")
         print(f"{args.run_dir}: {len(result.problems)} problem(s); this is not what compress wrote")
         return EXIT_USAGE
-    custody = f"; the Edge-LLM bundle holds the quantized numbers ({result.tensors_compared} tensors)" if result.tensors_compared else ""
+    custody = (
+        f"; the Edge-LLM bundle holds the quantized numbers ({result.tensors_compared} tensors)"
+        if result.tensors_compared
+        else ""
+    )
     print(f"{args.run_dir}: every recorded file holds what compress wrote{custody}")
     if result.model:
         print(f"{args.run_dir}: {result.model} (not part of the run directory)")
@@ -232,8 +255,15 @@ def _cmd_build_engine(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"build-engine": _cmd_build_engine, "run": _cmd_run, "ls": _cmd_ls, "show": _cmd_show, "validate": _cmd_validate,
-            "predict": _cmd_predict, "verify": _cmd_verify}
+COMMANDS = {
+    "build-engine": _cmd_build_engine,
+    "run": _cmd_run,
+    "ls": _cmd_ls,
+    "show": _cmd_show,
+    "validate": _cmd_validate,
+    "predict": _cmd_predict,
+    "verify": _cmd_verify,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,7 +10,13 @@ from typing import Any
 from compress.algorithms.formats import PRECISIONS
 from compress.core.config import load_target, parse_override_value, select_power_mode
 from compress.core.errors import UsageError
-from compress.eval.perf_model import KV_CACHE_ELEMENT_BYTES, ModelShape, lowest_power_mode_meeting_budget, mode_tops, predict_all_modes
+from compress.eval.perf_model import (
+    KV_CACHE_ELEMENT_BYTES,
+    ModelShape,
+    lowest_power_mode_meeting_budget,
+    mode_tops,
+    predict_all_modes,
+)
 from compress.models.families import check_model_dimensions
 
 PREDICT_KEYS = ("target", "model_config", "precision", "power", "prompt_len", "context", "group_size", "kv_cache")

@@ -1,1 +1,2 @@
-"""Foundations every layer uses: errors and exit codes, atomic files, typed configuration, artifacts, the run directory, text."""
+"""Foundations every layer uses: errors and exit codes, atomic files, typed configuration, artifacts, the run directory,
+text."""

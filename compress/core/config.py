@@ -11,7 +11,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, PositiveFloat, PositiveInt, StringConstraints, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveFloat,
+    PositiveInt,
+    StringConstraints,
+    ValidationError,
+    model_validator,
+)
 
 from compress.catalog import RECIPES, TARGETS, catalog_dir
 from compress.core.errors import UsageError
@@ -24,7 +33,8 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, frozen=False, strict=True, allow_inf_nan=False)
 
 
-# A name that becomes part of a file name or a shell word (targets, recipes, power modes): letters, digits, '.', '_', '-'.
+# A name that becomes part of a file name or a shell word (targets, recipes, power modes): letters, digits, '.', '_',
+# '-'.
 Name = Annotated[str, StringConstraints(pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$", max_length=100)]
 
 
@@ -52,27 +62,46 @@ class Budgets(StrictModel):
     """What the validator enforces on this target."""
 
     max_ppl_increase_pct: PositiveFloat = Field(description="perplexity increase on the worst evaluation domain")
-    min_top1_agreement: float = Field(0.85, gt=0.0, le=1.0,
-                                      description="share of next-token argmax predictions equal to the reference model's")
-    max_mean_kl: PositiveFloat = Field(0.1, description="mean KL(reference || model) per token, nats, on the mixed evaluation text")
+    min_top1_agreement: float = Field(
+        0.85, gt=0.0, le=1.0, description="share of next-token argmax predictions equal to the reference model's"
+    )
+    max_mean_kl: PositiveFloat = Field(
+        0.1, description="mean KL(reference || model) per token, nats, on the mixed evaluation text"
+    )
     max_decode_latency_ms: PositiveFloat
     max_ttft_ms: PositiveFloat
     max_memory_gb: PositiveFloat
     context_length: PositiveInt = 2048
     prompt_length: PositiveInt = 128
     # The app's prompts (prompts=, the shipped set for chat models): greedy answers against the teacher's.
-    min_answer_prefix_agreement: float = Field(0.35, ge=0.0, le=1.0,
-                                               description="mean share of the teacher's answer matched before the first difference")
-    min_first_token_agreement: float = Field(0.8, ge=0.0, le=1.0, description="share of answers whose first token is the teacher's")
-    min_identical_answers: float = Field(0.05, ge=0.0, le=1.0, description="share of answers identical to the teacher's")
-    max_expect_pass_drop_pct: float = Field(10.0, ge=0.0, description="points lost on prompts whose answer must match 'expect'")
+    min_answer_prefix_agreement: float = Field(
+        0.35, ge=0.0, le=1.0, description="mean share of the teacher's answer matched before the first difference"
+    )
+    min_first_token_agreement: float = Field(
+        0.8, ge=0.0, le=1.0, description="share of answers whose first token is the teacher's"
+    )
+    min_identical_answers: float = Field(
+        0.05, ge=0.0, le=1.0, description="share of answers identical to the teacher's"
+    )
+    max_expect_pass_drop_pct: float = Field(
+        10.0, ge=0.0, description="points lost on prompts whose answer must match 'expect'"
+    )
     # Encoders (sentence embeddings, classifiers) against their fp32 model on the evaluation sentences.
-    min_embedding_cosine: float = Field(0.99, gt=0.0, le=1.0, description="mean cosine similarity of embeddings to the fp32 model's")
-    min_embedding_cosine_worst: float = Field(0.95, gt=0.0, le=1.0, description="lowest cosine similarity over the sentences")
-    min_neighbour_agreement: float = Field(0.85, gt=0.0, le=1.0,
-                                           description="mean overlap of each sentence's 5 nearest neighbours with the fp32 model's")
-    min_label_agreement: float = Field(0.98, gt=0.0, le=1.0, description="share of classifier labels equal to the fp32 model's")
-    max_accuracy_drop_pct: PositiveFloat = Field(1.0, description="accuracy lost on a labelled set (eval_labels=), points")
+    min_embedding_cosine: float = Field(
+        0.99, gt=0.0, le=1.0, description="mean cosine similarity of embeddings to the fp32 model's"
+    )
+    min_embedding_cosine_worst: float = Field(
+        0.95, gt=0.0, le=1.0, description="lowest cosine similarity over the sentences"
+    )
+    min_neighbour_agreement: float = Field(
+        0.85, gt=0.0, le=1.0, description="mean overlap of each sentence's 5 nearest neighbours with the fp32 model's"
+    )
+    min_label_agreement: float = Field(
+        0.98, gt=0.0, le=1.0, description="share of classifier labels equal to the fp32 model's"
+    )
+    max_accuracy_drop_pct: PositiveFloat = Field(
+        1.0, description="accuracy lost on a labelled set (eval_labels=), points"
+    )
     max_encoder_batch_ms: PositiveFloat = Field(20.0, description="one batch of encoder_batch sentences on the target")
     encoder_batch: PositiveInt = 8
 
@@ -81,11 +110,15 @@ class EdgeLLMStack(StrictModel):
     """The software a TensorRT Edge-LLM bundle for this target is built and run with."""
 
     version: str = Field(description="TensorRT Edge-LLM release the bundle is exported with")
-    support: Literal["official", "compatible", "developer"] = Field(description="Edge-LLM's support level for the platform")
+    support: Literal["official", "compatible", "developer"] = Field(
+        description="Edge-LLM's support level for the platform"
+    )
     jetpack: str | None = None
     cuda: str
     tensorrt: str = Field(description="TensorRT version, or the package it comes from")
-    embedded_target: str | None = Field(None, description="Edge-LLM's CMake EMBEDDED_TARGET for the C++ build on the device")
+    embedded_target: str | None = Field(
+        None, description="Edge-LLM's CMake EMBEDDED_TARGET for the C++ build on the device"
+    )
     precisions: list[Literal["fp16", "int8", "int4", "fp8", "nvfp4"]]
 
 
@@ -110,8 +143,12 @@ class Target(StrictModel):
     int8_tops_dense: PositiveFloat
     int8_tops_sparse: PositiveFloat
     fp16_tflops_dense: PositiveFloat
-    fp8_tflops_dense: PositiveFloat | None = Field(None, description="dense FP8 tensor-core rate, where the GPU has FP8")
-    fp4_tflops_dense: PositiveFloat | None = Field(None, description="dense FP4 (NVFP4) tensor-core rate, where the GPU has FP4")
+    fp8_tflops_dense: PositiveFloat | None = Field(
+        None, description="dense FP8 tensor-core rate, where the GPU has FP8"
+    )
+    fp4_tflops_dense: PositiveFloat | None = Field(
+        None, description="dense FP4 (NVFP4) tensor-core rate, where the GPU has FP4"
+    )
     dla_count: int = Field(ge=0)
     tensorrt_version: str
     jetpack: str | None = None
@@ -119,7 +156,9 @@ class Target(StrictModel):
     power_modes: list[PowerMode] = Field(min_length=1)
     default_power_mode: str
     budgets: Budgets
-    default_recipe: DefaultRecipe | None = Field(None, description="what recipe=default runs for a decoder here (else `default`)")
+    default_recipe: DefaultRecipe | None = Field(
+        None, description="what recipe=default runs for a decoder here (else `default`)"
+    )
 
     @model_validator(mode="after")
     def _check_modes(self) -> Target:
@@ -141,7 +180,9 @@ class Target(StrictModel):
         for mode in self.power_modes:
             if mode.name.lower() == wanted.lower():
                 return mode
-        raise UsageError(f"target {self.name} has no power mode {wanted!r} (modes: {', '.join(m.name for m in self.power_modes)})")
+        raise UsageError(
+            f"target {self.name} has no power mode {wanted!r} (modes: {', '.join(m.name for m in self.power_modes)})"
+        )
 
 
 class StageSpec(StrictModel):

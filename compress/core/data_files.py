@@ -85,7 +85,8 @@ def _builder(spec: DataSpec, role: str) -> str | None:
 
 
 def _datasets():
-    # Local files only: the library would otherwise look for the hub (and wait on its time-outs) on a machine without one.
+    # Local files only: the library would otherwise look for the hub (and wait on its time-outs) on a machine without
+    # one.
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
@@ -100,7 +101,8 @@ def _datasets():
 
 @contextlib.contextmanager
 def opened_rows(spec: DataSpec, role: str, streaming: bool = False) -> Iterator[Any]:
-    """The rows of a data file as a ``datasets`` dataset (iterable when ``streaming``); its parse cache lives and dies here."""
+    """The rows of a data file as a ``datasets`` dataset (iterable when ``streaming``); its parse cache lives and dies
+    here."""
     datasets = _datasets()
     builder = _builder(spec, role)
     require_readable_file(spec.path, f"{role} data", folder_ok=builder is None)
@@ -135,11 +137,15 @@ def _parse_problem(exc: BaseException) -> str:
     while exc is not None:
         messages.append(str(exc))
         exc = exc.__cause__ or exc.__context__
-    message = next((m for m in messages if _ARROW_ROW.search(m)), None) or next((m for m in reversed(messages) if m), "cannot be read")
+    message = next((m for m in messages if _ARROW_ROW.search(m)), None) or next(
+        (m for m in reversed(messages) if m), "cannot be read"
+    )
     found = _ARROW_ROW.search(message)
     if found:
         detail = _ARROW_ROW.sub("", message.rpartition(": ")[2]).strip().rstrip(".")
-        return f"row {int(found.group(1)) + 1}: " + (f"not valid JSON ({detail})" if "JSON parse error" in message else detail)
+        return f"row {int(found.group(1)) + 1}: " + (
+            f"not valid JSON ({detail})" if "JSON parse error" in message else detail
+        )
     return message.splitlines()[0]
 
 
@@ -159,8 +165,10 @@ def _text_column(spec: DataSpec, columns: list[str] | None, role: str) -> str:
         return spec.column
     if columns is None or TEXT_COLUMN in columns or MESSAGES_COLUMN in columns:
         return TEXT_COLUMN if columns is None or TEXT_COLUMN in columns else MESSAGES_COLUMN
-    raise UsageError(f"{role} data {spec.path}: no {TEXT_COLUMN!r} or {MESSAGES_COLUMN!r} column (columns: {', '.join(columns)}); "
-                     f"name one as {spec.path}:COLUMN")
+    raise UsageError(
+        f"{role} data {spec.path}: no {TEXT_COLUMN!r} or {MESSAGES_COLUMN!r} column (columns: {', '.join(columns)}); "
+        f"name one as {spec.path}:COLUMN"
+    )
 
 
 def _record(row: dict[str, Any], number: int, column: str, spec: DataSpec, role: str) -> Record:

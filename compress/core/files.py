@@ -84,8 +84,10 @@ def refuse_link(path: Path, what: str = "") -> None:
     """Refuse (exit 2) a path compress is about to write through that is a symbolic link: compress never creates one
     inside a run directory, so a link there came from elsewhere and may point anywhere."""
     if Path(path).is_symlink():
-        raise UsageError(f"{path}{f' ({what})' if what else ''} is a symbolic link, which compress never creates; it writes "
-                         "nothing through a link: remove it and run again")
+        raise UsageError(
+            f"{path}{f' ({what})' if what else ''} is a symbolic link, which compress never creates; it writes "
+            "nothing through a link: remove it and run again"
+        )
 
 
 def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
@@ -98,7 +100,9 @@ def open_no_follow(path: Path, flags: int, mode: int = 0o644) -> int:
             refuse_link(path)
             raise
         if exc.errno == errno.ENXIO:  # a FIFO with no reader
-            raise UsageError(f"{path} is not a regular file; compress writes only files it created there: remove it") from exc
+            raise UsageError(
+                f"{path} is not a regular file; compress writes only files it created there: remove it"
+            ) from exc
         if is_disk_write_error(exc) and flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT):
             raise disk_write_error(exc, path) from exc
         raise
@@ -197,11 +201,13 @@ def waiting_lock(path: Path) -> Iterator[None]:
 
 
 def cache_root() -> Path:
-    """Where compress caches what it can recompute (converted models, file hashes, timing caches): ``$COMPRESS_CACHE`` or
-    ``~/.cache/compress``; a usage error when that names a file."""
+    """Where compress caches what it can recompute (converted models, file hashes, timing caches): ``$COMPRESS_CACHE``
+    or ``~/.cache/compress``; a usage error when that names a file."""
     root = Path(os.environ.get("COMPRESS_CACHE") or Path.home() / ".cache" / "compress")
     if root.exists() and not root.is_dir():
-        raise UsageError(f"COMPRESS_CACHE={root} is a file; point it at a folder (compress caches converted models there)")
+        raise UsageError(
+            f"COMPRESS_CACHE={root} is a file; point it at a folder (compress caches converted models there)"
+        )
     return root
 
 
@@ -219,8 +225,8 @@ def file_stamp(path: Path) -> dict[str, int]:
 
 
 def cached_sha256(path: Path) -> str:
-    """:func:`sha256_file`, remembered in the cache folder by absolute path, size, time stamp and inode, so a large model
-    is read once until it changes."""
+    """:func:`sha256_file`, remembered in the cache folder by absolute path, size, time stamp and inode, so a large
+    model is read once until it changes."""
     path = Path(path).resolve()
     stamp = file_stamp(path)
     entry = cache_root() / "hashes" / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"

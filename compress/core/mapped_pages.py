@@ -148,7 +148,10 @@ class MappedPages:
         libc = _libc()
         for span in self._spans.values():
             if not self._protect(libc, span, span.writable):
-                log.warning("could not restore the protection of a mapped checkpoint's pages: %s", os.strerror(ctypes.get_errno()))
+                log.warning(
+                    "could not restore the protection of a mapped checkpoint's pages: %s",
+                    os.strerror(ctypes.get_errno()),
+                )
         self._spans.clear()
 
     def __enter__(self) -> MappedPages:

@@ -62,7 +62,9 @@ def file_problem(path: Path, record: dict[str, Any], full: bool = False) -> str 
     return None
 
 
-def folder_problems(folder: Path, records: FileRecords, full: bool = False, allowed_extra: frozenset[str] = frozenset()) -> list[str]:
+def folder_problems(
+    folder: Path, records: FileRecords, full: bool = False, allowed_extra: frozenset[str] = frozenset()
+) -> list[str]:
     """Every difference between ``folder`` and its records: files changed or missing, and files no record names
     (``allowed_extra``: relative paths that may be there unrecorded; one ending in "/" allows a whole folder)."""
     folders = tuple(name for name in allowed_extra if name.endswith("/"))

@@ -42,7 +42,14 @@ from compress.core.files import (
     sha256_file,
     top_level_sha256,
 )
-from compress.core.records import FileRecords, file_problem, folder_problems, is_plain_relative, record_file, record_folder
+from compress.core.records import (
+    FileRecords,
+    file_problem,
+    folder_problems,
+    is_plain_relative,
+    record_file,
+    record_folder,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +59,9 @@ LOCK_FILE = ".compress.lock"
 MANIFEST_FILE = "manifest.json"
 RUN_LOG = "run.log"
 STAGE_RECORD = "stage.json"
-READ_IN_PLACE = "read_in_place"  # a stage record's output flag: the output is the user's model, outside the run directory
+READ_IN_PLACE = (
+    "read_in_place"  # a stage record's output flag: the output is the user's model, outside the run directory
+)
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -140,7 +149,9 @@ def read_manifest_file(path: Path) -> dict[str, Any]:
     try:
         data = read_json(path)
     except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
-        raise UsageError(f"{path} is unreadable ({first_line(exc)}); not a compress run directory, nothing touched") from exc
+        raise UsageError(
+            f"{path} is unreadable ({first_line(exc)}); not a compress run directory, nothing touched"
+        ) from exc
     return parse_manifest(data, path)
 
 
@@ -155,7 +166,8 @@ def stage_folder(run_dir: Path, dirname: str) -> Path:
 
 
 class RunDir:
-    """Read access to a run directory: its manifest, its stages' records, the folder of the stage that made an artifact."""
+    """Read access to a run directory: its manifest, its stages' records, the folder of the stage that made an
+    artifact."""
 
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
@@ -178,7 +190,8 @@ class RunDir:
         return found
 
     def report(self) -> dict[str, Any] | None:
-        """``report.json`` of a finished run (None when there is none); a usage error when it is not a compress report."""
+        """``report.json`` of a finished run (None when there is none); a usage error when it is not a compress
+        report."""
         path = self.path / REPORT_JSON
         if not path.is_file():
             return None
@@ -187,7 +200,11 @@ class RunDir:
         except (OSError, ValueError) as exc:
             raise UsageError(f"{path} is unreadable ({first_line(exc)})") from exc
         gate = report.get("gate") if isinstance(report, dict) else None
-        if not isinstance(gate, dict) or not isinstance(gate.get("checks"), list) or not isinstance(report.get("target"), dict):
+        if (
+            not isinstance(gate, dict)
+            or not isinstance(gate.get("checks"), list)
+            or not isinstance(report.get("target"), dict)
+        ):
             raise UsageError(f"{path} is not a compress report (no target and gate)")
         return report
 
@@ -222,11 +239,16 @@ class RunDir:
         """:meth:`problems`, raised as one :class:`ProvenanceError` naming the first (and how many more)."""
         problems = self.problems(full)
         if problems:
-            more = f" (and {len(problems) - 1} more; `compress verify {self.path}` lists them)" if len(problems) > 1 else ""
+            more = (
+                f" (and {len(problems) - 1} more; `compress verify {self.path}` lists them)"
+                if len(problems) > 1
+                else ""
+            )
             raise ProvenanceError(f"{problems[0]}{more}; the run directory is not what compress wrote")
 
     def stage_producing(self, kind: str | tuple[str, ...]) -> tuple[Path, dict[str, Any]] | None:
-        """The folder and record of the last finished stage whose output is of ``kind`` (one kind, or any of several)."""
+        """The folder and record of the last finished stage whose output is of ``kind`` (one kind, or any of
+        several)."""
         kinds = (kind,) if isinstance(kind, str) else kind
         for entry, record in reversed(self.stages()):
             if record is not None and record["output"]["kind"] in kinds:
@@ -246,7 +268,8 @@ class RunDir:
         return folder / record["output"]["path"]
 
     def edgellm_engine_folder(self) -> Path | None:
-        """The engine folder of a run whose engine is built from an Edge-LLM bundle (it holds an Edge-LLM build plan)."""
+        """The engine folder of a run whose engine is built from an Edge-LLM bundle (it holds an Edge-LLM build
+        plan)."""
         found = self.stage_producing(ENGINE)
         if found is None:
             return None
@@ -264,7 +287,9 @@ def _read_record(path: Path) -> dict[str, Any]:
     files = record.get("files") or {}
     outside = [name for name in files if not is_plain_relative(name)] if isinstance(files, dict) else ["files"]
     if outside:
-        raise ProvenanceError(f"{path} records {outside[0]!r}, which is not a plain relative path inside its stage folder")
+        raise ProvenanceError(
+            f"{path} records {outside[0]!r}, which is not a plain relative path inside its stage folder"
+        )
     return record
 
 
@@ -345,7 +370,9 @@ def read_run_manifest(out: Path) -> dict[str, Any] | None:
     if not path.exists() and not path.is_symlink():
         return None
     if path.is_symlink() or not path.is_file():
-        raise UsageError(f"out={out}: {MANIFEST_FILE} is not a file compress wrote; give a new or empty folder (nothing touched)")
+        raise UsageError(
+            f"out={out}: {MANIFEST_FILE} is not a file compress wrote; give a new or empty folder (nothing touched)"
+        )
     return read_manifest_file(path)
 
 
@@ -370,8 +397,10 @@ def check_run_dir(out: Path, identity: dict[str, Any], force: bool = False) -> d
         return None
     earlier = plan_identity(manifest["recipe"], manifest["model"].get("spec", ""))
     if earlier != identity and not force:
-        raise UsageError(f"{shown} holds a run of another plan (recipe {earlier['recipe']}, model {earlier['model']}, "
-                         f"stages {' '.join(earlier['stages'])}); use another out= or pass --force to replace its stages")
+        raise UsageError(
+            f"{shown} holds a run of another plan (recipe {earlier['recipe']}, model {earlier['model']}, "
+            f"stages {' '.join(earlier['stages'])}); use another out= or pass --force to replace its stages"
+        )
     return manifest
 
 
@@ -390,8 +419,11 @@ def clean_for_run(out: Path, manifest: dict[str, Any] | None, identity: dict[str
         ours |= set(earlier["stages"])
         replaced = []
         if earlier != identity:
-            replaced = [folder for stage in manifest["stages"]
-                        if stage["dir"] not in identity["stages"] and (folder := stage_folder(out, stage["dir"])).is_dir()]
+            replaced = [
+                folder
+                for stage in manifest["stages"]
+                if stage["dir"] not in identity["stages"] and (folder := stage_folder(out, stage["dir"])).is_dir()
+            ]
         for folder in replaced:  # every folder checked before any is removed
             require_only_recorded(folder)
         reports = recorded_reports(out, manifest)
@@ -407,13 +439,19 @@ def require_only_recorded(folder: Path) -> None:
     record_path = folder / STAGE_RECORD
     records = _read_record(record_path).get("files") if record_path.is_file() else {}
     if records is None:
-        raise ProvenanceError(f"{record_path} lists no files (written by an older compress); remove {folder} yourself to rerun")
+        raise ProvenanceError(
+            f"{record_path} lists no files (written by an older compress); remove {folder} yourself to rerun"
+        )
     later = tuple(_read_record(record_path).get("device_files") or ()) if record_path.is_file() else ()
     allowed = frozenset({STAGE_RECORD, *later})
-    unrecorded = [p for p in folder_problems(folder, records, allowed_extra=allowed) if "not a file compress wrote" in p]
+    unrecorded = [
+        p for p in folder_problems(folder, records, allowed_extra=allowed) if "not a file compress wrote" in p
+    ]
     if unrecorded:
-        raise ProvenanceError(f"{unrecorded[0].split(' is not ')[0]} is not a file compress wrote, so {folder.name} is not "
-                              "replaced; move it out of the stage folder and rerun")
+        raise ProvenanceError(
+            f"{unrecorded[0].split(' is not ')[0]} is not a file compress wrote, so {folder.name} is not "
+            "replaced; move it out of the stage folder and rerun"
+        )
 
 
 def recorded_reports(out: Path, manifest: dict[str, Any]) -> list[Path]:
@@ -423,8 +461,10 @@ def recorded_reports(out: Path, manifest: dict[str, Any]) -> list[Path]:
     out = Path(out)
     for name in REPORT_DIRS:
         if (out / name).is_symlink():
-            raise ProvenanceError(f"{out / name} is a symbolic link, which compress never makes; it writes nothing through "
-                                  "a link: remove it and run again")
+            raise ProvenanceError(
+                f"{out / name} is a symbolic link, which compress never makes; it writes nothing through "
+                "a link: remove it and run again"
+            )
     found = []
     for relative, record in manifest.get("files", {}).items():
         path = out / relative
@@ -497,7 +537,11 @@ class RunDirLock:
         try:
             return open_no_follow(self.path, os.O_RDWR | os.O_CREAT)
         except UsageError as exc:
-            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            if not isinstance(exc.__cause__, OSError) or exc.__cause__.errno not in (
+                errno.EROFS,
+                errno.EACCES,
+                errno.EPERM,
+            ):
                 raise
         log.info("%s cannot be written: reading it without its lock", self.path.parent)
         return None

@@ -16,7 +16,14 @@ import torch
 from compress.catalog import TEXT, catalog_dir
 from compress.core.data_files import DataSpec, Record, iter_records, parse_spec
 from compress.core.errors import UsageError
-from compress.core.files import atomic_write_text, cache_root, cached_sha256, require_readable_file, sha256_file, sha256_path
+from compress.core.files import (
+    atomic_write_text,
+    cache_root,
+    cached_sha256,
+    require_readable_file,
+    sha256_file,
+    sha256_path,
+)
 from compress.core.token_cache import encode_plain
 
 _SHIPPED = catalog_dir(TEXT)
@@ -42,7 +49,9 @@ _SHIPPED_DOMAINS = {path: domain for domain, path in DEFAULT_CALIBRATION_DOMAINS
 DEFAULT_CALIBRATION = tuple(path for _, path in DEFAULT_CALIBRATION_DOMAINS)
 DEFAULT_EVALUATION = tuple(path for _, path in DEFAULT_EVALUATION_DOMAINS)
 EVAL_SKIP_CHARS = 5000
-EVALUATED_CHARS_PER_TOKEN = 6  # generous: English BPE averages about 4, so the span checked covers all that is evaluated
+EVALUATED_CHARS_PER_TOKEN = (
+    6  # generous: English BPE averages about 4, so the span checked covers all that is evaluated
+)
 SHINGLE_WORDS = 8
 MAX_EVALUATION_DOMAINS = 64  # each domain is evaluated on its own; the gate takes the worst
 _OVERLAP_PROBES = 2000
@@ -86,7 +95,9 @@ def read_text_file(path: Path, role: str) -> TextSource:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise UsageError(f"{role} text {path} is not UTF-8 (byte {exc.start}: {raw[exc.start:exc.start + 1]!r})") from exc
+        raise UsageError(
+            f"{role} text {path} is not UTF-8 (byte {exc.start}: {raw[exc.start : exc.start + 1]!r})"
+        ) from exc
     if not text.strip():
         raise UsageError(f"{role} text {path} is empty")
     return TextSource(path=path, sha256=sha256_file(path), text=text, domain=domain_of(path))
@@ -135,8 +146,10 @@ def load_evaluation(specs: Sequence[DataSpec | Path]) -> list[TextSource]:
     """Read the evaluation domains; two sources of one domain name are refused (the report keys on it)."""
     sources = load_texts(specs, "evaluation")
     if len(sources) > MAX_EVALUATION_DOMAINS:
-        raise UsageError(f"evaluation text has {len(sources):,} domains; at most {MAX_EVALUATION_DOMAINS} are evaluated (each "
-                         "is its own measurement of validate.eval_tokens): give fewer distinct 'domain' values")
+        raise UsageError(
+            f"evaluation text has {len(sources):,} domains; at most {MAX_EVALUATION_DOMAINS} are evaluated (each "
+            "is its own measurement of validate.eval_tokens): give fewer distinct 'domain' values"
+        )
     names = [s.domain for s in sources]
     duplicated = sorted({n for n in names if names.count(n) > 1})
     if duplicated:
@@ -155,7 +168,8 @@ _WORD = re.compile(r"\w+")
 
 
 def word_shingles(text: str, words: int = SHINGLE_WORDS) -> list[str]:
-    """Every run of ``words`` consecutive words, lower-cased: line breaks, wrapping and punctuation cannot hide a copy."""
+    """Every run of ``words`` consecutive words, lower-cased: line breaks, wrapping and punctuation cannot hide a
+    copy."""
     tokens = _WORD.findall(text.lower())
     return [" ".join(tokens[i:i + words]) for i in range(max(0, len(tokens) - words + 1))]
 
@@ -192,7 +206,8 @@ def shared_shingle_fraction(probe_text: str, reference: set[int]) -> float:
 
 
 def eval_skip(source: TextSource) -> int:
-    """Characters of an evaluation text's opening left out (a title page, a licence header) when it is a long book-like file."""
+    """Characters of an evaluation text's opening left out (a title page, a licence header) when it is a long book-like
+    file."""
     return EVAL_SKIP_CHARS if source.whole_file and len(source.text) > 4 * EVAL_SKIP_CHARS else 0
 
 
@@ -202,13 +217,17 @@ def evaluated_span(source: TextSource, tokens: int) -> str:
     return source.words[skip: skip + tokens * EVALUATED_CHARS_PER_TOKEN]
 
 
-def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int = 2048) -> None:
+def check_disjoint(
+    calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int = 2048
+) -> None:
     """Refuse calibration text that contains evaluation text: the same file, or 10% of the 8-word sequences of the
     whole evaluation file or of the part of it that is evaluated (its first ``evaluated_tokens`` after the opening)."""
     for evaluated in evaluation:
         for source in calibration:
             if source.sha256 == evaluated.sha256:
-                raise UsageError(f"calibration text {source.path} is the evaluation text {evaluated.path}; they must not overlap")
+                raise UsageError(
+                    f"calibration text {source.path} is the evaluation text {evaluated.path}; they must not overlap"
+                )
     checked = _disjoint_marker(calibration, evaluation, evaluated_tokens)
     if checked.is_file():
         return
@@ -217,12 +236,16 @@ def check_disjoint(calibration: Sequence[TextSource], evaluation: Sequence[TextS
         atomic_write_text(checked, "disjoint\n")
 
 
-def _disjoint_marker(calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int) -> Path:
+def _disjoint_marker(
+    calibration: Sequence[TextSource], evaluation: Sequence[TextSource], evaluated_tokens: int
+) -> Path:
     """Where a passed overlap check of exactly these texts is remembered (by content, so any change checks again)."""
     digest = hashlib.sha256(f"{SHINGLE_WORDS} {_OVERLAP_PROBES} {_OVERLAP_REFUSE_FRACTION} {evaluated_tokens}".encode())
     for role, sources in (("calibration", calibration), ("evaluation", evaluation)):
         for source in sources:
-            digest.update(f"\0{role}\0".encode() + hashlib.sha256(source.words.encode("utf-8", "surrogatepass")).digest())
+            digest.update(
+                f"\0{role}\0".encode() + hashlib.sha256(source.words.encode("utf-8", "surrogatepass")).digest()
+            )
     return cache_root() / "disjoint" / digest.hexdigest()[:40]
 
 
@@ -269,8 +292,9 @@ def rendered_conversation(tokenizer, messages: Sequence[dict[str, str]], where: 
 
 
 def source_ids(tokenizer, source: TextSource, skip_chars: int = 0, max_tokens: int | None = None) -> torch.Tensor:
-    """The token stream of a source (text after ``skip_chars``, then each conversation rendered by the chat template), without
-    special tokens the tokenizer would add and without a leading :func:`window_prefix` a template writes itself."""
+    """The token stream of a source (text after ``skip_chars``, then each conversation rendered by the chat template),
+    without special tokens the tokenizer would add and without a leading :func:`window_prefix` a template writes
+    itself."""
     prefix = window_prefix(tokenizer)
     pieces: list[np.ndarray] = []
     if source.text[skip_chars:].strip():
@@ -312,7 +336,8 @@ def _windowed(prefix: list[int], body: torch.Tensor) -> torch.Tensor:
 
 
 def token_windows(tokenizer, source: TextSource, window: int, max_tokens: int, skip_chars: int = 0) -> torch.Tensor:
-    """Non-overlapping windows over the first ``max_tokens`` of a source (after ``skip_chars``), each led by the window prefix.
+    """Non-overlapping windows over the first ``max_tokens`` of a source (after ``skip_chars``), each led by the window
+    prefix.
 
     Returns a ``(n_windows, window)`` tensor of token ids.
     """
@@ -322,17 +347,20 @@ def token_windows(tokenizer, source: TextSource, window: int, max_tokens: int, s
     ids = source_ids(tokenizer, source, skip_chars, max_tokens=per_window_cap)
     n_windows = ids.numel() // body
     if n_windows == 0:
-        raise UsageError(f"{source.path} ({source.domain}) has only {ids.numel()} tokens; need at least one window of {window}")
+        raise UsageError(
+            f"{source.path} ({source.domain}) has only {ids.numel()} tokens; need at least one window of {window}"
+        )
     return _windowed(prefix, ids[: n_windows * body].view(n_windows, body))
 
 
 def calibration_windows(tokenizer, sources: Sequence[TextSource], window: int, n_windows: int, min_tokens: int = 0,
                         at_least: int | None = None) -> torch.Tensor:
-    """Calibration windows drawn evenly from all sources, each led by the window prefix; too little text is a usage error.
+    """Calibration windows drawn evenly from all sources, each led by the window prefix; too little text is a usage
+    error.
 
-    ``n_windows`` are asked for; with ``at_least``, fewer are taken where the text holds no more (a training budget), and
-    only fewer than ``at_least`` is an error. A shipped chat source is left out for a model without a chat template (a
-    user's is refused)."""
+    ``n_windows`` are asked for; with ``at_least``, fewer are taken where the text holds no more (a training budget),
+    and only fewer than ``at_least`` is an error. A shipped chat source is left out for a model without a chat template
+    (a user's is refused)."""
     sources = usable_sources(tokenizer, sources)
     if not sources:
         raise UsageError("no calibration text this model can read (the shipped chat text needs a chat template)")
@@ -400,8 +428,9 @@ _TEXT_PIECE_CHARS = 1_000_000
 
 @dataclass(frozen=True)
 class TrainingData:
-    """``train_data=``: the distillation corpus, read as a stream when training; at plan time only each file's hash and the
-    opening rows of each (up to 2 MB of text, for the overlap check against evaluation and the domains it covers)."""
+    """``train_data=``: the distillation corpus, read as a stream when training; at plan time only each file's hash and
+    the opening rows of each (up to 2 MB of text, for the overlap check against evaluation and the domains it
+    covers)."""
 
     specs: list[DataSpec]
     sha256: list[str]
@@ -422,13 +451,23 @@ class TrainingData:
                     break
             if not by_domain:
                 raise UsageError(f"training data {spec} has no rows")
-            sample += [TextSource(spec.path, "", "\n\n".join(r.text for r in rows if r.text), domain, whole_file=False,
-                                  conversations=tuple(r.messages for r in rows if r.messages)) for domain, rows in by_domain.items()]
+            sample += [
+                TextSource(
+                    spec.path,
+                    "",
+                    "\n\n".join(r.text for r in rows if r.text),
+                    domain,
+                    whole_file=False,
+                    conversations=tuple(r.messages for r in rows if r.messages),
+                )
+                for domain, rows in by_domain.items()
+            ]
         return cls(list(specs), [sha256_path(spec.path, cached_sha256) for spec in specs], sample)
 
 
 def training_records(spec: DataSpec) -> Iterator[Record]:
-    """The rows of a training file as a stream; a plain-text file comes in pieces of about a megabyte, cut at a line break."""
+    """The rows of a training file as a stream; a plain-text file comes in pieces of about a megabyte, cut at a line
+    break."""
     if not spec.is_plain_text:
         yield from iter_records(spec, "training", streaming=True)
         return
@@ -439,7 +478,9 @@ def training_records(spec: DataSpec) -> Iterator[Record]:
             try:
                 chunk = handle.read(_TEXT_PIECE_CHARS)
             except UnicodeDecodeError as exc:
-                raise UsageError(f"training text {spec.path} is not UTF-8 near character {number * _TEXT_PIECE_CHARS}") from exc
+                raise UsageError(
+                    f"training text {spec.path} is not UTF-8 near character {number * _TEXT_PIECE_CHARS}"
+                ) from exc
             if not chunk:
                 break
             number += 1
@@ -450,9 +491,12 @@ def training_records(spec: DataSpec) -> Iterator[Record]:
             yield Record(number + 1, domain_of(spec.path), text=carry)
 
 
-def packed_windows(tokenizer, specs: Sequence[DataSpec], window: int, n_windows: int, progress: bool = False) -> torch.Tensor:
-    """The first ``n_windows`` training windows of a corpus read as a stream: documents tokenized one at a time (chat rows
-    rendered by the template), joined with the end-of-sequence token, packed into windows each led by the window prefix.
+def packed_windows(
+    tokenizer, specs: Sequence[DataSpec], window: int, n_windows: int, progress: bool = False
+) -> torch.Tensor:
+    """The first ``n_windows`` training windows of a corpus read as a stream: documents tokenized one at a time (chat
+    rows rendered by the template), joined with the end-of-sequence token, packed into windows each led by the window
+    prefix.
 
     Only the windows are held, never the corpus; too little text is a usage error.
     """
@@ -464,7 +508,9 @@ def packed_windows(tokenizer, specs: Sequence[DataSpec], window: int, n_windows:
     for spec in specs:
         for record in training_records(spec):
             if record.messages:
-                ids = tokenizer(rendered_conversation(tokenizer, record.messages, spec.path), add_special_tokens=False).input_ids
+                ids = tokenizer(
+                    rendered_conversation(tokenizer, record.messages, spec.path), add_special_tokens=False
+                ).input_ids
                 ids = ids[len(prefix):] if prefix and ids[:len(prefix)] == prefix else ids
             else:
                 ids = tokenizer(record.text, add_special_tokens=False).input_ids
@@ -474,15 +520,18 @@ def packed_windows(tokenizer, specs: Sequence[DataSpec], window: int, n_windows:
                 pending = pending[body:]
             if len(rows) == n_windows:
                 return _windowed(prefix, torch.stack(rows))
-    raise UsageError(f"too little training text in {', '.join(map(str, specs))}: {len(rows)} windows of {window} tokens; "
-                     f"need {n_windows}")
+    raise UsageError(
+        f"too little training text in {', '.join(map(str, specs))}: {len(rows)} windows of {window} tokens; "
+        f"need {n_windows}"
+    )
 
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])[\"'”’)]*\s+")
 
 
 def text_sentences(text: str, limit: int, min_chars: int = 20, max_chars: int = 400, skip_chars: int = 0) -> list[str]:
-    """Up to ``limit`` sentences of ``text`` (after ``skip_chars``), whitespace-joined, between ``min_chars`` and ``max_chars``."""
+    """Up to ``limit`` sentences of ``text`` (after ``skip_chars``), whitespace-joined, between ``min_chars`` and
+    ``max_chars``."""
     found = []
     for piece in _SENTENCE_END.split(text[skip_chars:]):
         sentence = " ".join(piece.split())
@@ -499,15 +548,24 @@ def domain_sentences(sources: Sequence[TextSource], per_domain: int) -> list[tup
             for s in sources]
 
 
-def calibration_batches(tokenizer, sources: Sequence[TextSource], total: int, batch_size: int, max_length: int) -> list[dict]:
-    """About ``total`` tokenised calibration sentences, as many from each source, batch by batch, each padded to its longest."""
+def calibration_batches(
+    tokenizer, sources: Sequence[TextSource], total: int, batch_size: int, max_length: int
+) -> list[dict]:
+    """About ``total`` tokenised calibration sentences, as many from each source, batch by batch, each padded to its
+    longest."""
     sources = usable_sources(tokenizer, sources)
     per_domain = -(-total // len(sources))
     sentences = [s for _, found in domain_sentences(sources, per_domain) for s in found]
     if not sentences:
         raise UsageError("the calibration text has no sentences of 20 to 400 characters")
-    return [dict(tokenizer(sentences[i:i + batch_size], padding=True, truncation=True, max_length=max_length, return_tensors="pt"))
-            for i in range(0, len(sentences), batch_size)]
+    return [
+        dict(
+            tokenizer(
+                sentences[i : i + batch_size], padding=True, truncation=True, max_length=max_length, return_tensors="pt"
+            )
+        )
+        for i in range(0, len(sentences), batch_size)
+    ]
 
 
 def domain_windows(tokenizer, sources: list[TextSource], windows: int) -> torch.Tensor | None:

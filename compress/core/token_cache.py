@@ -20,8 +20,8 @@ _fingerprints: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def tokenizer_fingerprint(tokenizer) -> str:
-    """A hash of everything that decides how a tokenizer splits text: its class, its full definition (the fast tokenizer's
-    JSON, else its vocabulary) and the special tokens it was given."""
+    """A hash of everything that decides how a tokenizer splits text: its class, its full definition (the fast
+    tokenizer's JSON, else its vocabulary) and the special tokens it was given."""
     with suppress(TypeError):
         if tokenizer in _fingerprints:
             return _fingerprints[tokenizer]
@@ -35,11 +35,14 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 
 def encode_plain(tokenizer, text: str) -> np.ndarray:
-    """``tokenizer(text, add_special_tokens=False).input_ids`` as int64 (read-only), from memory or the cache folder when this tokenizer has
-    read this text before (keyed by both contents; an unreadable or unwritable cache only costs the tokenization)."""
+    """``tokenizer(text, add_special_tokens=False).input_ids`` as int64 (read-only), from memory or the cache folder
+    when this tokenizer has read this text before (keyed by both contents; an unreadable or unwritable cache only costs
+    the tokenization)."""
     if len(text) < CACHED_MIN_CHARS:
         return _frozen(tokenizer(text, add_special_tokens=False).input_ids)
-    key = hashlib.sha256(f"{tokenizer_fingerprint(tokenizer)}\0".encode() + text.encode("utf-8", "surrogatepass")).hexdigest()
+    key = hashlib.sha256(
+        f"{tokenizer_fingerprint(tokenizer)}\0".encode() + text.encode("utf-8", "surrogatepass")
+    ).hexdigest()
     if key in _in_memory:
         return _in_memory[key]
     entry = cache_root() / "tokens" / f"{key[:40]}.npy"

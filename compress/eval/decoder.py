@@ -2,12 +2,12 @@
 prompts, host latency, the latency model's predictions for the target, and the checks against the target's budgets.
 
 Measurements (target-independent): perplexity of the deployed numbers (the quantized checkpoint, computed in torch on
-the run's device block by block, :mod:`compress.transforms.checkpoint_logits`) and of the teacher on every evaluation domain (the
-gate takes the worst), top-1 agreement and KL divergence against the teacher on the mixed evaluation text, greedy
-answers to the app's prompts (the deployed numbers' in torch too); where a portable ONNX was exported, ONNX Runtime's
-agreement with the torch figures on a sample of windows and host ONNX Runtime latency, taken after the torch models are
-gone (ONNX Runtime's CPU session holds float32 copies of the 16-bit tensors: the largest allocation of the stage).
-The gate (target-dependent) compares them, and the latency model's predictions for the target, with the budgets;
+the run's device block by block, :mod:`compress.transforms.checkpoint_logits`) and of the teacher on every evaluation
+domain (the gate takes the worst), top-1 agreement and KL divergence against the teacher on the mixed evaluation text,
+greedy answers to the app's prompts (the deployed numbers' in torch too); where a portable ONNX was exported, ONNX
+Runtime's agreement with the torch figures on a sample of windows and host ONNX Runtime latency, taken after the torch
+models are gone (ONNX Runtime's CPU session holds float32 copies of the 16-bit tensors: the largest allocation of the
+stage). The gate (target-dependent) compares them, and the latency model's predictions for the target, with the budgets;
 ``compress validate RUN_DIR`` re-gates a finished run from the stored measurements.
 """
 
@@ -85,16 +85,17 @@ class ValidateConfig(StrictModel):
     device_new_tokens: PositiveInt = 24
     onnx_parity_windows: PositiveInt = 2  # per domain: ONNX Runtime against the torch measurement on these windows
     # The most graph weights (MiB, as stored) one ONNX Runtime session holds (it holds about twice that in float32): a
-    # larger graph's parity check runs it in slices of whole blocks, one session at a time, and host latency is not taken.
+    # larger graph's parity check runs it in slices of whole blocks, one session at a time, and host latency is not
+    # taken.
     onnx_session_mb: PositiveInt = 1024
     prompt_new_tokens: PositiveInt = 32  # greedy answer length to each app prompt (prompts=)
 
 
 def device_reference(generate: BatchGenerate, tokenizer, evaluation: list[TextSource], config: ValidateConfig,
                      answers: dict[str, Any] | None = None, host: str = "") -> dict[str, Any]:
-    """Greedy continuations by the host model (``generate``, the deployed numbers), for ``validate --on-device`` to compare
-    with: one prompt per evaluation domain, then the app prompts (their measured answers, cut to length: a greedy
-    answer's start is the shorter answer).
+    """Greedy continuations by the host model (``generate``, the deployed numbers), for ``validate --on-device`` to
+    compare with: one prompt per evaluation domain, then the app prompts (their measured answers, cut to length: a
+    greedy answer's start is the shorter answer).
 
     The prompts are stored as text decoded from their token ids, so the device's tokenizer reads the same tokens.
     """
@@ -104,11 +105,18 @@ def device_reference(generate: BatchGenerate, tokenizer, evaluation: list[TextSo
     for source in usable_sources(tokenizer, evaluation):
         ids = source_ids(tokenizer, source, eval_skip(source), max_tokens=config.device_prompt_tokens).tolist()
         text = tokenizer.decode(prefix + ids, skip_special_tokens=False)
-        prompts.append({"domain": source.domain, "text": text, "prompt_ids": tokenizer(text, add_special_tokens=False).input_ids})
+        prompts.append(
+            {"domain": source.domain, "text": text, "prompt_ids": tokenizer(text, add_special_tokens=False).input_ids}
+        )
         expected.append(None)
     for row in sorted((answers or {}).get("rows", []), key=lambda r: r["order"]):
-        prompts.append({"domain": f"prompt {row['id']}", "text": tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
-                        "prompt_ids": row["prompt_ids"]})
+        prompts.append(
+            {
+                "domain": f"prompt {row['id']}",
+                "text": tokenizer.decode(row["prompt_ids"], skip_special_tokens=False),
+                "prompt_ids": row["prompt_ids"],
+            }
+        )
         answer = row["model_ids"]
         # Greedy decoding stops early only at an end token: a shorter answer than asked for is complete.
         complete = len(answer) < answers["new_tokens"] or len(answer) >= config.device_new_tokens
@@ -116,15 +124,24 @@ def device_reference(generate: BatchGenerate, tokenizer, evaluation: list[TextSo
     missing = [index for index, ids in enumerate(expected) if ids is None]
     for start in range(0, len(missing), PROMPT_BATCH):
         chunk = missing[start:start + PROMPT_BATCH]
-        for index, ids in zip(chunk, generate([prompts[i]["prompt_ids"] for i in chunk], config.device_new_tokens), strict=True):
+        for index, ids in zip(
+            chunk, generate([prompts[i]["prompt_ids"] for i in chunk], config.device_new_tokens), strict=True
+        ):
             expected[index] = ids
     return {"max_new_tokens": config.device_new_tokens, "prompts": prompts, "host_output_ids": expected, "host": host}
 
 
-def evaluation_windows(tokenizer, evaluation: list[TextSource], config: ValidateConfig) -> list[tuple[str, torch.Tensor]]:
+def evaluation_windows(
+    tokenizer, evaluation: list[TextSource], config: ValidateConfig
+) -> list[tuple[str, torch.Tensor]]:
     """Each domain's first ``eval_tokens`` tokens (after its opening 5,000 characters when it is long) as windows."""
-    return [(source.domain, token_windows(tokenizer, source, config.window, config.eval_tokens, skip_chars=eval_skip(source)))
-            for source in usable_sources(tokenizer, evaluation)]
+    return [
+        (
+            source.domain,
+            token_windows(tokenizer, source, config.window, config.eval_tokens, skip_chars=eval_skip(source)),
+        )
+        for source in usable_sources(tokenizer, evaluation)
+    ]
 
 
 def parity_sample(domains: list[tuple[str, torch.Tensor]], per_domain: int) -> list[int]:
@@ -161,14 +178,18 @@ def torch_side(model: WindowLogits, windows: torch.Tensor, sample: list[int]) ->
 PARITY_CHUNK = 128
 
 
-def onnx_parity(decoder: OnnxDecoder | SlicedDecoder, measured: dict[int, TorchWindow], windows: torch.Tensor) -> dict[str, Any]:
+def onnx_parity(
+    decoder: OnnxDecoder | SlicedDecoder, measured: dict[int, TorchWindow], windows: torch.Tensor
+) -> dict[str, Any]:
     """ONNX Runtime against the torch measurement on a sample of windows: perplexity of each and top-1 agreement (the
-    graph run :data:`PARITY_CHUNK` tokens at a time through its KV cache, as it decodes when deployed; whole, or slice by
-    slice)."""
+    graph run :data:`PARITY_CHUNK` tokens at a time through its KV cache, as it decodes when deployed; whole, or slice
+    by slice)."""
     onnx_nll = torch_nll = 0.0
     count = agree = 0
     sample = list(measured)
-    for position, start, logits in decoder.sequences_in_chunks([windows[index].numpy() for index in sample], PARITY_CHUNK):
+    for position, start, logits in decoder.sequences_in_chunks(
+        [windows[index].numpy() for index in sample], PARITY_CHUNK
+    ):
         ids, torch_window = windows[sample[position]].numpy(), measured[sample[position]]
         targets = ids[start + 1:start + 1 + logits.shape[1]]
         rows = logits[0, :len(targets)]
@@ -197,25 +218,39 @@ def measure(files: DeployedFiles, evaluation: list[TextSource], config: Validate
             unseen: list[str] | None = None, prompts: str | None = None, device: str = "cpu") -> dict[str, Any]:
     """Every target-independent measurement of a decoder as deployed.
 
-    The exported model is measured in torch on ``device`` block by block with exactly the deployed numbers (and so are the
-    app prompts' answers); its ONNX, where there is one, in ONNX Runtime on a sample of windows (parity) and for host
-    latency, after the torch models are gone; ``prompts``: the run's ``prompts=``.
+    The exported model is measured in torch on ``device`` block by block with exactly the deployed numbers (and so are
+    the app prompts' answers); its ONNX, where there is one, in ONNX Runtime on a sample of windows (parity) and for
+    host latency, after the torch models are gone; ``prompts``: the run's ``prompts=``.
     """
     model_dir, teacher_dir, onnx_dir = files.model_dir, files.teacher_dir, files.onnx_dir
     tokenizer = load_tokenizer(model_dir)
     domains = evaluation_windows(tokenizer, evaluation, config)
     windows = torch.cat([w for _, w in domains])
     names = ", ".join(name for name, _ in domains)
-    log.info("measuring the deployed numbers in torch (%s) on %d domains (%s), %d windows of %d tokens, block by block", device,
-             len(domains), names, windows.shape[0], config.window)
+    log.info(
+        "measuring the deployed numbers in torch (%s) on %d domains (%s), %d windows of %d tokens, block by block",
+        device,
+        len(domains),
+        names,
+        windows.shape[0],
+        config.window,
+    )
     peaks: dict[str, float] = {}  # MB, per phase: which of them sets the stage's peak
     with phase_peak(peaks, "passes"):
         deployed = window_logits(model_dir, windows, device, progress, desc="model")
         teacher = None
         if teacher_dir is not None:  # a float export measures the teacher itself
-            teacher = deployed if Path(teacher_dir) == Path(model_dir) else window_logits(teacher_dir, windows, device, progress, "teacher")
+            teacher = (
+                deployed
+                if Path(teacher_dir) == Path(model_dir)
+                else window_logits(teacher_dir, windows, device, progress, "teacher")
+            )
         quality = _quality(deployed, teacher, domains, windows, unseen or [], progress)
-        measured = torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows)) if onnx_dir is not None else {}
+        measured = (
+            torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows))
+            if onnx_dir is not None
+            else {}
+        )
         deployed = teacher = None
         release_freed_memory()
     cases, prompt_source = resolve_prompts(prompts, tokenizer)
@@ -226,13 +261,18 @@ def measure(files: DeployedFiles, evaluation: list[TextSource], config: Validate
     if onnx_dir is not None:  # ONNX Runtime's session (float32 copies of the 16-bit tensors) is alone in memory
         with phase_peak(peaks, "onnx_runtime"):
             parity, latency = _onnx_runtime_side(onnx_dir, measured, windows, evaluation, tokenizer, config)
-    log.info("validation's peak resident memory by phase: %s", ", ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in peaks.items()))
+    log.info(
+        "validation's peak resident memory by phase: %s",
+        ", ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in peaks.items()),
+    )
     return {
         "eval_tokens": int(windows.numel()),
         "eval_windows": int(windows.shape[0]),
         "window_prefix": prefix_tokens(tokenizer),
-        "measured_with": f"torch on {device}: the deployed numbers (quantized linears rebuilt from their levels, inputs and "
-                         "KV cache quantized as deployed), block by block",
+        "measured_with": (
+            f"torch on {device}: the deployed numbers (quantized linears rebuilt from their levels, "
+            "inputs and KV cache quantized as deployed), block by block"
+        ),
         **quality,
         "prompts": answers,
         "prompts_source": prompt_source,
@@ -245,21 +285,34 @@ def measure(files: DeployedFiles, evaluation: list[TextSource], config: Validate
     }
 
 
-def _onnx_runtime_side(onnx_dir: Path, measured: dict[int, TorchWindow], windows: torch.Tensor, evaluation: list[TextSource],
-                       tokenizer, config: ValidateConfig) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    """ONNX Runtime's parity with the torch measurement on the sampled windows, and its host latency (not measured when the
-    graph is run in slices)."""
+def _onnx_runtime_side(
+    onnx_dir: Path,
+    measured: dict[int, TorchWindow],
+    windows: torch.Tensor,
+    evaluation: list[TextSource],
+    tokenizer,
+    config: ValidateConfig,
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """ONNX Runtime's parity with the torch measurement on the sampled windows, and its host latency (not measured when
+    the graph is run in slices)."""
     sliced = _sliced_decoder(onnx_dir, config.onnx_session_mb * 2**20)
     if sliced is not None:
-        log.info("ONNX Runtime against torch on %d windows, the graph in %d slices of whole blocks (validate.onnx_session_mb="
-                 "%d), one session at a time; host latency not measured (it needs the whole graph)", len(measured),
-                 len(sliced.slices), config.onnx_session_mb)
+        log.info(
+            "ONNX Runtime against torch on %d windows, the graph in %d slices of whole blocks "
+            "(validate.onnx_session_mb="
+            "%d), one session at a time; host latency not measured (it needs the whole graph)",
+            len(measured),
+            len(sliced.slices),
+            config.onnx_session_mb,
+        )
         return {**onnx_parity(sliced, measured, windows), "slices": len(sliced.slices)}, None
     decoder = OnnxDecoder(onnx_dir)
     log.info("ONNX Runtime against torch on %d windows", len(measured))
     parity = onnx_parity(decoder, measured, windows)
     opening = evaluated_span(evaluation[0], config.latency_prompt_tokens)
-    prompt = (window_prefix(tokenizer) + tokenizer(opening, add_special_tokens=False).input_ids)[: config.latency_prompt_tokens]
+    prompt = (window_prefix(tokenizer) + tokenizer(opening, add_special_tokens=False).input_ids)[
+        : config.latency_prompt_tokens
+    ]
     log.info("host ONNX Runtime latency: %d-token prompt, %d new tokens", len(prompt), config.latency_new_tokens)
     latency = measure_decoder_latency(decoder, prompt, config.latency_new_tokens, repeats=config.latency_repeats)
     del decoder
@@ -274,11 +327,19 @@ def _sliced_decoder(onnx_dir: Path, max_weight_bytes: int) -> SlicedDecoder | No
     return SlicedDecoder(onnx_dir, slices) if slices else None
 
 
-def _quality(deployed: WindowLogits, teacher: WindowLogits | None, domains: list[tuple[str, torch.Tensor]], windows: torch.Tensor,
-             unseen: list[str], progress: bool) -> dict[str, Any]:
+def _quality(
+    deployed: WindowLogits,
+    teacher: WindowLogits | None,
+    domains: list[tuple[str, torch.Tensor]],
+    windows: torch.Tensor,
+    unseen: list[str],
+    progress: bool,
+) -> dict[str, Any]:
     """Per-domain quality against the teacher, or the deployed model's perplexity alone when there is none."""
     if teacher is not None:
-        return domain_quality(compare_window_pairs(lambda i: (deployed.rows(i), teacher.rows(i)), domains, progress), unseen)
+        return domain_quality(
+            compare_window_pairs(lambda i: (deployed.rows(i), teacher.rows(i)), domains, progress), unseen
+        )
     predicting = windows.shape[1] - 1
     nll = sum(targets_nll(deployed.rows(i, stop=predicting), windows[i, 1:].numpy())[0] for i in range(len(deployed)))
     return {"perplexity_teacher": None, "perplexity_increase_pct": None,
@@ -300,24 +361,37 @@ def _prompt_answers(cases, source: str, tokenizer, files: DeployedFiles, config:
     each phase's peak memory in ``compute.peaks``)."""
     teacher_dir, model_dir = files.teacher_dir, files.model_dir
     progress, peaks, device = compute.progress, compute.peaks, compute.device
-    log.info("app prompts: %d from %s, greedy %d tokens, deployed numbers vs teacher, both in torch", len(cases), source,
-             config.prompt_new_tokens)
+    log.info(
+        "app prompts: %d from %s, greedy %d tokens, deployed numbers vs teacher, both in torch",
+        len(cases),
+        source,
+        config.prompt_new_tokens,
+    )
     eos = model_eos_ids(model_dir, tokenizer)
     with phase_peak(peaks, "prompts_teacher"):
         answers = teacher_answers(cases, tokenizer, teacher_dir, eos, config.prompt_new_tokens, progress, device=device)
-    with phase_peak(peaks, "prompts_deployed"), deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos), device) as generate:
+    with (
+        phase_peak(peaks, "prompts_deployed"),
+        deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos), device) as generate,
+    ):
         deployed = answer_prompts(cases, tokenizer, generate, config.prompt_new_tokens, progress, "deployed")
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
 
 
 def teacher_answers(cases, tokenizer, teacher_dir: Path, eos: list[int], new_tokens: int, progress: bool,
                     trust_remote_code: bool = False, device: str = "cpu") -> list[list[int]]:
-    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype (on ``device`` where it fits
-    there), computed in float32."""
+    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype (on ``device`` where it
+    fits there), computed in float32."""
     teacher, _ = held_deployed_causal_lm(teacher_dir, trust_remote_code, device)
     with computed_in_float32(teacher):
-        answers = answer_prompts(cases, tokenizer, torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)), new_tokens,
-                                 progress, "teacher")
+        answers = answer_prompts(
+            cases,
+            tokenizer,
+            torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)),
+            new_tokens,
+            progress,
+            "teacher",
+        )
     del teacher
     release_freed_memory()
     return answers
@@ -342,9 +416,9 @@ def model_eos_ids(folder: Path, tokenizer) -> list[int]:
 
 @contextlib.contextmanager
 def deployed_generator(model_dir: Path, eos: list[int], pad_id: int, device: str = "cpu") -> Iterator[BatchGenerate]:
-    """Batched greedy decoding of the deployed numbers in torch: the quantized checkpoint held as its levels (on ``device``
-    where it fits there), each linear rebuilt while its block computes (the numbers the custody check proves the bundle
-    holds)."""
+    """Batched greedy decoding of the deployed numbers in torch: the quantized checkpoint held as its levels (on
+    ``device`` where it fits there), each linear rebuilt while its block computes (the numbers the custody check proves
+    the bundle holds)."""
     model, rebuilt = held_deployed_causal_lm(model_dir, device=device)
     with computed_in_float32(model, rebuilt):
         yield torch_greedy_batched(model, eos, pad_id)
@@ -372,37 +446,96 @@ def domain_quality(per_domain: dict[str, dict[str, Any]], unseen: list[str]) -> 
     }
 
 
-def gate_checks(metrics: dict[str, Any], predictions: dict[str, Any], target: Target, must_measure: bool) -> list[Check]:
+def gate_checks(
+    metrics: dict[str, Any], predictions: dict[str, Any], target: Target, must_measure: bool
+) -> list[Check]:
     """Compare measurements and predictions with the target's budgets."""
     budgets = target.budgets
     chosen = predictions["chosen"]
     mode = chosen["power_mode"]
     worst = metrics.get("worst_domain")
-    where = (f"worst of {len(metrics['domains'])} evaluation domains: {worst}" + (" (unseen)" if worst in metrics.get("unseen_domains", [])
-             else "")) if worst else "the evaluation text"
+    where = (
+        (
+            f"worst of {len(metrics['domains'])} evaluation domains: {worst}"
+            + (" (unseen)" if worst in metrics.get("unseen_domains", []) else "")
+        )
+        if worst
+        else "the evaluation text"
+    )
     checks = [
-        upper_bound_check("perplexity_increase_pct", metrics.get("perplexity_increase_pct"), budgets.max_ppl_increase_pct,
-                          "measured", "%", f"the deployed numbers vs the teacher, {where}"),
-        lower_bound_check("top1_agreement", metrics.get("top1_agreement"), budgets.min_top1_agreement, "measured", "",
-                          "next-token argmax equal to the teacher's, mixed evaluation text"),
-        upper_bound_check("mean_kl", metrics.get("mean_kl"), budgets.max_mean_kl, "measured", "nats",
-                          "mean KL(teacher || model) per token, mixed evaluation text"),
-        upper_bound_check("decode_latency_ms", chosen["decode_latency_ms"], budgets.max_decode_latency_ms, "predicted", "ms",
-                          f"{target.name} {mode}, {chosen['precision']}, context {budgets.context_length}"),
-        upper_bound_check("ttft_ms", chosen["ttft_ms"], budgets.max_ttft_ms, "predicted", "ms",
-                          f"{target.name} {mode}, prompt {budgets.prompt_length} tokens"),
-        upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
-                          f"weights + KV cache at {budgets.context_length} + runtime"),
+        upper_bound_check(
+            "perplexity_increase_pct",
+            metrics.get("perplexity_increase_pct"),
+            budgets.max_ppl_increase_pct,
+            "measured",
+            "%",
+            f"the deployed numbers vs the teacher, {where}",
+        ),
+        lower_bound_check(
+            "top1_agreement",
+            metrics.get("top1_agreement"),
+            budgets.min_top1_agreement,
+            "measured",
+            "",
+            "next-token argmax equal to the teacher's, mixed evaluation text",
+        ),
+        upper_bound_check(
+            "mean_kl",
+            metrics.get("mean_kl"),
+            budgets.max_mean_kl,
+            "measured",
+            "nats",
+            "mean KL(teacher || model) per token, mixed evaluation text",
+        ),
+        upper_bound_check(
+            "decode_latency_ms",
+            chosen["decode_latency_ms"],
+            budgets.max_decode_latency_ms,
+            "predicted",
+            "ms",
+            f"{target.name} {mode}, {chosen['precision']}, context {budgets.context_length}",
+        ),
+        upper_bound_check(
+            "ttft_ms",
+            chosen["ttft_ms"],
+            budgets.max_ttft_ms,
+            "predicted",
+            "ms",
+            f"{target.name} {mode}, prompt {budgets.prompt_length} tokens",
+        ),
+        upper_bound_check(
+            "memory_gb",
+            chosen["memory_gb"],
+            budgets.max_memory_gb,
+            "predicted",
+            "GB",
+            f"weights + KV cache at {budgets.context_length} + runtime",
+        ),
     ]
     checks += prompt_checks(metrics.get("prompts"), budgets)
     if metrics.get("onnx_pattern_24_fraction") is not None:
-        checks.append(upper_bound_check("sparsity_24_violations_pct", 100.0 * (1.0 - metrics["onnx_pattern_24_fraction"]), 0.0,
-                                        "measured", "%", "share of exported linear weight 4-groups outside the 2:4 pattern"))
+        checks.append(
+            upper_bound_check(
+                "sparsity_24_violations_pct",
+                100.0 * (1.0 - metrics["onnx_pattern_24_fraction"]),
+                0.0,
+                "measured",
+                "%",
+                "share of exported linear weight 4-groups outside the 2:4 pattern",
+            )
+        )
     parity = metrics.get("onnx_parity")
     if parity:
-        checks.append(upper_bound_check("onnx_vs_torch_quantized_pct", parity["difference_pct"], ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT,
-                                        "measured", "%", f"|ppl ONNX Runtime / ppl torch - 1| of the deployed numbers on "
-                                                         f"{parity['windows']} windows"))
+        checks.append(
+            upper_bound_check(
+                "onnx_vs_torch_quantized_pct",
+                parity["difference_pct"],
+                ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT,
+                "measured",
+                "%",
+                f"|ppl ONNX Runtime / ppl torch - 1| of the deployed numbers on {parity['windows']} windows",
+            )
+        )
     return require_measured(checks) if must_measure else checks
 
 
@@ -420,13 +553,20 @@ def target_predictions(model: dict[str, Any] | Path, precision: str, target: Tar
     config = model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
     meta = meta or {}
     quantization = meta.get("quantization") or {}
-    shape = replace(ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.get("kv_cache", "fp16")])
+    shape = replace(
+        ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.get("kv_cache", "fp16")]
+    )
     if quantization.get("mix"):  # a mixed-precision plan: each precision's share of the linears
         head = quantization.get("lm_head", "fp16")
-        all_modes = [predict_mixed(target, shape, quantization["mix"], mode.name, head=head) for mode in target.power_modes]
+        all_modes = [
+            predict_mixed(target, shape, quantization["mix"], mode.name, head=head) for mode in target.power_modes
+        ]
         chosen = predict_mixed(target, shape, quantization["mix"], power_mode, head=head).to_json()
     else:
-        options = {"float_fraction": meta.get("float_linear_fraction", 0.0), "group_size": quantization.get("group_size") or 128}
+        options = {
+            "float_fraction": meta.get("float_linear_fraction", 0.0),
+            "group_size": quantization.get("group_size") or 128,
+        }
         all_modes = predict_all_modes(target, shape, precision, **options)
         chosen = predict(target, shape, precision, power_mode, **options).to_json()
     lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)

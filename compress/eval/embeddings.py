@@ -39,19 +39,28 @@ def embedding_fidelity(reference: dict[str, np.ndarray], candidate: dict[str, np
     stacked_reference = np.concatenate([reference[d] for d in reference])
     stacked_candidate = np.concatenate([candidate[d] for d in reference])
     worst_domain = min(per_domain, key=lambda d: float(per_domain[d].mean()))
-    return {"sentences": int(every.size), "embedding_cosine_mean": float(every.mean()), "embedding_cosine_min": float(every.min()),
-            "neighbour_agreement": neighbour_agreement(stacked_reference, stacked_candidate),
-            "worst_domain": worst_domain,
-            "domains": {d: {"sentences": int(c.size), "cosine_mean": float(c.mean()), "cosine_min": float(c.min())}
-                        for d, c in per_domain.items()}}
+    return {
+        "sentences": int(every.size),
+        "embedding_cosine_mean": float(every.mean()),
+        "embedding_cosine_min": float(every.min()),
+        "neighbour_agreement": neighbour_agreement(stacked_reference, stacked_candidate),
+        "worst_domain": worst_domain,
+        "domains": {
+            d: {"sentences": int(c.size), "cosine_mean": float(c.mean()), "cosine_min": float(c.min())}
+            for d, c in per_domain.items()
+        },
+    }
 
 
 def label_fidelity(reference: dict[str, np.ndarray], candidate: dict[str, np.ndarray]) -> dict[str, Any]:
     """Share of sentences whose argmax label equals the reference's, overall and per domain."""
     per_domain = {d: reference[d].argmax(axis=1) == candidate[d].argmax(axis=1) for d in reference}
     every = np.concatenate(list(per_domain.values()))
-    return {"sentences": int(every.size), "label_agreement": float(every.mean()),
-            "domains": {d: {"sentences": int(a.size), "label_agreement": float(a.mean())} for d, a in per_domain.items()}}
+    return {
+        "sentences": int(every.size),
+        "label_agreement": float(every.mean()),
+        "domains": {d: {"sentences": int(a.size), "label_agreement": float(a.mean())} for d, a in per_domain.items()},
+    }
 
 
 def read_labelled(path: Path, label2id: dict[str, int]) -> tuple[list[str], np.ndarray]:
@@ -87,8 +96,11 @@ def _label_id(label: Any, label2id: dict[str, int], path: Path, number: int) -> 
                      f"({', '.join(sorted(label2id))})")
 
 
-def batch_latency(run: Callable[[Sequence[str]], Any], sentences: Sequence[str], batch: int, repeats: int = 3) -> dict[str, float]:
-    """Host milliseconds per batch of ``batch`` sentences (p50, p90 over every batch of every repeat) and sentences/s."""
+def batch_latency(
+    run: Callable[[Sequence[str]], Any], sentences: Sequence[str], batch: int, repeats: int = 3
+) -> dict[str, float]:
+    """Host milliseconds per batch of ``batch`` sentences (p50, p90 over every batch of every repeat) and
+    sentences/s."""
     times = []
     chunks = [sentences[i:i + batch] for i in range(0, len(sentences) - batch + 1, batch)] or [sentences[:batch]]
     run(chunks[0])  # warm-up: session and thread-pool start
@@ -98,4 +110,9 @@ def batch_latency(run: Callable[[Sequence[str]], Any], sentences: Sequence[str],
             run(chunk)
             times.append((time.perf_counter() - started) * 1000)
     p50, p90 = float(np.percentile(times, 50)), float(np.percentile(times, 90))
-    return {"batch": batch, "p50_ms": round(p50, 3), "p90_ms": round(p90, 3), "sentences_per_s": round(1000.0 * batch / p50, 1)}
+    return {
+        "batch": batch,
+        "p50_ms": round(p50, 3),
+        "p90_ms": round(p90, 3),
+        "sentences_per_s": round(1000.0 * batch / p50, 1),
+    }

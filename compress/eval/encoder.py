@@ -45,27 +45,45 @@ class ValidateEncoderConfig(StrictModel):
 
 def measure(onnx_dir: Path, teacher_dir: Path, evaluation: list[TextSource], config: ValidateEncoderConfig,
             labels_file: Path | None = None) -> dict[str, Any]:
-    """Every target-independent measurement of an exported encoder (``labels_file``: a labelled set for a classifier)."""
+    """Every target-independent measurement of an exported encoder (``labels_file``: a labelled set for a
+    classifier)."""
     encoder = OnnxEncoder(onnx_dir)
     tokenizer = load_tokenizer(onnx_dir)
     teacher = load_encoder(teacher_dir)
     output = encoder.output
     run = encoder.embed if output == HIDDEN_OUTPUT else encoder.logits
     domains = domain_sentences(evaluation, config.sentences_per_domain)
-    reference = {d: torch_outputs(teacher, tokenizer, s, output, config.batch_size, config.max_length) for d, s in domains if s}
+    reference = {
+        d: torch_outputs(teacher, tokenizer, s, output, config.batch_size, config.max_length) for d, s in domains if s
+    }
     candidate = {d: run(s, batch_size=config.batch_size, max_length=config.max_length) for d, s in domains if s}
-    log.info("ONNX encoder vs fp32 torch on %d sentences from %d domains", sum(len(s) for _, s in domains), len(reference))
+    log.info(
+        "ONNX encoder vs fp32 torch on %d sentences from %d domains", sum(len(s) for _, s in domains), len(reference)
+    )
     metrics: dict[str, Any] = {"output": output}
-    metrics.update(embedding_fidelity(reference, candidate) if output == HIDDEN_OUTPUT else label_fidelity(reference, candidate))
+    metrics.update(
+        embedding_fidelity(reference, candidate) if output == HIDDEN_OUTPUT else label_fidelity(reference, candidate)
+    )
     if labels_file and output != HIDDEN_OUTPUT:
         texts, labels = read_labelled(Path(labels_file), read_json(onnx_dir / "config.json").get("label2id") or {})
         ours = encoder.logits(texts, batch_size=config.batch_size, max_length=config.max_length).argmax(axis=1)
         theirs = torch_outputs(teacher, tokenizer, texts, output, config.batch_size, config.max_length).argmax(axis=1)
-        metrics["labelled"] = {"file": str(labels_file), "sentences": len(texts), "accuracy": float((ours == labels).mean()),
-                               "accuracy_fp32": float((theirs == labels).mean())}
+        metrics["labelled"] = {
+            "file": str(labels_file),
+            "sentences": len(texts),
+            "accuracy": float((ours == labels).mean()),
+            "accuracy_fp32": float((theirs == labels).mean()),
+        }
     sentences = [s for _, found in domains for s in found][: config.latency_sentences]
-    metrics["host_latency"] = [batch_latency(lambda chunk: run(list(chunk), batch_size=len(chunk), max_length=config.max_length),
-                                             sentences, batch, config.latency_repeats) for batch in LATENCY_BATCHES]
+    metrics["host_latency"] = [
+        batch_latency(
+            lambda chunk: run(list(chunk), batch_size=len(chunk), max_length=config.max_length),
+            sentences,
+            batch,
+            config.latency_repeats,
+        )
+        for batch in LATENCY_BATCHES
+    ]
     lengths = [len(ids) for ids in tokenizer(sentences, truncation=True, max_length=config.max_length).input_ids]
     metrics["median_tokens"] = int(np.median(lengths))
     metrics["model_size_bytes"] = path_size(onnx_dir / ENCODER_FILE)
@@ -73,12 +91,19 @@ def measure(onnx_dir: Path, teacher_dir: Path, evaluation: list[TextSource], con
 
 
 def encoder_shape(model) -> dict[str, int]:
-    """What the latency model needs of an encoder, with the parameters its layers' linears really have (pruned or not)."""
+    """What the latency model needs of an encoder, with the parameters its layers' linears really have (pruned or
+    not)."""
     config = model.config
-    linears = sum(m.weight.numel() for layer in encoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear))
-    return {"hidden_size": config.hidden_size, "num_hidden_layers": config.num_hidden_layers,
-            "intermediate_size": getattr(config, "intermediate_size", None) or config.hidden_dim, "vocab_size": config.vocab_size,
-            "linear_params": linears}
+    linears = sum(
+        m.weight.numel() for layer in encoder_layers(model) for m in layer.modules() if isinstance(m, torch.nn.Linear)
+    )
+    return {
+        "hidden_size": config.hidden_size,
+        "num_hidden_layers": config.num_hidden_layers,
+        "intermediate_size": getattr(config, "intermediate_size", None) or config.hidden_dim,
+        "vocab_size": config.vocab_size,
+        "linear_params": linears,
+    }
 
 
 def predictions(shape: dict[str, int], precision: str, target: Target, power_mode: str, tokens: int) -> dict[str, Any]:
@@ -96,25 +121,72 @@ def gate_checks(metrics: dict[str, Any], predicted: dict[str, Any], target: Targ
     where = f"{metrics['sentences']} evaluation sentences"
     if metrics["output"] == HIDDEN_OUTPUT:
         checks = [
-            lower_bound_check("embedding_cosine_mean", metrics["embedding_cosine_mean"], budgets.min_embedding_cosine, "measured",
-                              "", f"ONNX Runtime vs fp32 torch, {where} (worst domain {metrics['worst_domain']})"),
-            lower_bound_check("embedding_cosine_min", metrics["embedding_cosine_min"], budgets.min_embedding_cosine_worst,
-                              "measured", "", f"lowest over {where}"),
-            lower_bound_check("neighbour_agreement", metrics["neighbour_agreement"], budgets.min_neighbour_agreement, "measured",
-                              "", f"overlap of each sentence's 5 nearest neighbours with the fp32 model's, {where}"),
+            lower_bound_check(
+                "embedding_cosine_mean",
+                metrics["embedding_cosine_mean"],
+                budgets.min_embedding_cosine,
+                "measured",
+                "",
+                f"ONNX Runtime vs fp32 torch, {where} (worst domain {metrics['worst_domain']})",
+            ),
+            lower_bound_check(
+                "embedding_cosine_min",
+                metrics["embedding_cosine_min"],
+                budgets.min_embedding_cosine_worst,
+                "measured",
+                "",
+                f"lowest over {where}",
+            ),
+            lower_bound_check(
+                "neighbour_agreement",
+                metrics["neighbour_agreement"],
+                budgets.min_neighbour_agreement,
+                "measured",
+                "",
+                f"overlap of each sentence's 5 nearest neighbours with the fp32 model's, {where}",
+            ),
         ]
     else:
-        checks = [lower_bound_check("label_agreement", metrics["label_agreement"], budgets.min_label_agreement, "measured", "",
-                                    f"argmax equal to the fp32 model's, {where}")]
+        checks = [
+            lower_bound_check(
+                "label_agreement",
+                metrics["label_agreement"],
+                budgets.min_label_agreement,
+                "measured",
+                "",
+                f"argmax equal to the fp32 model's, {where}",
+            )
+        ]
         if "labelled" in metrics:
             labelled = metrics["labelled"]
             drop = 100.0 * (labelled["accuracy_fp32"] - labelled["accuracy"])
-            checks.append(upper_bound_check("accuracy_drop_pct", drop, budgets.max_accuracy_drop_pct, "measured", "points",
-                                            f"{labelled['sentences']} labelled sentences of {labelled['file']}"))
+            checks.append(
+                upper_bound_check(
+                    "accuracy_drop_pct",
+                    drop,
+                    budgets.max_accuracy_drop_pct,
+                    "measured",
+                    "points",
+                    f"{labelled['sentences']} labelled sentences of {labelled['file']}",
+                )
+            )
     checks += [
-        upper_bound_check("encoder_batch_ms", chosen["batch_ms"], budgets.max_encoder_batch_ms, "predicted", "ms",
-                          f"{target.name} {chosen['power_mode']}, {chosen['precision']}, batch {chosen['batch']} x "
-                          f"{chosen['tokens']} tokens"),
-        upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB", "weights + activations + runtime"),
+        upper_bound_check(
+            "encoder_batch_ms",
+            chosen["batch_ms"],
+            budgets.max_encoder_batch_ms,
+            "predicted",
+            "ms",
+            f"{target.name} {chosen['power_mode']}, {chosen['precision']}, batch {chosen['batch']} x "
+            f"{chosen['tokens']} tokens",
+        ),
+        upper_bound_check(
+            "memory_gb",
+            chosen["memory_gb"],
+            budgets.max_memory_gb,
+            "predicted",
+            "GB",
+            "weights + activations + runtime",
+        ),
     ]
     return require_measured(checks) if must_measure else checks

@@ -38,9 +38,11 @@ class Tally:
     agree: int = 0
     kl: float = 0.0
 
-    def add_window(self, model_logits: LogitRows, reference_logits: LogitRows, ids: np.ndarray, chunk: int = 32) -> None:
-        """One ``(seq, vocab)`` window of both models' logits and its ``(seq,)`` token ids (float64, in row chunks: 32 rows of a
-        150k-token vocabulary take 0.2 GB of temporaries, 128 took 0.8)."""
+    def add_window(
+        self, model_logits: LogitRows, reference_logits: LogitRows, ids: np.ndarray, chunk: int = 32
+    ) -> None:
+        """One ``(seq, vocab)`` window of both models' logits and its ``(seq,)`` token ids (float64, in row chunks: 32
+        rows of a 150k-token vocabulary take 0.2 GB of temporaries, 128 took 0.8)."""
         targets = ids[1:]
         for start in range(0, len(targets), chunk):
             stop = min(start + chunk, len(targets))
@@ -91,8 +93,8 @@ WindowPair = Callable[[int], tuple[LogitRows, LogitRows]]
 
 def compare_window_pairs(pair: WindowPair, domains: Sequence[tuple[str, torch.Tensor]],
                          progress: bool = True) -> dict[str, dict[str, float | int]]:
-    """:func:`compare_on_domains` with the logits given by window: ``pair(i)`` is ``(model, reference)`` logits ``(seq, vocab)``
-    of the ``i``-th window, counting through the domains' windows in order."""
+    """:func:`compare_on_domains` with the logits given by window: ``pair(i)`` is ``(model, reference)`` logits ``(seq,
+    vocab)`` of the ``i``-th window, counting through the domains' windows in order."""
     results: dict[str, dict[str, float | int]] = {}
     mixed = Tally()
     total = sum(int(w.shape[0]) for _, w in domains)

@@ -50,8 +50,18 @@ def lower_bound_check(name: str, value: float | None, limit: float, source: Sour
 def require_measured(checks: list[Check]) -> list[Check]:
     """Turn predicted checks into NOT_MEASURED (for ``--require-measured``)."""
     return [
-        Check(c.name, c.value, c.limit, NOT_MEASURED, c.source, c.unit, "predicted, but measured values are required", c.bound)
-        if c.source == "predicted" and c.verdict != FAIL else c
+        Check(
+            c.name,
+            c.value,
+            c.limit,
+            NOT_MEASURED,
+            c.source,
+            c.unit,
+            "predicted, but measured values are required",
+            c.bound,
+        )
+        if c.source == "predicted" and c.verdict != FAIL
+        else c
         for c in checks
     ]
 

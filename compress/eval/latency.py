@@ -27,7 +27,9 @@ def measure_decoder_latency(decoder, prompt_ids: list[int], new_tokens: int, war
     mask0 = np.ones_like(prompt)
     for _ in range(warmup):
         logits, past = decoder.forward(prompt, mask0, decoder.empty_past(1))
-        decoder.forward(np.asarray([[int(logits[0, -1].argmax())]]), np.ones((1, prompt.shape[1] + 1), dtype=np.int64), past)
+        decoder.forward(
+            np.asarray([[int(logits[0, -1].argmax())]]), np.ones((1, prompt.shape[1] + 1), dtype=np.int64), past
+        )
     ttft, steps = [], []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -47,13 +47,24 @@ def measure_edgellm_engine(folder: Path, reference: dict[str, Any], tool: Path) 
     power_mode = edgellm_tools.read_power_mode()
     with tempfile.TemporaryDirectory(prefix="edgellm-", dir=folder) as work:
         responses, profile = edgellm_tools.run_inference(
-            tool, folder / plan["engine_dir"], edgellm_tools.greedy_requests(prompts, reference["max_new_tokens"]), Path(work))
+            tool,
+            folder / plan["engine_dir"],
+            edgellm_tools.greedy_requests(prompts, reference["max_new_tokens"]),
+            Path(work),
+        )
     device_ids = edgellm_tools.output_ids(responses, len(prompts))
     figures = edgellm_tools.profile_figures(profile)
     agreement = edgellm_tools.greedy_agreement(reference["host_output_ids"], device_ids)
-    return {"runtime": "edgellm", **figures, **agreement, "prompts": len(prompts), "new_tokens": reference["max_new_tokens"],
-            "power_mode_read": power_mode, "engine_sha256": read_json(manifest_path)["engine_sha256"],
-            "device_output_ids": device_ids}
+    return {
+        "runtime": "edgellm",
+        **figures,
+        **agreement,
+        "prompts": len(prompts),
+        "new_tokens": reference["max_new_tokens"],
+        "power_mode_read": power_mode,
+        "engine_sha256": read_json(manifest_path)["engine_sha256"],
+        "device_output_ids": device_ids,
+    }
 
 
 def _timed(step) -> tuple[float, Any]:
@@ -121,7 +132,10 @@ def measure_encoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, ma
     run = encoder.embed if encoder.output == HIDDEN_OUTPUT else encoder.logits
     batches = sorted({*LATENCY_BATCHES, *([encoder_batch] if encoder_batch else [])})
     sentences = list(PARITY_SENTENCES) * (4 * max(batches) // len(PARITY_SENTENCES) + 1)
-    rows = [batch_latency(lambda chunk: run(list(chunk), batch_size=len(chunk)), sentences, batch, repeats=10) for batch in batches]
+    rows = [
+        batch_latency(lambda chunk: run(list(chunk), batch_size=len(chunk)), sentences, batch, repeats=10)
+        for batch in batches
+    ]
     return {"runtime": "tensorrt", "model_kind": "encoder", "batches": rows, "engine_sha256": manifest["engine_sha256"]}
 
 

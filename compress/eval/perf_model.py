@@ -44,7 +44,9 @@ NVFP4_BLOCK = 16
 KV_CACHE_BYTES = 2  # FP16 KV cache on the device, unless quantized
 KV_CACHE_ELEMENT_BYTES = {"fp16": 2, "fp8": 1}
 RUNTIME_OVERHEAD_GB = 0.35  # CUDA context + TensorRT runtime, typical on Jetson
-PREFILL_UTILISATION = 0.5  # share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
+PREFILL_UTILISATION = (
+    0.5  # share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
+)
 MIN_FIT_ANCHORS = 3  # anchors a group needs for its own (efficiency, per-layer) fit
 
 
@@ -76,9 +78,17 @@ class ModelShape:
         """From a Hugging Face decoder ``config.json`` mapping."""
         try:
             shape = decoder_shape(cfg)
-            return cls(num_layers=shape.layers, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
-                       num_heads=shape.heads, num_kv_heads=shape.kv_heads, head_dim=shape.head_dim, vocab_size=shape.vocab,
-                       tie_word_embeddings=shape.tied, **_windows(cfg))
+            return cls(
+                num_layers=shape.layers,
+                hidden_size=shape.hidden,
+                intermediate_size=shape.intermediate,
+                num_heads=shape.heads,
+                num_kv_heads=shape.kv_heads,
+                head_dim=shape.head_dim,
+                vocab_size=shape.vocab,
+                tie_word_embeddings=shape.tied,
+                **_windows(cfg),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise UsageError(f"model config is not a decoder LLM config: missing or bad {exc}") from exc
 
@@ -107,7 +117,9 @@ class ModelShape:
     def kv_bytes_read(self, context: int) -> float:
         """KV-cache bytes one decoded token reads at ``context``: a sliding layer reads at most its window."""
         sliding = self.sliding_layers * min(context, self.sliding_window)
-        return self.kv_bytes_per_token() / self.num_layers * ((self.num_layers - self.sliding_layers) * context + sliding)
+        return (
+            self.kv_bytes_per_token() / self.num_layers * ((self.num_layers - self.sliding_layers) * context + sliding)
+        )
 
 
 def _windows(cfg: dict[str, Any]) -> dict[str, int]:
@@ -141,37 +153,149 @@ QWEN3_8B = ModelShape(36, 4096, 12288, 32, 8, 128, 151936, False)
 
 EDGELLM_BENCHMARK = ("TensorRT Edge-LLM v0.9.0 performance benchmarks, AGX Orin 64GB, JetPack 7.2, INT4 AWQ, batch 1, "
                      "~61-token prompts, engines built with max input 2048 and KV capacity 2200")
-EDGELLM_THOR_BENCHMARK = ("TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
-                          "vanilla decoding, 364-383-token prompts")
-EDGELLM_THOR_BENCHMARK_070 = ("TensorRT Edge-LLM 0.7.0 performance benchmarks (TensorRT 10.13), Jetson AGX Thor Developer Kit, "
-                              "batch 1, 370-token prompt")
+EDGELLM_THOR_BENCHMARK = (
+    "TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
+    "vanilla decoding, 364-383-token prompts"
+)
+EDGELLM_THOR_BENCHMARK_070 = (
+    "TensorRT Edge-LLM 0.7.0 performance benchmarks (TensorRT 10.13), Jetson AGX Thor Developer Kit, "
+    "batch 1, 370-token prompt"
+)
 # The Edge-LLM prompts are ~61 tokens; the KV cache read is taken at 128 (prompt plus half the output).
 ANCHORS = (
-    Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_0_6B, "int4", 128, 128, 186.4,
-           EDGELLM_BENCHMARK),
-    Anchor("Qwen3-1.7B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_1_7B, "int4", 128, 128, 98.6,
-           EDGELLM_BENCHMARK),
-    Anchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_4B, "int4", 128, 128, 53.1,
-           EDGELLM_BENCHMARK),
-    Anchor("Qwen3-8B INT4 AWQ (Edge-LLM 0.9.0)", "jetson-agx-orin-64gb", "MAXN", QWEN3_8B, "int4", 128, 128, 32.5,
-           EDGELLM_BENCHMARK),
-    Anchor("Llama-3-8B INT4 (TensorRT-LLM 0.12, AWQ)", "jetson-agx-orin-64gb", "MAXN", LLAMA3_8B, "int4", 128, 192, 35.9,
-           "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out"),
-    Anchor("Llama-2-7B INT4 (MLC q4f16_ft)", "jetson-agx-orin-64gb", "MAXN", LLAMA2_7B, "int4", 128, 192, 46.9,
-           "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM"),
+    Anchor(
+        "Qwen3-0.6B INT4 AWQ (Edge-LLM 0.9.0)",
+        "jetson-agx-orin-64gb",
+        "MAXN",
+        QWEN3_0_6B,
+        "int4",
+        128,
+        128,
+        186.4,
+        EDGELLM_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-1.7B INT4 AWQ (Edge-LLM 0.9.0)",
+        "jetson-agx-orin-64gb",
+        "MAXN",
+        QWEN3_1_7B,
+        "int4",
+        128,
+        128,
+        98.6,
+        EDGELLM_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.9.0)",
+        "jetson-agx-orin-64gb",
+        "MAXN",
+        QWEN3_4B,
+        "int4",
+        128,
+        128,
+        53.1,
+        EDGELLM_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-8B INT4 AWQ (Edge-LLM 0.9.0)",
+        "jetson-agx-orin-64gb",
+        "MAXN",
+        QWEN3_8B,
+        "int4",
+        128,
+        128,
+        32.5,
+        EDGELLM_BENCHMARK,
+    ),
+    Anchor(
+        "Llama-3-8B INT4 (TensorRT-LLM 0.12, AWQ)",
+        "jetson-agx-orin-64gb",
+        "MAXN",
+        LLAMA3_8B,
+        "int4",
+        128,
+        192,
+        35.9,
+        "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out",
+    ),
+    Anchor(
+        "Llama-2-7B INT4 (MLC q4f16_ft)",
+        "jetson-agx-orin-64gb",
+        "MAXN",
+        LLAMA2_7B,
+        "int4",
+        128,
+        192,
+        46.9,
+        "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM",
+    ),
     # 364-383-token prompts; the KV cache read is taken at the prompt plus 64 generated tokens.
-    Anchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 128, 447, 50.8,
-           EDGELLM_THOR_BENCHMARK),
-    Anchor("Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "nvfp4", 16, 447, 54.9,
-           EDGELLM_THOR_BENCHMARK),
-    Anchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "int4", 128, 430, 270.2,
-           EDGELLM_THOR_BENCHMARK),
-    Anchor("Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "nvfp4", 16, 430, 318.6,
-           EDGELLM_THOR_BENCHMARK),
-    Anchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "int4", 128, 428, 76.4,
-           EDGELLM_THOR_BENCHMARK),
-    Anchor("Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_1_7B, "nvfp4", 16, 434, 170.4,
-           EDGELLM_THOR_BENCHMARK_070),
+    Anchor(
+        "Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        LLAMA3_8B,
+        "int4",
+        128,
+        447,
+        50.8,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    Anchor(
+        "Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        LLAMA3_8B,
+        "nvfp4",
+        16,
+        447,
+        54.9,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_0_6B,
+        "int4",
+        128,
+        430,
+        270.2,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_0_6B,
+        "nvfp4",
+        16,
+        430,
+        318.6,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_4B,
+        "int4",
+        128,
+        428,
+        76.4,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    Anchor(
+        "Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_1_7B,
+        "nvfp4",
+        16,
+        434,
+        170.4,
+        EDGELLM_THOR_BENCHMARK_070,
+    ),
 )
 
 
@@ -190,20 +314,76 @@ class PrefillAnchor:
 
 
 PREFILL_ANCHORS = (
-    PrefillAnchor("Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "int4", 383, 215.5,
-                  EDGELLM_THOR_BENCHMARK),
-    PrefillAnchor("Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", LLAMA3_8B, "nvfp4", 383, 31.0,
-                  EDGELLM_THOR_BENCHMARK),
-    PrefillAnchor("Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "int4", 366, 21.0,
-                  EDGELLM_THOR_BENCHMARK),
-    PrefillAnchor("Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_0_6B, "nvfp4", 366, 8.8,
-                  EDGELLM_THOR_BENCHMARK),
-    PrefillAnchor("Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "int4", 364, 116.2,
-                  EDGELLM_THOR_BENCHMARK),
-    PrefillAnchor("Qwen3-4B-2507 NVFP4 (Edge-LLM 0.4.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_4B, "nvfp4", 364, 22.9,
-                  EDGELLM_THOR_BENCHMARK),
-    PrefillAnchor("Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)", "jetson-agx-thor", "MAXN", QWEN3_1_7B, "nvfp4", 370, 13.9,
-                  EDGELLM_THOR_BENCHMARK_070),
+    PrefillAnchor(
+        "Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        LLAMA3_8B,
+        "int4",
+        383,
+        215.5,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    PrefillAnchor(
+        "Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        LLAMA3_8B,
+        "nvfp4",
+        383,
+        31.0,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    PrefillAnchor(
+        "Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_0_6B,
+        "int4",
+        366,
+        21.0,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    PrefillAnchor(
+        "Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_0_6B,
+        "nvfp4",
+        366,
+        8.8,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    PrefillAnchor(
+        "Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_4B,
+        "int4",
+        364,
+        116.2,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    PrefillAnchor(
+        "Qwen3-4B-2507 NVFP4 (Edge-LLM 0.4.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_4B,
+        "nvfp4",
+        364,
+        22.9,
+        EDGELLM_THOR_BENCHMARK,
+    ),
+    PrefillAnchor(
+        "Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)",
+        "jetson-agx-thor",
+        "MAXN",
+        QWEN3_1_7B,
+        "nvfp4",
+        370,
+        13.9,
+        EDGELLM_THOR_BENCHMARK_070,
+    ),
 )
 
 
@@ -217,7 +397,8 @@ class DecodeFit:
 
 @dataclass(frozen=True)
 class PrefillFit:
-    """The prefill constants: share of the peak tensor-core rate reached and fixed milliseconds per layer at full clock."""
+    """The prefill constants: share of the peak tensor-core rate reached and fixed milliseconds per layer at full
+    clock."""
 
     utilisation: float
     per_layer_ms: float
@@ -232,14 +413,18 @@ def device_bits(precision: str) -> int:
 def _linear_bytes(shape: ModelShape, precision: str, group_size: int, float_fraction: float = 0.0) -> float:
     """Decoder linear bytes: ``float_fraction`` of the parameters in FP16, the rest at ``precision``."""
     params = shape.decoder_linear_params() * (1.0 - float_fraction)
-    scales = {"int4": params / group_size * 2, "nvfp4": params / NVFP4_BLOCK, "nvfp4_a16": params / NVFP4_BLOCK}.get(precision, 0.0)
+    scales = {"int4": params / group_size * 2, "nvfp4": params / NVFP4_BLOCK, "nvfp4_a16": params / NVFP4_BLOCK}.get(
+        precision, 0.0
+    )
     return params * device_bits(precision) / 8 + scales + shape.decoder_linear_params() * float_fraction * 2
 
 
 def weight_bytes(shape: ModelShape, precision: str, group_size: int = 128, float_fraction: float = 0.0) -> float:
     """Bytes of weights moved per decoded token: decoder linears at their precision (NVFP4 weight-only also writes and
     reads back its FP16 copy), the LM head in FP16."""
-    dequantized_copy = 2 * 2 * shape.decoder_linear_params() * (1.0 - float_fraction) if precision == "nvfp4_a16" else 0.0
+    dequantized_copy = (
+        2 * 2 * shape.decoder_linear_params() * (1.0 - float_fraction) if precision == "nvfp4_a16" else 0.0
+    )
     return _linear_bytes(shape, precision, group_size, float_fraction) + dequantized_copy + shape.lm_head_params() * 2
 
 
@@ -254,7 +439,8 @@ def mode_bandwidth_gbps(target: Target, mode: PowerMode) -> float:
 
 
 def mode_tops(target: Target, mode: PowerMode, precision: str, sparse: bool = False) -> float:
-    """Peak tera-ops/s of the GPU tensor cores at ``precision`` (``int8``, ``fp8``, ``fp4``, else FP16) under the mode's clock cap."""
+    """Peak tera-ops/s of the GPU tensor cores at ``precision`` (``int8``, ``fp8``, ``fp4``, else FP16) under the mode's
+    clock cap."""
     scale = min(1.0, mode.gpu_max_mhz / target.gpu.max_mhz)
     if precision == "int8":
         peak = target.int8_tops_sparse if sparse else target.int8_tops_dense
@@ -294,7 +480,8 @@ def _anchor_terms(anchor: Anchor) -> tuple[float, float]:
 
 
 def _fit_two_terms(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
-    """Least squares on relative error of ``measured ~ terms[:, 0] * a + terms[:, 1] * b``; b is dropped when negative."""
+    """Least squares on relative error of ``measured ~ terms[:, 0] * a + terms[:, 1] * b``; b is dropped when
+    negative."""
     rows = terms / measured[:, None]
     (a, b), *_ = np.linalg.lstsq(rows, np.ones(len(measured)), rcond=None)
     if b < 0:  # no fixed cost visible in the anchors: the first term alone
@@ -311,8 +498,8 @@ def _matching(anchors: tuple, arch: str | None, precision: str | None, compute: 
 
 @cache
 def fit_decode(arch: str | None = None, precision: str | None = None) -> DecodeFit:
-    """Least squares on relative error: ``1000 / tokens_per_s = bandwidth_ms / efficiency + layers * per_layer_ms``, on the
-    anchors of GPU architecture ``arch`` and ``precision`` (None: any)."""
+    """Least squares on relative error: ``1000 / tokens_per_s = bandwidth_ms / efficiency + layers * per_layer_ms``, on
+    the anchors of GPU architecture ``arch`` and ``precision`` (None: any)."""
     anchors = _matching(ANCHORS, arch, precision)
     terms = np.array([_anchor_terms(a) for a in anchors])
     inverse_efficiency, per_layer = _fit_two_terms(terms, np.array([1000.0 / a.tokens_per_s for a in anchors]))
@@ -320,7 +507,8 @@ def fit_decode(arch: str | None = None, precision: str | None = None) -> DecodeF
 
 
 def decode_fit_for(target: Target, precision: str) -> DecodeFit:
-    """The decode fit of the anchors nearest to the target: its architecture and precision, else its architecture, else all."""
+    """The decode fit of the anchors nearest to the target: its architecture and precision, else its architecture, else
+    all."""
     for arch, group in ((target.gpu.arch, precision), (target.gpu.arch, None), (None, None)):
         if len(_matching(ANCHORS, arch, group)) >= MIN_FIT_ANCHORS:
             return fit_decode(arch, group)
@@ -338,8 +526,8 @@ def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision
 
 @cache
 def fit_prefill(arch: str, compute: str | None) -> PrefillFit:
-    """The prefill fit on the anchors of GPU architecture ``arch`` whose GEMMs run at ``compute`` precision (None: any), or
-    the assumed utilisation where fewer than :data:`MIN_FIT_ANCHORS` exist."""
+    """The prefill fit on the anchors of GPU architecture ``arch`` whose GEMMs run at ``compute`` precision (None: any),
+    or the assumed utilisation where fewer than :data:`MIN_FIT_ANCHORS` exist."""
     anchors = _matching(PREFILL_ANCHORS, arch, compute, compute=True)
     if len(anchors) < MIN_FIT_ANCHORS:
         return PrefillFit(PREFILL_UTILISATION, 0.0, fitted=False)
@@ -353,13 +541,16 @@ def fit_prefill(arch: str, compute: str | None) -> PrefillFit:
 
 
 def prefill_fit_for(target: Target, precision: str) -> PrefillFit:
-    """The prefill fit nearest to the target: its architecture and compute precision, else its architecture, else assumed."""
+    """The prefill fit nearest to the target: its architecture and compute precision, else its architecture, else
+    assumed."""
     compute = precision_named(precision).compute
     fit = fit_prefill(target.gpu.arch, compute)
     return fit if fit.fitted else fit_prefill(target.gpu.arch, None)
 
 
-def prefill_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool = False) -> float:
+def prefill_ms(
+    target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool = False
+) -> float:
     """Predicted milliseconds to process a ``prompt_len``-token prompt."""
     at_peak, layers = _prefill_terms(target, mode, shape, precision, prompt_len, sparse)
     fit = prefill_fit_for(target, precision)
@@ -381,14 +572,31 @@ def anchor_errors() -> list[dict[str, Any]]:
         target = _anchor_target(anchor.target)
         mode = target.power_mode(anchor.power_mode)
         predicted = 1000.0 / decode_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context)
-        rows.append({"anchor": anchor.name, "measure": "decode tokens/s", "measured": anchor.tokens_per_s,
-                     "predicted": round(predicted, 2), "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2),
-                     "source": anchor.source})
+        rows.append(
+            {
+                "anchor": anchor.name,
+                "measure": "decode tokens/s",
+                "measured": anchor.tokens_per_s,
+                "predicted": round(predicted, 2),
+                "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2),
+                "source": anchor.source,
+            }
+        )
     for anchor in PREFILL_ANCHORS:
         target = _anchor_target(anchor.target)
-        predicted = prefill_ms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision, anchor.prompt_tokens)
-        rows.append({"anchor": anchor.name, "measure": "prefill ms", "measured": anchor.prefill_ms, "predicted": round(predicted, 2),
-                     "error_pct": round(100 * (predicted / anchor.prefill_ms - 1), 2), "source": anchor.source})
+        predicted = prefill_ms(
+            target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision, anchor.prompt_tokens
+        )
+        rows.append(
+            {
+                "anchor": anchor.name,
+                "measure": "prefill ms",
+                "measured": anchor.prefill_ms,
+                "predicted": round(predicted, 2),
+                "error_pct": round(100 * (predicted / anchor.prefill_ms - 1), 2),
+                "source": anchor.source,
+            }
+        )
     return rows
 
 
@@ -412,8 +620,17 @@ class Prediction:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | None = None, prompt_len: int | None = None,
-            context: int | None = None, group_size: int = 128, sparse: bool = False, float_fraction: float = 0.0) -> Prediction:
+def predict(
+    target: Target,
+    shape: ModelShape,
+    precision: str,
+    mode_name: str | None = None,
+    prompt_len: int | None = None,
+    context: int | None = None,
+    group_size: int = 128,
+    sparse: bool = False,
+    float_fraction: float = 0.0,
+) -> Prediction:
     """Predict decode speed, TTFT, memory and energy for one power mode (``float_fraction`` of the linears in FP16)."""
     mode = target.power_mode(mode_name)
     prompt_len = prompt_len or target.budgets.prompt_length
@@ -450,7 +667,9 @@ def linear_ms_per_param(target: Target, mode_name: str | None, precision: str, g
 def stored_bytes_per_param(precision: str, group_size: int = 128) -> float:
     """Bytes one linear parameter at ``precision`` holds in device memory, its share of the scales included."""
     bits = 16 if precision == "fp16" else device_bits(precision)
-    return bits / 8 + {"int4": 2 / group_size, "nvfp4": 1 / NVFP4_BLOCK, "nvfp4_a16": 1 / NVFP4_BLOCK}.get(precision, 0.0)
+    return bits / 8 + {"int4": 2 / group_size, "nvfp4": 1 / NVFP4_BLOCK, "nvfp4_a16": 1 / NVFP4_BLOCK}.get(
+        precision, 0.0
+    )
 
 
 def _mix_precisions(mix: dict[str, float]) -> list[tuple[str, float]]:
@@ -463,8 +682,8 @@ def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode
     """:func:`predict` for decoder linears in several precisions: ``mix`` maps each precision (``fp16`` included) to the
     share of the decoder-linear parameters it holds. Each share's bytes move at its precision's fitted efficiency; the
     fixed per-layer cost and the KV cache's reads are those of the precision holding most parameters; prefill runs each
-    share's FLOPs at its precision's tensor-core rate. ``head``: the LM head's precision; a quantized head is a linear of
-    its own beside the FP16 embedding table, read at its precision's efficiency."""
+    share's FLOPs at its precision's tensor-core rate. ``head``: the LM head's precision; a quantized head is a linear
+    of its own beside the FP16 embedding table, read at its precision's efficiency."""
     mode = target.power_mode(mode_name)
     prompt_len = prompt_len or target.budgets.prompt_length
     context = context or target.budgets.context_length
@@ -486,10 +705,17 @@ def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode
     stored = (shape.vocab_size * shape.hidden_size * 2 + head_stored
               + sum(fraction * _linear_bytes(shape, p, group_size) for p, fraction in parts))
     return Prediction(
-        power_mode=mode.name, watts=mode.watts, precision=MIXED, decode_tokens_per_s=1000.0 / latency_ms,
-        decode_latency_ms=latency_ms, ttft_ms=ttft_ms + latency_ms,
-        memory_gb=(stored + shape.kv_bytes_read(context)) / 1e9 + RUNTIME_OVERHEAD_GB, joules_per_token=mode.watts * latency_ms / 1000,
-        bandwidth_gbps=mode_bandwidth_gbps(target, mode), efficiency=fit.efficiency, per_layer_ms=fit.per_layer_ms,
+        power_mode=mode.name,
+        watts=mode.watts,
+        precision=MIXED,
+        decode_tokens_per_s=1000.0 / latency_ms,
+        decode_latency_ms=latency_ms,
+        ttft_ms=ttft_ms + latency_ms,
+        memory_gb=(stored + shape.kv_bytes_read(context)) / 1e9 + RUNTIME_OVERHEAD_GB,
+        joules_per_token=mode.watts * latency_ms / 1000,
+        bandwidth_gbps=mode_bandwidth_gbps(target, mode),
+        efficiency=fit.efficiency,
+        per_layer_ms=fit.per_layer_ms,
     )
 
 
@@ -524,13 +750,25 @@ def predict_encoder_batch(target: Target, mode: PowerMode, config: dict[str, Any
     hidden, layers, inter = config["hidden_size"], config["num_hidden_layers"], config["intermediate_size"]
     linear_params = config.get("linear_params") or layers * (4 * hidden * hidden + 2 * hidden * inter)
     flops = 2.0 * linear_params * batch * tokens + 4.0 * layers * batch * tokens * tokens * hidden
-    compute_ms = flops / (mode_tops(target, mode, "int8" if precision == "int8" else "fp16") * 1e12 * ENCODER_COMPUTE_EFFICIENCY) * 1e3
+    compute_ms = (
+        flops
+        / (mode_tops(target, mode, "int8" if precision == "int8" else "fp16") * 1e12 * ENCODER_COMPUTE_EFFICIENCY)
+        * 1e3
+    )
     weights = linear_params * device_bits(precision) / 8 + config["vocab_size"] * hidden * 2
     fit = decode_fit_for(target, precision)
     memory_ms = weights / (mode_bandwidth_gbps(target, mode) * 1e9 * fit.efficiency) * 1e3
     fixed_ms = layers * target.gpu.max_mhz / min(mode.gpu_max_mhz, target.gpu.max_mhz) * fit.per_layer_ms
     batch_ms = max(compute_ms, memory_ms) + fixed_ms
     memory_gb = (weights + 2 * batch * tokens * max(hidden, inter) * 2) / 1e9 + RUNTIME_OVERHEAD_GB
-    return {"power_mode": mode.name, "precision": precision, "batch": batch, "tokens": tokens, "batch_ms": round(batch_ms, 4),
-            "sentences_per_s": round(1000.0 * batch / batch_ms, 2), "bound": "compute" if compute_ms > memory_ms else "memory",
-            "memory_gb": round(memory_gb, 4), "compute_efficiency_assumed": ENCODER_COMPUTE_EFFICIENCY}
+    return {
+        "power_mode": mode.name,
+        "precision": precision,
+        "batch": batch,
+        "tokens": tokens,
+        "batch_ms": round(batch_ms, 4),
+        "sentences_per_s": round(1000.0 * batch / batch_ms, 2),
+        "bound": "compute" if compute_ms > memory_ms else "memory",
+        "memory_gb": round(memory_gb, 4),
+        "compute_efficiency_assumed": ENCODER_COMPUTE_EFFICIENCY,
+    }

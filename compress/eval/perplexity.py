@@ -16,8 +16,8 @@ from tqdm import tqdm
 
 
 class LogitRows(Protocol):
-    """A window's ``(positions, vocab)`` logits as a reader slices them (``rows[32:64]`` is an array): an array, or logits
-    computed as they are read, so that no reader needs a whole window's at once."""
+    """A window's ``(positions, vocab)`` logits as a reader slices them (``rows[32:64]`` is an array): an array, or
+    logits computed as they are read, so that no reader needs a whole window's at once."""
 
     def __len__(self) -> int: ...
 

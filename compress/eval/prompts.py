@@ -36,7 +36,9 @@ SELECTION_EXPECT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_selection.jsonl
 PROMPTS_OFF = "off"
 Generate = Callable[[list[int], int], list[int]]  # one prompt's ids, new tokens -> the greedy answer's ids
 BatchGenerate = Callable[[list[list[int]], int], list[list[int]]]  # the same for a list of prompts at once
-PROMPT_BATCH = 16  # prompts decoded together by a batched generator (one pass over the weights per token for all of them)
+PROMPT_BATCH = (
+    16  # prompts decoded together by a batched generator (one pass over the weights per token for all of them)
+)
 
 
 @dataclass(frozen=True)
@@ -83,7 +85,8 @@ def _case(row: dict[str, Any], number: int, path: Path) -> PromptCase:
 
 
 def resolve_prompts(value: str | None, tokenizer) -> tuple[list[PromptCase], str]:
-    """The prompts a validation uses and why: ``prompts=FILE``; ``off``; or the shipped set for a model with a chat template."""
+    """The prompts a validation uses and why: ``prompts=FILE``; ``off``; or the shipped set for a model with a chat
+    template."""
     if value == PROMPTS_OFF:
         return [], "prompts=off"
     if value:
@@ -99,9 +102,10 @@ def check_prompt_lengths(cases: list[PromptCase], tokenizer, new_tokens: int, co
     for case in cases:
         length = len(prompt_ids(tokenizer, case.prompt))
         if length + new_tokens > context_length:
-            raise UsageError(f"prompt {case.id!r} is {length} tokens, which with {new_tokens} new tokens exceeds the target's "
-                             f"context_length {context_length}; shorten it, or set budgets.context_length if the device "
-                             "takes more")
+            raise UsageError(
+                f"prompt {case.id!r} is {length} tokens, which with {new_tokens} new tokens exceeds the target's "
+                f"context_length {context_length}; shorten it, or set budgets.context_length if the device takes more"
+            )
 
 
 def selection_prompts(count: int) -> list[PromptCase]:
@@ -111,21 +115,26 @@ def selection_prompts(count: int) -> list[PromptCase]:
 
 
 def selection_expect_prompts(count: int) -> list[PromptCase]:
-    """The first ``count`` of the shipped held-out prompts with an expected answer (:data:`SELECTION_EXPECT_PROMPTS`)."""
+    """The first ``count`` of the shipped held-out prompts with an expected answer
+    (:data:`SELECTION_EXPECT_PROMPTS`)."""
     cases = load_prompts(SELECTION_EXPECT_PROMPTS)[:count]
     return [PromptCase(f"selection-{number}", case.prompt, case.expect) for number, case in enumerate(cases, start=1)]
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
-    """A prompt as the app sends it: a user turn in the chat template with the generation prompt, else the prefixed text."""
+    """A prompt as the app sends it: a user turn in the chat template with the generation prompt, else the prefixed
+    text."""
     if has_chat_template(tokenizer):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         return tokenizer(text, add_special_tokens=False).input_ids
     return window_prefix(tokenizer) + tokenizer(prompt, add_special_tokens=False).input_ids
 
 
 def torch_greedy(model, eos_ids: Sequence[int]) -> Generate:
-    """Greedy decoding of a torch causal LM with its KV cache, stopping after an end-of-sequence token as the ONNX decoder does."""
+    """Greedy decoding of a torch causal LM with its KV cache, stopping after an end-of-sequence token as the ONNX
+    decoder does."""
     stop = set(eos_ids)
 
     @torch.no_grad()
@@ -177,7 +186,9 @@ def torch_greedy_batched(model, eos_ids: Sequence[int], pad_id: int) -> BatchGen
 
 def answer_pair(teacher: list[int], model: list[int]) -> dict[str, Any]:
     """How far the deployed answer follows the teacher's: the first differing position and the matched fraction."""
-    diverges = next((i for i, (a, b) in enumerate(zip(teacher, model, strict=False)) if a != b), min(len(teacher), len(model)))
+    diverges = next(
+        (i for i, (a, b) in enumerate(zip(teacher, model, strict=False)) if a != b), min(len(teacher), len(model))
+    )
     identical = teacher == model
     return {"identical": identical, "first_divergence": None if identical else diverges,
             "prefix_fraction": 1.0 if identical else diverges / max(1, len(teacher)),
@@ -186,17 +197,20 @@ def answer_pair(teacher: list[int], model: list[int]) -> dict[str, Any]:
 
 def forced_answer_pairs(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
                         logits_of: Callable[[int], Any]) -> list[dict[str, Any]]:
-    """:func:`answer_pair` of a model's greedy answers without decoding them: greedy decoding follows the teacher's answer
-    exactly as long as the model's most likely next token, given the prompt and the teacher's tokens so far, is the
-    teacher's next one. So one pass over each prompt followed by the teacher's answer (``logits_of(i)``: row ``i``'s
-    ``(tokens, vocab)`` logits, the row right-padded) gives where the model's answer would first differ, whether its first
-    token matches, and whether it is identical (it also stops where the teacher stopped, or runs to the same length)."""
+    """:func:`answer_pair` of a model's greedy answers without decoding them: greedy decoding follows the teacher's
+    answer exactly as long as the model's most likely next token, given the prompt and the teacher's tokens so far, is
+    the teacher's next one. So one pass over each prompt followed by the teacher's answer (``logits_of(i)``: row ``i``'s
+    ``(tokens, vocab)`` logits, the row right-padded) gives where the model's answer would first differ, whether its
+    first token matches, and whether it is identical (it also stops where the teacher stopped, or runs to the same
+    length)."""
     pairs = []
     for index, (prompt, answer) in enumerate(zip(prompts, answers, strict=True)):
         logits = logits_of(index)
         start = len(prompt) - 1
         chosen = [int(logits[start + step].argmax()) for step in range(len(answer))]
-        diverges = next((step for step, (ours, theirs) in enumerate(zip(chosen, answer, strict=True)) if ours != theirs), None)
+        diverges = next(
+            (step for step, (ours, theirs) in enumerate(zip(chosen, answer, strict=True)) if ours != theirs), None
+        )
         identical = diverges is None
         pairs.append({"identical": identical, "first_divergence": diverges,
                       "prefix_fraction": 1.0 if identical else diverges / max(1, len(answer)),
@@ -205,26 +219,31 @@ def forced_answer_pairs(prompts: Sequence[Sequence[int]], answers: Sequence[Sequ
 
 
 def forced_rows(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]], pad_id: int) -> torch.Tensor:
-    """Each prompt followed by its answer, right-padded to one length (padding after a token does not change its logits)."""
+    """Each prompt followed by its answer, right-padded to one length (padding after a token does not change its
+    logits)."""
     width = max(len(p) + len(a) for p, a in zip(prompts, answers, strict=True))
-    return torch.tensor([[*p, *a] + [pad_id] * (width - len(p) - len(a)) for p, a in zip(prompts, answers, strict=True)])
+    return torch.tensor(
+        [[*p, *a] + [pad_id] * (width - len(p) - len(a)) for p, a in zip(prompts, answers, strict=True)]
+    )
 
 
-# The longest an ``expect`` pattern may take on one answer: a pattern that backtracks catastrophically is an error, not a
-# hang (the ``regex`` engine takes a timeout; ``re`` does not).
+# The longest an ``expect`` pattern may take on one answer: a pattern that backtracks catastrophically is an error, not
+# a hang (the ``regex`` engine takes a timeout; ``re`` does not).
 EXPECT_TIMEOUT_S = 2.0
 
 
 def passes_expect(expect: str | None, text: str) -> bool | None:
-    """Whether an answer's text matches its prompt's ``expect`` regular expression (None: the prompt has none); a pattern
-    that runs past :data:`EXPECT_TIMEOUT_S` on it is a usage error naming the pattern."""
+    """Whether an answer's text matches its prompt's ``expect`` regular expression (None: the prompt has none); a
+    pattern that runs past :data:`EXPECT_TIMEOUT_S` on it is a usage error naming the pattern."""
     if expect is None:
         return None
     try:
         return regex.search(expect, text, regex.IGNORECASE, timeout=EXPECT_TIMEOUT_S) is not None
     except TimeoutError as exc:
-        raise UsageError(f"the prompt's expect pattern {expect!r} ran past {EXPECT_TIMEOUT_S:g} s on a {len(text)}-character "
-                         "answer (it backtracks without bound): write it so it cannot") from exc
+        raise UsageError(
+            f"the prompt's expect pattern {expect!r} ran past {EXPECT_TIMEOUT_S:g} s on a {len(text)}-character "
+            "answer (it backtracks without bound): write it so it cannot"
+        ) from exc
 
 
 def answer_prompts(cases: list[PromptCase], tokenizer, generate: BatchGenerate, new_tokens: int, progress: bool = True,
@@ -237,24 +256,49 @@ def answer_ids(ids: list[list[int]], generate: BatchGenerate, new_tokens: int, p
                desc: str = "answers") -> list[list[int]]:
     """One model's greedy answer to each prompt given as token ids, :data:`PROMPT_BATCH` prompts at a time."""
     answers: list[list[int]] = []
-    for start in tqdm(range(0, len(ids), PROMPT_BATCH), desc=f"app prompts ({desc})", disable=not progress, leave=False):
+    for start in tqdm(
+        range(0, len(ids), PROMPT_BATCH), desc=f"app prompts ({desc})", disable=not progress, leave=False
+    ):
         answers += generate(ids[start:start + PROMPT_BATCH], new_tokens)
     return answers
 
 
-def compare_answers(cases: list[PromptCase], tokenizer, teacher: list[list[int]], deployed: list[list[int]], new_tokens: int,
-                    source: str = "") -> dict[str, Any]:
+def compare_answers(
+    cases: list[PromptCase],
+    tokenizer,
+    teacher: list[list[int]],
+    deployed: list[list[int]],
+    new_tokens: int,
+    source: str = "",
+) -> dict[str, Any]:
     """Compare the two models' answers: one row per prompt (worst first) and the summary the gate reads."""
     rows = []
     for order, (case, teacher_ids, model_ids) in enumerate(zip(cases, teacher, deployed, strict=True)):
         pair = answer_pair(teacher_ids, model_ids)
         teacher_text = tokenizer.decode(teacher_ids, skip_special_tokens=True)
         model_text = tokenizer.decode(model_ids, skip_special_tokens=True)
-        common = "" if pair["identical"] else tokenizer.decode(teacher_ids[:pair["first_divergence"]], skip_special_tokens=True)
-        rows.append({"id": case.id, "order": order, "prompt": case.prompt, "expect": case.expect,
-                     "prompt_ids": prompt_ids(tokenizer, case.prompt), **pair, "teacher_ids": teacher_ids, "model_ids": model_ids,
-                     "teacher_answer": teacher_text, "model_answer": model_text, "common_prefix": common,
-                     "teacher_passes": passes_expect(case.expect, teacher_text), "model_passes": passes_expect(case.expect, model_text)})
+        common = (
+            ""
+            if pair["identical"]
+            else tokenizer.decode(teacher_ids[: pair["first_divergence"]], skip_special_tokens=True)
+        )
+        rows.append(
+            {
+                "id": case.id,
+                "order": order,
+                "prompt": case.prompt,
+                "expect": case.expect,
+                "prompt_ids": prompt_ids(tokenizer, case.prompt),
+                **pair,
+                "teacher_ids": teacher_ids,
+                "model_ids": model_ids,
+                "teacher_answer": teacher_text,
+                "model_answer": model_text,
+                "common_prefix": common,
+                "teacher_passes": passes_expect(case.expect, teacher_text),
+                "model_passes": passes_expect(case.expect, model_text),
+            }
+        )
     rows.sort(key=lambda r: (r["prefix_fraction"], r["order"]))
     return {"source": source, "new_tokens": new_tokens, "rows": rows, **summary(rows)}
 
@@ -262,9 +306,14 @@ def compare_answers(cases: list[PromptCase], tokenizer, teacher: list[list[int]]
 def compare_prompts(cases: list[PromptCase], tokenizer, teacher: Generate, deployed: Generate, new_tokens: int,
                     progress: bool = True, source: str = "") -> dict[str, Any]:
     """Answer every prompt with both models and compare them (:func:`compare_answers`)."""
-    return compare_answers(cases, tokenizer, answer_prompts(cases, tokenizer, one_at_a_time(teacher), new_tokens, progress, "teacher"),
-                           answer_prompts(cases, tokenizer, one_at_a_time(deployed), new_tokens, progress, "deployed"), new_tokens,
-                           source)
+    return compare_answers(
+        cases,
+        tokenizer,
+        answer_prompts(cases, tokenizer, one_at_a_time(teacher), new_tokens, progress, "teacher"),
+        answer_prompts(cases, tokenizer, one_at_a_time(deployed), new_tokens, progress, "deployed"),
+        new_tokens,
+        source,
+    )
 
 
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -286,14 +335,35 @@ def prompt_checks(measured: dict[str, Any] | None, budgets) -> list[Check]:
     """The gate's checks on the app prompts (none when no prompts were evaluated)."""
     if not measured:
         return []
-    where = f"{measured['prompts']} app prompts ({measured['source']}), greedy {measured['new_tokens']} tokens vs the teacher"
+    where = (
+        f"{measured['prompts']} app prompts ({measured['source']}), "
+        f"greedy {measured['new_tokens']} tokens vs the teacher"
+    )
     checks = [
-        lower_bound_check("answer_prefix_agreement", measured["answer_prefix_agreement"], budgets.min_answer_prefix_agreement,
-                          "measured", "", f"mean share of the teacher's answer matched before the first difference; {where}"),
-        lower_bound_check("first_token_agreement", measured["first_token_agreement"], budgets.min_first_token_agreement,
-                          "measured", "", f"share of answers whose first token is the teacher's; {where}"),
-        lower_bound_check("identical_answers", measured["identical_answers"], budgets.min_identical_answers, "measured", "",
-                          f"share of answers identical to the teacher's; {where}"),
+        lower_bound_check(
+            "answer_prefix_agreement",
+            measured["answer_prefix_agreement"],
+            budgets.min_answer_prefix_agreement,
+            "measured",
+            "",
+            f"mean share of the teacher's answer matched before the first difference; {where}",
+        ),
+        lower_bound_check(
+            "first_token_agreement",
+            measured["first_token_agreement"],
+            budgets.min_first_token_agreement,
+            "measured",
+            "",
+            f"share of answers whose first token is the teacher's; {where}",
+        ),
+        lower_bound_check(
+            "identical_answers",
+            measured["identical_answers"],
+            budgets.min_identical_answers,
+            "measured",
+            "",
+            f"share of answers identical to the teacher's; {where}",
+        ),
     ]
     if measured.get("expect_pass_teacher") is not None:
         drop = 100.0 * (measured["expect_pass_teacher"] - measured["expect_pass_model"])

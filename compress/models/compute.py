@@ -54,7 +54,11 @@ def computed_in_float32(model: torch.nn.Module, rebuilt: dict[str, Rebuild] | No
     keeps only each decoder block's inputs and computes the block again when it reaches it (activation checkpointing):
     what it holds is one block's activations, not every block's. ``hand_back_pages``: each part's pages of a mapped
     checkpoint go back to the page cache once it has computed (off: the process keeps every page it read)."""
-    by_id = {id(p): rebuilt[name] for name, p in model.named_parameters(remove_duplicate=False) if rebuilt and name in rebuilt}
+    by_id = {
+        id(p): rebuilt[name]
+        for name, p in model.named_parameters(remove_duplicate=False)
+        if rebuilt and name in rebuilt
+    }
     blocks = {id(block) for block in decoder_blocks(model)}
     helds: list[list[tuple[torch.nn.Parameter, torch.Tensor]]] = []
     handles = []
@@ -112,8 +116,8 @@ def _handing_back(forward: Callable, part: torch.nn.Module, pages: MappedPages) 
 
 
 def _recomputed_forward(part: torch.nn.Module, by_id: dict[int, Rebuild]) -> Callable:
-    """``part``'s forward in float32 under non-reentrant activation checkpointing. Its parameters are replaced by float32
-    tensors for the call (each pass gets its own, the second as the backward pass reaches the block) rather than
+    """``part``'s forward in float32 under non-reentrant activation checkpointing. Its parameters are replaced by
+    float32 tensors for the call (each pass gets its own, the second as the backward pass reaches the block) rather than
     upcast in place: the tensors the second pass saves are then the ones the first pass saved."""
     from torch.utils.checkpoint import checkpoint
 
@@ -214,15 +218,20 @@ def tensor_bytes(tensors) -> int:
 
 
 def holding_device(device: str, held_bytes: int, float32_part_bytes: int) -> str:
-    """Where a model of ``held_bytes`` (as held: 16-bit tensors, levels) computes in float32 a part at a time: ``device``
-    when that is the CPU, or when the CUDA device has room for the model, its largest part in float32 and as much again
-    for activations; else the CPU (slower, and said so in the log)."""
+    """Where a model of ``held_bytes`` (as held: 16-bit tensors, levels) computes in float32 a part at a time:
+    ``device`` when that is the CPU, or when the CUDA device has room for the model, its largest part in float32 and as
+    much again for activations; else the CPU (slower, and said so in the log)."""
     if not device.startswith("cuda"):
         return "cpu"
     free, _total = torch.cuda.mem_get_info(device)
     needed = held_bytes + 2 * float32_part_bytes
     if needed > 0.9 * free:
-        log.info("the model needs %.1f GB on %s, which has %.1f GB free: computed on the CPU", needed / 1e9, device, free / 1e9)
+        log.info(
+            "the model needs %.1f GB on %s, which has %.1f GB free: computed on the CPU",
+            needed / 1e9,
+            device,
+            free / 1e9,
+        )
         return "cpu"
     return device
 

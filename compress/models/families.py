@@ -79,7 +79,8 @@ def decoder_blocks(model) -> torch.nn.ModuleList:
 
 
 def final_norm(model) -> torch.nn.Module:
-    """The norm between a causal LM's last decoder block and its LM head (every described family's ``model.model.norm``)."""
+    """The norm between a causal LM's last decoder block and its LM head (every described family's
+    ``model.model.norm``)."""
     return model.model.norm
 
 
@@ -117,8 +118,16 @@ def decoder_shape(config: Any) -> DecoderShape:
         return int(value)
 
     heads, kv, head_dim = attention_geometry(config)
-    return DecoderShape(required("num_hidden_layers"), required("hidden_size"), required("intermediate_size"), heads, kv,
-                        head_dim, required("vocab_size"), bool(get("tie_word_embeddings", False)))
+    return DecoderShape(
+        required("num_hidden_layers"),
+        required("hidden_size"),
+        required("intermediate_size"),
+        heads,
+        kv,
+        head_dim,
+        required("vocab_size"),
+        bool(get("tie_word_embeddings", False)),
+    )
 
 
 def attention_geometry(config: Any) -> tuple[int, int, int]:
@@ -148,7 +157,8 @@ def part_rows(family: Family, config: Any, linear: str, part: str) -> slice:
 
 
 def rows_keeping(family: Family, config: Any, linear: str, keep: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Row indices of ``linear`` that keep the given rows of some parts (indices inside the part) and every other row."""
+    """Row indices of ``linear`` that keep the given rows of some parts (indices inside the part) and every other
+    row."""
     sizes = part_sizes(config)
     rows, start = [], 0
     for name in family.parts(linear):
@@ -157,8 +167,14 @@ def rows_keeping(family: Family, config: Any, linear: str, keep: dict[str, torch
     return torch.cat(rows)
 
 
-def _points(attn_in: tuple[str, ...], attn_v: tuple[str, str | None], mlp_in: tuple[str, ...], mlp_up: tuple[str, str | None],
-            attn_norm: str = "input_layernorm", mlp_norm: str = "post_attention_layernorm") -> tuple[ActivationPoint, ...]:
+def _points(
+    attn_in: tuple[str, ...],
+    attn_v: tuple[str, str | None],
+    mlp_in: tuple[str, ...],
+    mlp_up: tuple[str, str | None],
+    attn_norm: str = "input_layernorm",
+    mlp_norm: str = "post_attention_layernorm",
+) -> tuple[ActivationPoint, ...]:
     # The attention output is produced by the value rows (one scale per KV channel, so GQA stays exact) and the MLP
     # hidden state by the up rows (act(gate) * up is linear in up).
     return (
@@ -177,7 +193,9 @@ LLAMA_POINTS = _points(_QKV, ("self_attn.v_proj", None), _GATE_UP, ("mlp.up_proj
 GEMMA3_POINTS = _points(_QKV, ("self_attn.v_proj", None), _GATE_UP, ("mlp.up_proj", None),
                         mlp_norm="pre_feedforward_layernorm")
 # Phi-3 / Phi-4-mini: q, k and v stacked in one qkv_proj, gate then up in one gate_up_proj.
-PHI3_POINTS = _points(("self_attn.qkv_proj",), ("self_attn.qkv_proj", "v"), ("mlp.gate_up_proj",), ("mlp.gate_up_proj", "up"))
+PHI3_POINTS = _points(
+    ("self_attn.qkv_proj",), ("self_attn.qkv_proj", "v"), ("mlp.gate_up_proj",), ("mlp.gate_up_proj", "up")
+)
 
 FAMILIES = {
     "llama": Family(("llama",), LLAMA_POINTS, "mlp_hidden"),
@@ -205,7 +223,9 @@ def _model_type(config: Any) -> str | None:
 def _lookup(config: Any, table: dict, kind: str):
     model_type = _model_type(config)
     if model_type not in table:
-        raise UsageError(f"model_type {model_type!r} is not {kind} family compress describes (supported: {', '.join(sorted(table))})")
+        raise UsageError(
+            f"model_type {model_type!r} is not {kind} family compress describes (supported: {', '.join(sorted(table))})"
+        )
     return table[model_type]
 
 
@@ -293,16 +313,35 @@ class EncoderFamily:
         return (*self.attn_in, self.attn_out, self.ffn_in, self.ffn_out)
 
 
-_BERT_LAYOUT = ("encoder.layer", ("attention.self.query", "attention.self.key", "attention.self.value"), "attention.output.dense",
-                "intermediate.dense", "output.dense")
+_BERT_LAYOUT = (
+    "encoder.layer",
+    ("attention.self.query", "attention.self.key", "attention.self.value"),
+    "attention.output.dense",
+    "intermediate.dense",
+    "output.dense",
+)
 ENCODER_FAMILIES = {
     "bert": EncoderFamily(("bert", "roberta", "xlm-roberta", "compress-pruned-bert"), *_BERT_LAYOUT),
-    "distilbert": EncoderFamily(("distilbert",), "transformer.layer", ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
-                                "attention.out_lin", "ffn.lin1", "ffn.lin2"),
-    "mpnet": EncoderFamily(("mpnet",), "encoder.layer", ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
-                           "attention.attn.o", "intermediate.dense", "output.dense"),
+    "distilbert": EncoderFamily(
+        ("distilbert",),
+        "transformer.layer",
+        ("attention.q_lin", "attention.k_lin", "attention.v_lin"),
+        "attention.out_lin",
+        "ffn.lin1",
+        "ffn.lin2",
+    ),
+    "mpnet": EncoderFamily(
+        ("mpnet",),
+        "encoder.layer",
+        ("attention.attn.q", "attention.attn.k", "attention.attn.v"),
+        "attention.attn.o",
+        "intermediate.dense",
+        "output.dense",
+    ),
 }
-ENCODER_BY_MODEL_TYPE = {model_type: family for family in ENCODER_FAMILIES.values() for model_type in family.model_types}
+ENCODER_BY_MODEL_TYPE = {
+    model_type: family for family in ENCODER_FAMILIES.values() for model_type in family.model_types
+}
 
 
 # The largest value of each dimension compress takes from a config.json: a few times today's largest published models,
@@ -323,11 +362,15 @@ def check_model_dimensions(config: dict[str, Any], where: str) -> None:
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= limit:
-            shown = value if not isinstance(value, int) or abs(value) < 10**12 else f"a {len(str(abs(value)))}-digit number"
+            shown = (
+                value if not isinstance(value, int) or abs(value) < 10**12 else f"a {len(str(abs(value)))}-digit number"
+            )
             raise UsageError(f"{where}: {key} = {shown} is not a whole number from 1 to {limit:,}")
     heads, kv_heads = config.get("num_attention_heads"), config.get("num_key_value_heads")
     if heads and kv_heads and heads % kv_heads:
-        raise UsageError(f"{where}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}")
+        raise UsageError(
+            f"{where}: num_attention_heads = {heads} is not a multiple of num_key_value_heads = {kv_heads}"
+        )
     if heads and config.get("hidden_size") and not config.get("head_dim") and config["hidden_size"] % heads:
         raise UsageError(f"{where}: hidden_size = {config['hidden_size']} does not divide into {heads} attention heads")
     if isinstance(config.get("text_config"), dict):
@@ -335,7 +378,8 @@ def check_model_dimensions(config: dict[str, Any], where: str) -> None:
 
 
 def model_kind(config: Any) -> str:
-    """"encoder" for the encoder families compress describes, "decoder" otherwise (decoders are checked by :func:`family_of`)."""
+    """ "encoder" for the encoder families compress describes, "decoder" otherwise (decoders are checked by
+    :func:`family_of`)."""
     return "encoder" if _model_type(config) in ENCODER_BY_MODEL_TYPE else "decoder"
 
 

@@ -29,11 +29,17 @@ def load_encoder(folder: Path, trust_remote_code: bool = False, name: str | None
 def _refuse_partial_load(info: dict, name, counts=lambda key: True, left_out: frozenset[str] = frozenset()) -> None:
     """A model whose weights and config disagree would run with randomly initialised tensors: refuse it, naming them
     (``left_out``: keys the folder stores elsewhere, which the caller fills in)."""
-    problems = [("missing from the weights", sorted(set(info.get("missing_keys") or ()) - left_out)),
-                ("in the weights but not in the model config.json describes", sorted(k for k in info.get("unexpected_keys") or ()
-                                                                                      if counts(k))),
-                ("of another shape than config.json says", sorted(str(k[0] if isinstance(k, tuple) else k)
-                                                                  for k in info.get("mismatched_keys") or ()))]
+    problems = [
+        ("missing from the weights", sorted(set(info.get("missing_keys") or ()) - left_out)),
+        (
+            "in the weights but not in the model config.json describes",
+            sorted(k for k in info.get("unexpected_keys") or () if counts(k)),
+        ),
+        (
+            "of another shape than config.json says",
+            sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get("mismatched_keys") or ()),
+        ),
+    ]
     for what, keys in problems:
         if keys:
             listed = ", ".join(keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
@@ -43,8 +49,8 @@ def _refuse_partial_load(info: dict, name, counts=lambda key: True, left_out: fr
 def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | None = None, own_dtype: bool = False,
                    left_out: frozenset[str] = frozenset()):
     """Load a causal LM safely, in fp32 for the stages that compute in it, or in the checkpoint's own dtype
-    (``own_dtype``: half the memory of a bf16 checkpoint); ``name`` is what the user called the model; ``left_out``: weights
-    the folder stores elsewhere (a quantized checkpoint's levels), which the caller must fill in."""
+    (``own_dtype``: half the memory of a bf16 checkpoint); ``name`` is what the user called the model; ``left_out``:
+    weights the folder stores elsewhere (a quantized checkpoint's levels), which the caller must fill in."""
     from transformers import AutoModelForCausalLM
 
     model, info = _from_pretrained(AutoModelForCausalLM, folder, name or folder, "model", trust_remote_code, own_dtype)
@@ -53,11 +59,15 @@ def load_causal_lm(folder: Path, trust_remote_code: bool = False, name: str | No
 
 
 def _from_pretrained(loader, folder: Path, name, what: str, trust_remote_code: bool, own_dtype: bool = False):
-    """``loader.from_pretrained`` in fp32 (or the checkpoint's dtype) with its loading report; a tensor of the wrong shape
-    is named."""
+    """``loader.from_pretrained`` in fp32 (or the checkpoint's dtype) with its loading report; a tensor of the wrong
+    shape is named."""
     import torch
 
-    options = {"dtype": "auto" if own_dtype else torch.float32, "trust_remote_code": trust_remote_code, "output_loading_info": True}
+    options = {
+        "dtype": "auto" if own_dtype else torch.float32,
+        "trust_remote_code": trust_remote_code,
+        "output_loading_info": True,
+    }
     try:
         return loader.from_pretrained(folder, **options)
     except RuntimeError as exc:
@@ -81,8 +91,8 @@ def load_tokenizer(folder: Path, trust_remote_code: bool = False):
 
 
 def copy_model_folder(files: list[Path], dst: Path) -> None:
-    """Copy a model's files into ``dst`` (copy-on-write clones where the file system allows; never hard links, so nothing
-    written into the copy reaches the user's model)."""
+    """Copy a model's files into ``dst`` (copy-on-write clones where the file system allows; never hard links, so
+    nothing written into the copy reaches the user's model)."""
     dst.mkdir(parents=True, exist_ok=True)
     for item in files:
         target = dst / item.name

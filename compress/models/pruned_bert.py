@@ -67,7 +67,11 @@ def prune_encoder_heads(model, plan: list[list[int]]) -> None:
 def save_pruned_encoder(model, tokenizer, plan: list[list[int]], folder: Path) -> None:
     """Weights, tokenizer and a ``compress-pruned-bert`` config carrying the head plan (also set on ``model``)."""
     folder = Path(folder)
-    base = {k: v for k, v in model.config.to_dict().items() if k not in ("model_type", "heads_kept_per_layer", "architectures")}
+    base = {
+        k: v
+        for k, v in model.config.to_dict().items()
+        if k not in ("model_type", "heads_kept_per_layer", "architectures")
+    }
     model.config = PrunedBertConfig(heads_kept_per_layer=plan, architectures=[PrunedBertModel.__name__], **base)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -103,7 +103,10 @@ def resolve_model(spec: str, weights_required: bool = True, trust_remote_code: b
         except RuntimeError as exc:  # ~user that names no user
             raise UsageError(f"model={spec}: {exc}") from exc
         if not path.exists():
-            raise UsageError(f"model not found: {spec} (give a built-in name: {', '.join(BUILTIN_MODELS)}; a folder; or a .gguf file)")
+            raise UsageError(
+                f"model not found: {spec} (give a built-in name: {', '.join(BUILTIN_MODELS)}; a folder; or a .gguf "
+                "file)"
+            )
         if path.is_file() and path.suffix != ".gguf":
             raise UsageError(f"model file {spec} is not a .gguf file; give a Hugging Face folder or a .gguf file")
         source = ModelSource(spec, "gguf" if path.is_file() else "hf-folder", path.resolve(), _folder_license(path))
@@ -205,7 +208,9 @@ def check_model_files(source: ModelSource, weights_required: bool = True, trust_
     try:
         config_dict = json.loads(config.read_text(encoding="utf-8"))
     except (ValueError, RecursionError) as exc:  # UnicodeDecodeError is a ValueError
-        raise UsageError(f"{config} is corrupt: {'nested too deeply' if isinstance(exc, RecursionError) else exc}") from exc
+        raise UsageError(
+            f"{config} is corrupt: {'nested too deeply' if isinstance(exc, RecursionError) else exc}"
+        ) from exc
     if not trust_remote_code:
         _refuse_custom_code(source.spec, config_dict)
     weights = sorted(source.path.glob("*.safetensors"))
@@ -233,7 +238,8 @@ def _refuse_custom_code(spec: str, config: dict) -> None:
 
 
 def _check_pickle(spec: str, file: Path) -> None:
-    """Pickled ``*.bin`` weights must load with ``weights_only=True`` (tensors only, no code); checked without reading the data."""
+    """Pickled ``*.bin`` weights must load with ``weights_only=True`` (tensors only, no code); checked without reading
+    the data."""
     import pickle
 
     import torch
@@ -248,8 +254,10 @@ def _check_pickle(spec: str, file: Path) -> None:
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         reason = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[-1] if lines else "")
-        raise UsageError(f"model={spec}: {file.name} holds pickled objects that safe loading refuses ({reason.rstrip('.')}); "
-                         "convert the weights to safetensors") from exc
+        raise UsageError(
+            f"model={spec}: {file.name} holds pickled objects that safe loading refuses ({reason.rstrip('.')}); "
+            "convert the weights to safetensors"
+        ) from exc
     except Exception as exc:
         first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
         raise UsageError(f"model={spec}: {file.name} is not a readable PyTorch weights file ({first})") from exc
@@ -300,7 +308,8 @@ def model_files(folder: Path) -> list[Path]:
 
 def model_sha256(source: ModelSource) -> str:
     """The content hash of the model a source names: the GGUF file's, or over a folder's :func:`model_files` (names and
-    contents). Each file's hash is remembered by its stamp (size, times, inode), so a large model is read once per change."""
+    contents). Each file's hash is remembered by its stamp (size, times, inode), so a large model is read once per
+    change."""
     if source.kind == "gguf":
         return cached_sha256(source.path)
     return top_level_sha256(source.path)
@@ -322,8 +331,11 @@ def materialize(source: ModelSource) -> Path:
                 log.info("using the conversion another process just cached in %s", cached)
                 return cached
             if cached.exists():
-                log.warning("the cached conversion %s has no record of what was converted or no longer holds it; converting "
-                            "again", cached)
+                log.warning(
+                    "the cached conversion %s has no record of what was converted or no longer holds it; converting "
+                    "again",
+                    cached,
+                )
             log.info("converting %s to safetensors (once; cached in %s)", source.path.name, cached)
             with staging_dir(cached) as tmp:
                 _convert_gguf(source.path, tmp)
@@ -357,8 +369,10 @@ def check_tokenizer_files(folder: Path, spec: str) -> None:
     for name in TOKENIZER_FILES:
         path = folder / name
         if (path.exists() or path.is_symlink()) and not path.is_file():
-            raise UsageError(f"model={spec}: {path} is not a regular file (a device, a FIFO, a folder or a broken link); a "
-                             "tokenizer is read from plain files")
+            raise UsageError(
+                f"model={spec}: {path} is not a regular file (a device, a FIFO, a folder or a broken link); a "
+                "tokenizer is read from plain files"
+            )
     for name, template in _chat_templates(folder, spec):
         _parse_chat_template(template, f"model={spec}: the chat template {name}")
 
@@ -367,7 +381,9 @@ def _chat_templates(folder: Path, spec: str) -> list[tuple[str, str]]:
     """Each chat template a model folder holds, named by where it is."""
     found = []
     if (folder / "chat_template.jinja").is_file():
-        found.append(("in chat_template.jinja", (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace")))
+        found.append(
+            ("in chat_template.jinja", (folder / "chat_template.jinja").read_text(encoding="utf-8", errors="replace"))
+        )
     config_file = folder / "tokenizer_config.json"
     if config_file.is_file():
         try:
@@ -429,7 +445,8 @@ def model_config(source: ModelSource) -> dict | None:
 
 @functools.lru_cache(maxsize=8)
 def _unconverted_gguf_config(path: str, size: int, mtime_ns: int) -> dict:
-    """A GGUF's config before its conversion is cached; parsing it reads the whole file, so once per size and time stamp."""
+    """A GGUF's config before its conversion is cached; parsing it reads the whole file, so once per size and time
+    stamp."""
     try:
         return _gguf_config(Path(path)).to_dict()
     except UsageError:
@@ -458,7 +475,9 @@ def _convert_gguf(gguf_path: Path, out: Path) -> None:
 
     folder, name = str(gguf_path.parent), gguf_path.name
     try:
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, config=_gguf_config(gguf_path), dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=name, config=_gguf_config(gguf_path), dtype=torch.float32
+        )
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     except Exception as exc:
         raise UsageError(f"cannot load GGUF model {gguf_path}: {first_line(exc)}") from exc

@@ -75,7 +75,8 @@ def _tensor_files(folder: Path, file: str, index: str) -> dict[str, Path]:
 
 
 def empty_causal_lm(folder: Path, trust_remote_code: bool = False):
-    """The causal LM ``folder``'s config describes, its parameters on ``meta`` in the checkpoint's dtype, its buffers real."""
+    """The causal LM ``folder``'s config describes, its parameters on ``meta`` in the checkpoint's dtype, its buffers
+    real."""
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -94,10 +95,16 @@ def module_prefix(model: torch.nn.Module, module: torch.nn.Module) -> str:
     raise ValueError("the module is not part of the model")
 
 
-def materialize(module: torch.nn.Module, prefix: str, reader: CheckpointReader, device: torch.device | str | None = None,
-                dtype: torch.dtype | None = None, skip: frozenset[str] = frozenset()) -> None:
-    """Give ``module``'s parameters their tensors from ``reader`` (names ``prefix.<param>``), on ``device`` and in ``dtype``
-    (None: as stored); parameters named in ``skip`` (local names) stay on ``meta`` for the caller to fill."""
+def materialize(
+    module: torch.nn.Module,
+    prefix: str,
+    reader: CheckpointReader,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> None:
+    """Give ``module``'s parameters their tensors from ``reader`` (names ``prefix.<param>``), on ``device`` and in
+    ``dtype`` (None: as stored); parameters named in ``skip`` (local names) stay on ``meta`` for the caller to fill."""
     shapes = {name: parameter.shape for name, parameter in module.named_parameters() if name not in skip}
     tensors = reader.read(f"{prefix}.{name}" for name in shapes)
     for name, shape in shapes.items():

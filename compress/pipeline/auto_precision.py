@@ -76,17 +76,22 @@ from compress.transforms.quantize.saved import QuantResult
 from compress.transforms.walk import StreamedBlocks
 
 log = logging.getLogger(__name__)
-# A plan's answers to the held-out chat prompts must clear each of the gate's prompt limits by this many standard errors of
-# their mean: the gate asks other prompts, so the search's figure is one sample of what the gate will see.
+# A plan's answers to the held-out chat prompts must clear each of the gate's prompt limits by this many standard errors
+# of their mean: the gate asks other prompts, so the search's figure is one sample of what the gate will see.
 ANSWER_STANDARD_ERRORS = 2.0
 
 
 def candidate_formats(config: AutoConfig, target: Target) -> list[str]:
-    """The formats a plan may use on ``target``: the config's, else every one the target's deployment runs in a bundle."""
+    """The formats a plan may use on ``target``: the config's, else every one the target's deployment runs in a
+    bundle."""
     if config.formats:
         return list(config.formats)
-    return [name for name in contracts.MIXED_FORMATS
-            if PRECISIONS[name].edgellm in target.edgellm.precisions and PRECISIONS[name].gpu_format in target.gpu.precisions]
+    return [
+        name
+        for name in contracts.MIXED_FORMATS
+        if PRECISIONS[name].edgellm in target.edgellm.precisions
+        and PRECISIONS[name].gpu_format in target.gpu.precisions
+    ]
 
 
 def point_shapes(model_config: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
@@ -99,7 +104,11 @@ def point_shapes(model_config: dict[str, Any]) -> dict[str, list[tuple[int, int]
 
 def mix_of(plan: MixedPlan, model_config: dict[str, Any]) -> dict[str, float]:
     """The share of the decoder-linear parameters each precision holds (``fp16`` for the float groups)."""
-    params = {point: sum(out * inp for out, inp in shapes) for point, shapes in point_shapes(model_config).items() if point != HEAD}
+    params = {
+        point: sum(out * inp for out, inp in shapes)
+        for point, shapes in point_shapes(model_config).items()
+        if point != HEAD
+    }
     totals: dict[str, float] = {}
     for index in range(int(model_config["num_hidden_layers"])):
         for point, count in params.items():
@@ -110,15 +119,15 @@ def mix_of(plan: MixedPlan, model_config: dict[str, Any]) -> dict[str, float]:
 
 
 def kl_budget(margin: float, target: Target) -> float:
-    """The predicted per-token KL a plan may spend: ``margin`` of what the gate's perplexity budget allows, and of its mean-KL
-    budget, whichever is smaller."""
+    """The predicted per-token KL a plan may spend: ``margin`` of what the gate's perplexity budget allows, and of its
+    mean-KL budget, whichever is smaller."""
     return margin * min(math.log1p(target.budgets.max_ppl_increase_pct / 100), target.budgets.max_mean_kl)
 
 
 @dataclass(frozen=True)
 class SearchRun:
-    """Where a search reads and writes and how it computes: the model to quantize, the teacher plans are measured against,
-    the folder the chosen plan ends in, a work folder for candidates, the compute device."""
+    """Where a search reads and writes and how it computes: the model to quantize, the teacher plans are measured
+    against, the folder the chosen plan ends in, a work folder for candidates, the compute device."""
 
     source: Path
     teacher: Path
@@ -131,7 +140,8 @@ class SearchRun:
 
 @dataclass(frozen=True)
 class _Selection:
-    """The held-out calibration windows plans are measured on (by domain), their rows, and the teacher's logits on them."""
+    """The held-out calibration windows plans are measured on (by domain), their rows, and the teacher's logits on
+    them."""
 
     windows: list[tuple[str, torch.Tensor]]
     rows: torch.Tensor
@@ -176,19 +186,26 @@ def run_search(run: SearchRun, windows: torch.Tensor, calibration: list[TextSour
         log.info("auto precision: one bundle holds %s", " or ".join("+".join(s) for s in format_sets))
     limits = SearchLimits(config.max_rounds, config.refine_rounds, format_sets)
     with _phase(peaks, "plans"):
-        found = search(_choices(table, shapes, formats, target, power_mode), configs, budget, quantize, measure, run.work,
-                       limits)
+        found = search(
+            _choices(table, shapes, formats, target, power_mode), configs, budget, quantize, measure, run.work, limits
+        )
     shutil.move(str(found.folder), str(run.out))
     shutil.rmtree(run.work, ignore_errors=True)
     shape = ModelShape.from_config(model_config)
     result = found.quantization
     report = {
-        "formats": formats, "format_sets": [list(names) for names in format_sets], "budget_kl": budget, "margin": config.margin,
+        "formats": formats,
+        "format_sets": [list(names) for names in format_sets],
+        "budget_kl": budget,
+        "margin": config.margin,
         "selection": {"windows": int(selection.rows.shape[0]), "domains": [d for d, _ in selection.windows]},
         "candidates": [_candidate_json(c, model_config, target, power_mode, shape) for c in found.candidates],
         "references": _uniform_references(table, formats, model_config, target, power_mode, shape, allowed),
-        "sensitivity": table.to_json(), "plan": result.plan.to_json(), "lm_head": result.plan.head,
-        "mix": mix_of(result.plan, model_config), "phase_peak_rss_mb": peaks,
+        "sensitivity": table.to_json(),
+        "plan": result.plan.to_json(),
+        "lm_head": result.plan.head,
+        "mix": mix_of(result.plan, model_config),
+        "phase_peak_rss_mb": peaks,
     }
     return result, report
 
@@ -201,14 +218,20 @@ def _choices(table: SensitivityTable, shapes: dict[str, list[tuple[int, int]]], 
     return choices_from(table, lambda index, point, name: params[point] * ms_per_param[name])
 
 
-def _selection(run: SearchRun, tokenizer, calibration: list[TextSource], config: AutoConfig, budget: float) -> _Selection:
+def _selection(
+    run: SearchRun, tokenizer, calibration: list[TextSource], config: AutoConfig, budget: float
+) -> _Selection:
     """Held-out calibration windows from every domain, and the teacher's logits on them."""
     domains = len({source.domain for source in calibration})
     windows = held_out_windows(tokenizer, calibration, config.calib_window, config.calib_windows,
                                per_domain=max(1, -(-config.selection_windows // domains)))
     rows = torch.cat([w for _, w in windows])
-    log.info("auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
-             rows.shape[0], ", ".join(d for d, _ in windows), budget)
+    log.info(
+        "auto precision: plans measured against the teacher on %d held-out calibration windows (%s), KL budget %.4g",
+        rows.shape[0],
+        ", ".join(d for d, _ in windows),
+        budget,
+    )
     return _Selection(windows, rows, window_logits(run.teacher, rows, run.device, run.progress, desc="teacher"))
 
 
@@ -220,13 +243,17 @@ def _phase(peaks: dict[str, float], name: str) -> Iterator[None]:
         with phase_peak(peaks, name):
             yield
     finally:
-        log.info("auto precision: %s took %.1f min, peak resident memory %.2f GiB", name, (time.monotonic() - start) / 60,
-                 peaks[name] / 1024)
+        log.info(
+            "auto precision: %s took %.1f min, peak resident memory %.2f GiB",
+            name,
+            (time.monotonic() - start) / 60,
+            peaks[name] / 1024,
+        )
 
 
 def _fisher(run: SearchRun, windows: torch.Tensor, model_config: dict[str, Any], head: bool) -> dict[str, torch.Tensor]:
-    """The output Fisher information of every decoder linear (and of the LM head, with ``head``), from the model held in its
-    own dtype, on the run's device where it fits there."""
+    """The output Fisher information of every decoder linear (and of the LM head, with ``head``), from the model held in
+    its own dtype, on the run's device where it fits there."""
     model = load_causal_lm(run.source, trust_remote_code=run.trust_remote_code, own_dtype=True)
     model.to(holding_device(run.device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model)))
     family = family_of(model_config)
@@ -251,8 +278,8 @@ def _sensitivities(run: SearchRun, windows: torch.Tensor, job: SensitivityJob) -
 
 @dataclass(frozen=True)
 class HeldOutAnswers:
-    """Chat prompts the gate does not evaluate, as token ids, the teacher's greedy answers to them, and, for those with an
-    expected answer, its regular expression and whether the teacher's answer matches it."""
+    """Chat prompts the gate does not evaluate, as token ids, the teacher's greedy answers to them, and, for those with
+    an expected answer, its regular expression and whether the teacher's answer matches it."""
 
     prompts: list[list[int]]
     answers: list[list[int]]
@@ -266,18 +293,35 @@ class HeldOutAnswers:
 
 def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bool, trust_remote_code: bool,
                       device: str) -> HeldOutAnswers | None:
-    """The teacher's answers to the chat calibration prompts and to the held-out prompts with expected answers, for a chat
-    model (None otherwise, or with no prompts asked)."""
+    """The teacher's answers to the chat calibration prompts and to the held-out prompts with expected answers, for a
+    chat model (None otherwise, or with no prompts asked)."""
     if not (config.selection_prompts or config.expect_prompts) or not has_chat_template(tokenizer):
         return None
     cases = selection_prompts(config.selection_prompts) + selection_expect_prompts(config.expect_prompts)
     eos = model_eos_ids(teacher, tokenizer)
-    log.info("auto precision: plans also measured on their answers to %d chat prompts (%d of them with an expected answer; %d "
-             "tokens, against the teacher's greedy answers)", len(cases), config.expect_prompts, config.answer_tokens)
+    log.info(
+        "auto precision: plans also measured on their answers to %d chat prompts (%d of them with an expected answer; "
+        "%d "
+        "tokens, against the teacher's greedy answers)",
+        len(cases),
+        config.expect_prompts,
+        config.answer_tokens,
+    )
     answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, progress, trust_remote_code, device)
-    passes = [passes_expect(case.expect, tokenizer.decode(ids, skip_special_tokens=True)) for case, ids in zip(cases, answers, strict=True)]
-    return HeldOutAnswers([prompt_ids(tokenizer, case.prompt) for case in cases], answers, pad_id_of(tokenizer, eos), eos,
-                          [case.expect for case in cases], passes, tokenizer, config.answer_tokens)
+    passes = [
+        passes_expect(case.expect, tokenizer.decode(ids, skip_special_tokens=True))
+        for case, ids in zip(cases, answers, strict=True)
+    ]
+    return HeldOutAnswers(
+        [prompt_ids(tokenizer, case.prompt) for case in cases],
+        answers,
+        pad_id_of(tokenizer, eos),
+        eos,
+        [case.expect for case in cases],
+        passes,
+        tokenizer,
+        config.answer_tokens,
+    )
 
 
 def _mean_and_error(values: list[float]) -> tuple[float, float]:
@@ -287,9 +331,11 @@ def _mean_and_error(values: list[float]) -> tuple[float, float]:
     return float(tensor.mean()), error
 
 
-def _answer_figures(folder: Path, held_out: HeldOutAnswers, budgets, device: str, progress: bool) -> tuple[dict[str, float], list[float]]:
-    """A plan's answers to the held-out prompts (read in one pass, :func:`forced_answer_pairs`) and, per prompt check of the
-    gate, how far it is from clearing its limit by :data:`ANSWER_STANDARD_ERRORS` standard errors."""
+def _answer_figures(
+    folder: Path, held_out: HeldOutAnswers, budgets, device: str, progress: bool
+) -> tuple[dict[str, float], list[float]]:
+    """A plan's answers to the held-out prompts (read in one pass, :func:`forced_answer_pairs`) and, per prompt check of
+    the gate, how far it is from clearing its limit by :data:`ANSWER_STANDARD_ERRORS` standard errors."""
     rows = forced_rows(held_out.prompts, held_out.answers, held_out.pad_id)
     logits = window_logits(folder, rows, device, progress, desc="candidate answers")
     pairs = forced_answer_pairs(held_out.prompts, held_out.answers, logits.logits)
@@ -314,21 +360,26 @@ def _answer_figures(folder: Path, held_out: HeldOutAnswers, budgets, device: str
 
 def _plan_passes(folder: Path, held_out: HeldOutAnswers, expected: list[int], pairs: list[dict[str, Any]], device: str
                  ) -> dict[int, bool]:
-    """Whether the plan's greedy answer to each prompt of ``expected`` matches its expected answer: the teacher's verdict
-    where the answers are identical (the forced pass says so), else the plan's own answer, decoded with its deployed numbers."""
+    """Whether the plan's greedy answer to each prompt of ``expected`` matches its expected answer: the teacher's
+    verdict where the answers are identical (the forced pass says so), else the plan's own answer, decoded with its
+    deployed
+    numbers."""
     passes = {i: bool(held_out.teacher_passes[i]) for i in expected if pairs[i]["identical"]}
     differ = [i for i in expected if not pairs[i]["identical"]]
     if differ:
         with deployed_generator(folder, held_out.eos, held_out.pad_id, device) as generate:
             answers = answer_ids([held_out.prompts[i] for i in differ], generate, held_out.new_tokens)
         for i, ids in zip(differ, answers, strict=True):
-            passes[i] = bool(passes_expect(held_out.expect[i], held_out.tokenizer.decode(ids, skip_special_tokens=True)))
+            passes[i] = bool(
+                passes_expect(held_out.expect[i], held_out.tokenizer.decode(ids, skip_special_tokens=True))
+            )
     return passes
 
 
 def _measurer(selection: _Selection, held_out: HeldOutAnswers | None, target: Target, margin: float, device: str,
               progress: bool):
-    """A plan's figures against the teacher on the held-out windows (and prompts), and whether they are within the budgets."""
+    """A plan's figures against the teacher on the held-out windows (and prompts), and whether they are within the
+    budgets."""
     budgets = target.budgets
 
     def measure(folder: Path) -> tuple[bool, dict[str, Any]]:
@@ -339,8 +390,11 @@ def _measurer(selection: _Selection, held_out: HeldOutAnswers | None, target: Ta
         worst = worst_domain(per_domain)
         figures = {"worst_domain": worst, "worst_increase_pct": per_domain[worst]["perplexity_increase_pct"],
                    "top1_agreement": mixed["top1_agreement"], "mean_kl": mixed["mean_kl"]}
-        ratios = [figures["worst_increase_pct"] / (margin * budgets.max_ppl_increase_pct),
-                  budgets.min_top1_agreement / max(figures["top1_agreement"], 1e-9), figures["mean_kl"] / budgets.max_mean_kl]
+        ratios = [
+            figures["worst_increase_pct"] / (margin * budgets.max_ppl_increase_pct),
+            budgets.min_top1_agreement / max(figures["top1_agreement"], 1e-9),
+            figures["mean_kl"] / budgets.max_mean_kl,
+        ]
         if held_out is not None:
             answers, answer_ratios = _answer_figures(folder, held_out, budgets, device, progress)
             figures.update(answers)
@@ -359,15 +413,23 @@ def _measurer(selection: _Selection, held_out: HeldOutAnswers | None, target: Ta
     return measure
 
 
-def _predicted(target: Target, shape: ModelShape, mix: dict[str, float], power_mode: str, head: str = FLOAT) -> dict[str, float]:
-    """The latency model's figures for one mix of formats (and the head's) at the run's power mode, as the search records
-    them."""
+def _predicted(
+    target: Target, shape: ModelShape, mix: dict[str, float], power_mode: str, head: str = FLOAT
+) -> dict[str, float]:
+    """The latency model's figures for one mix of formats (and the head's) at the run's power mode, as the search
+    records them."""
     prediction = predict_mixed(target, shape, mix, power_mode, head=head)
-    return {"predicted_decode_ms": prediction.decode_latency_ms, "predicted_tokens_per_s": prediction.decode_tokens_per_s,
-            "predicted_memory_gb": prediction.memory_gb, "predicted_joules_per_token": prediction.joules_per_token}
+    return {
+        "predicted_decode_ms": prediction.decode_latency_ms,
+        "predicted_tokens_per_s": prediction.decode_tokens_per_s,
+        "predicted_memory_gb": prediction.memory_gb,
+        "predicted_joules_per_token": prediction.joules_per_token,
+    }
 
 
-def _candidate_json(candidate: Candidate, model_config, target: Target, power_mode: str, shape: ModelShape) -> dict[str, Any]:
+def _candidate_json(
+    candidate: Candidate, model_config, target: Target, power_mode: str, shape: ModelShape
+) -> dict[str, Any]:
     mix = mix_of(candidate.plan, model_config)
     return {**candidate.to_json(), **_predicted(target, shape, mix, power_mode, candidate.plan.head), "mix": mix}
 
@@ -387,5 +449,7 @@ def _uniform_references(table, formats: list[str], model_config, target: Target,
             formats_by_block.setdefault(index, {})[point] = chosen
             kl += values.get(chosen, 0.0)
         mix = mix_of(MixedPlan(formats_by_block, {}), model_config)
-        rows.append({"name": f"uniform {name}", "mix": mix, "predicted_kl": kl, **_predicted(target, shape, mix, power_mode)})
+        rows.append(
+            {"name": f"uniform {name}", "mix": mix, "predicted_kl": kl, **_predicted(target, shape, mix, power_mode)}
+        )
     return rows

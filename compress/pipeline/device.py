@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from compress.backends.edgellm import tools as edgellm_tools
-from compress.backends.tensorrt.builder import build_engine, cuda_device, local_build_support, tensorrt_version, timing_cache_path
+from compress.backends.tensorrt.builder import (
+    build_engine,
+    cuda_device,
+    local_build_support,
+    tensorrt_version,
+    timing_cache_path,
+)
 from compress.backends.tensorrt.plan import BuildPlan
 from compress.backends.tensorrt.provenance import check_engine_provenance, engine_manifest
 from compress.backends.tensorrt.trtexec import build_with_trtexec, find_trtexec
@@ -58,8 +64,9 @@ def _build_on_device(run_dir: Path) -> dict[str, Any]:
     if device is None:
         raise MissingBackendError("not run: no CUDA device")
     if device[1] != plan.gpu_sm:
-        raise MissingBackendError(f"not run: local GPU {device[0]} is sm_{device[1]}, the plan is for sm_{plan.gpu_sm}; "
-                                  "build on the device")
+        raise MissingBackendError(
+            f"not run: local GPU {device[0]} is sm_{device[1]}, the plan is for sm_{plan.gpu_sm}; build on the device"
+        )
     source = engine_dir / plan.engine_onnx_file
     trtexec = find_trtexec() if tensorrt_version() is None else None
     if trtexec is not None:
@@ -117,7 +124,9 @@ def measure_on_device(run_dir: Path, prompt_len: int | None = None, encoder_batc
     if folder is not None:
         tool = edgellm_tools.require_device_tool(edgellm_tools.INFERENCE_TOOL)
         if not (folder / ENGINE_MANIFEST).is_file():
-            raise UsageError(f"{folder} has no built engine; run `compress build-engine {run.path}` on the device first")
+            raise UsageError(
+                f"{folder} has no built engine; run `compress build-engine {run.path}` on the device first"
+            )
         validation_dir, _ = run.require_stage_producing(REPORT, "a validation")
         return on_device.measure_edgellm_engine(folder, read_json(validation_dir / DEVICE_REFERENCE), tool)
     engine_dir, plan, onnx_dir = _generic_engine(run)

@@ -56,7 +56,15 @@ from compress.core.rundir import (
 )
 from compress.core.versions import library_versions
 from compress.models.sources import DEFAULT_MODEL
-from compress.pipeline.plan import Plan, PlannedStage, RunOptions, build_plan, config_json, data_record, deployment_versions
+from compress.pipeline.plan import (
+    Plan,
+    PlannedStage,
+    RunOptions,
+    build_plan,
+    config_json,
+    data_record,
+    deployment_versions,
+)
 from compress.pipeline.stage import RunContext
 from compress.report.build import build_report, write_reports
 
@@ -93,8 +101,8 @@ def _childrenpeak_mb() -> float:
 
 
 def _stage_children_peak(before: float) -> float | None:
-    """The largest resident size of a program the stage ran (NVIDIA's exporter, the custody check), where one of them grew
-    past every earlier one's (the kernel keeps only the maximum over all children)."""
+    """The largest resident size of a program the stage ran (NVIDIA's exporter, the custody check), where one of them
+    grew past every earlier one's (the kernel keeps only the maximum over all children)."""
     after = _childrenpeak_mb()
     return round(after, 1) if after > before else None
 
@@ -106,7 +114,11 @@ def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
     if not (run_dir / planned.dirname / STAGE_RECORD).is_file():
         return None
     record, problems = stage_check(run_dir, planned.dirname, earlier)
-    if record is None or record.get("fingerprint") != planned.fingerprint or record.get("status") not in ("done", "deferred"):
+    if (
+        record is None
+        or record.get("fingerprint") != planned.fingerprint
+        or record.get("status") not in ("done", "deferred")
+    ):
         return None
     if record.get("input", {}).get("sha256") != previous.sha256:
         log.info("%s: its input changed since it ran; redoing the stage", planned.dirname)
@@ -121,7 +133,9 @@ def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
     return artifact, record
 
 
-def _run_stage(planned: PlannedStage, previous: Artifact, ctx: RunContext, final_dir: Path) -> tuple[Artifact, dict[str, Any]]:
+def _run_stage(
+    planned: PlannedStage, previous: Artifact, ctx: RunContext, final_dir: Path
+) -> tuple[Artifact, dict[str, Any]]:
     if final_dir.is_dir():
         require_only_recorded(final_dir)
     with staging_dir(final_dir) as tmp:
@@ -173,9 +187,13 @@ def _output_location(planned: PlannedStage, artifact: Artifact, tmp: Path, files
     content hash (of the files the stage wrote, or the one the stage computed for what it reads in place)."""
     if _inside(artifact.path, tmp):
         relative = Path(artifact.path).resolve().relative_to(tmp.resolve())
-        return relative, sha256_path(artifact.path, lambda path: files[path.resolve().relative_to(tmp.resolve()).as_posix()]["sha256"])
+        return relative, sha256_path(
+            artifact.path, lambda path: files[path.resolve().relative_to(tmp.resolve()).as_posix()]["sha256"]
+        )
     if not artifact.sha256:
-        raise StageError(f"{planned.stage.name}: its output {artifact.path} is outside its folder and has no content hash")
+        raise StageError(
+            f"{planned.stage.name}: its output {artifact.path} is outside its folder and has no content hash"
+        )
     return Path(artifact.path).resolve(), artifact.sha256
 
 
@@ -184,7 +202,9 @@ def _require_read_in_place_unchanged(records: list[StageRecord]) -> None:
     for stage in records:
         problem = read_in_place_problem(stage.record)
         if problem:
-            raise UsageError(f"{problem}; it changed while the run was going: rerun to start again from the model as it is now")
+            raise UsageError(
+                f"{problem}; it changed while the run was going: rerun to start again from the model as it is now"
+            )
 
 
 def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | None = None,
@@ -290,12 +310,19 @@ def execute(plan: Plan) -> RunResult:
             if reused is not None:
                 artifact, record = reused
                 status = "reused"
-                log.info("[%d/%d] %s: reused (finished earlier, fingerprint matches)", planned.index, total, planned.stage.name)
+                log.info(
+                    "[%d/%d] %s: reused (finished earlier, fingerprint matches)",
+                    planned.index,
+                    total,
+                    planned.stage.name,
+                )
             else:
                 log.info("[%d/%d] %s: running", planned.index, total, planned.stage.name)
                 artifact, record = _run_stage(planned, previous, ctx, final_dir)
                 status = record["status"]
-                log.info("[%d/%d] %s: %s in %.1fs", planned.index, total, planned.stage.name, status, record["duration_s"])
+                log.info(
+                    "[%d/%d] %s: %s in %.1fs", planned.index, total, planned.stage.name, status, record["duration_s"]
+                )
             records.append(StageRecord(planned.stage.name, planned.dirname, status, artifact, record))
             ctx.artifacts[planned.stage.name] = artifact
             previous = artifact
@@ -364,8 +391,16 @@ def run(options: RunOptions) -> RunResult:
     return execute(build_plan(options))
 
 
-def run_python(target: str, recipe: str = "default", model: str = DEFAULT_MODEL, out: str | Path | None = None,
-               progress: bool = True, require_measured: bool = False, force: bool = False, **overrides: Any) -> RunResult:
+def run_python(
+    target: str,
+    recipe: str = "default",
+    model: str = DEFAULT_MODEL,
+    out: str | Path | None = None,
+    progress: bool = True,
+    require_measured: bool = False,
+    force: bool = False,
+    **overrides: Any,
+) -> RunResult:
     """Drive a run from Python with the CLI's options: ``stage__option=value`` for ``stage.option=value``."""
     pairs = {"target": target, "recipe": recipe, "model": model}
     if out is not None:

@@ -18,7 +18,15 @@ from typing import Any
 
 from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.artifact import EDGELLM_BUNDLE, SOURCE
-from compress.core.config import Recipe, Target, apply_budget_overrides, load_recipe, load_target, parse_override_value, select_power_mode
+from compress.core.config import (
+    Recipe,
+    Target,
+    apply_budget_overrides,
+    load_recipe,
+    load_target,
+    parse_override_value,
+    select_power_mode,
+)
 from compress.core.devices import resolve_device
 from compress.core.errors import UsageError
 from compress.core.files import sha256_path
@@ -55,8 +63,21 @@ from compress.transforms.quantize.config import AutoConfig
 log = logging.getLogger("compress")
 
 OFF = "off"
-RUN_KEYS = ("target", "recipe", "model", "out", "calib", "eval", "train_data", "prompts", "eval_labels", "power", "seed",
-            "trust_remote_code", "device")
+RUN_KEYS = (
+    "target",
+    "recipe",
+    "model",
+    "out",
+    "calib",
+    "eval",
+    "train_data",
+    "prompts",
+    "eval_labels",
+    "power",
+    "seed",
+    "trust_remote_code",
+    "device",
+)
 # What recipe=default means for each kind of model.
 DEFAULT_RECIPES = {"decoder": "default", "encoder": "encoder-int8"}
 
@@ -103,11 +124,15 @@ class RunOptions:
                 overrides[key] = value
             elif key in all_stages():
                 if value != OFF:
-                    raise UsageError(f"{key}={value}: a stage takes only {key}={OFF} (its options are {key}.OPTION=VALUE)")
+                    raise UsageError(
+                        f"{key}={value}: a stage takes only {key}={OFF} (its options are {key}.OPTION=VALUE)"
+                    )
                 off.append(key)
             else:
-                raise UsageError(f"unknown override key {key!r} (run keys: {', '.join(RUN_KEYS)}; or stage.option, budgets.key, "
-                                 "STAGE=off)")
+                raise UsageError(
+                    f"unknown override key {key!r} (run keys: {', '.join(RUN_KEYS)}; or stage.option, budgets.key, "
+                    "STAGE=off)"
+                )
         if "target" not in run_values:
             raise UsageError("missing target=NAME (see `compress ls targets`)")
         if "out" in run_values:
@@ -194,16 +219,29 @@ class Plan:
             "budgets": self.target.budgets.model_dump(),
             "device": self.device,
             "recipe": self.recipe.name,
-            "model": {"spec": self.model.spec, "kind": self.model.kind, "path": str(self.model.path), "sha256": self.model_sha256},
+            "model": {
+                "spec": self.model.spec,
+                "kind": self.model.kind,
+                "path": str(self.model.path),
+                "sha256": self.model_sha256,
+            },
             "out": str(self.out_dir),
             "calibration": [{"domain": s.domain, "path": str(s.path)} for s in self.calibration],
-            "evaluation": [{"domain": s.domain, "path": str(s.path), "seen": s.domain not in self.unseen_domains}
-                           for s in self.evaluation],
+            "evaluation": [
+                {"domain": s.domain, "path": str(s.path), "seen": s.domain not in self.unseen_domains}
+                for s in self.evaluation
+            ],
             "train_data": [str(spec) for spec in self.train_data.specs] if self.train_data else None,
-            "prompts": self.options.prompts or "default (the shipped assistant prompts, for a model with a chat template)",
+            "prompts": self.options.prompts
+            or "default (the shipped assistant prompts, for a model with a chat template)",
             "stages": [
-                {"dir": p.dirname, "name": p.stage.name, "input": p.stage.input_kind, "output": p.stage.output_kind,
-                 "config": config_json(p.config)}
+                {
+                    "dir": p.dirname,
+                    "name": p.stage.name,
+                    "input": p.stage.input_kind,
+                    "output": p.stage.output_kind,
+                    "config": config_json(p.config),
+                }
                 for p in self.stages
             ],
             "estimates": [e.to_json() for e in self.estimates],
@@ -211,7 +249,9 @@ class Plan:
         }
         if self.fit_problem:
             description["fit_problem"] = self.fit_problem
-        described = [(p, e) for p, e in zip(self.stages, description["stages"], strict=True) if p.variant.describe is not None]
+        described = [
+            (p, e) for p, e in zip(self.stages, description["stages"], strict=True) if p.variant.describe is not None
+        ]
         config = model_config(self.model) if described else None
         for planned, entry in described if config is not None else ():
             entry["plan"] = planned.variant.describe(planned.config, config, self.target)
@@ -220,7 +260,8 @@ class Plan:
 
 def _stage_options(recipe: Recipe, overrides: dict[str, str]
                    ) -> tuple[dict[str, dict[str, Any]], dict[str, set[str]], dict[str, str]]:
-    """Each stage's options (the recipe's, then the command line's), the keys the command line gave, and the budget overrides."""
+    """Each stage's options (the recipe's, then the command line's), the keys the command line gave, and the budget
+    overrides."""
     options = {spec.name: dict(spec.options) for spec in recipe.stages}
     explicit: dict[str, set[str]] = {name: set() for name in options}
     budget_overrides: dict[str, str] = {}
@@ -229,7 +270,9 @@ def _stage_options(recipe: Recipe, overrides: dict[str, str]
         if scope == "budgets":
             budget_overrides[option] = raw
         elif scope not in options:
-            raise UsageError(f"override {key!r}: stage {scope!r} is not in recipe {recipe.name!r} (stages: {', '.join(options)})")
+            raise UsageError(
+                f"override {key!r}: stage {scope!r} is not in recipe {recipe.name!r} (stages: {', '.join(options)})"
+            )
         else:
             options[scope][option] = parse_override_value(raw)
             explicit[scope].add(option)
@@ -237,11 +280,14 @@ def _stage_options(recipe: Recipe, overrides: dict[str, str]
 
 
 def without_stages(recipe: Recipe, off: tuple[str, ...]) -> Recipe:
-    """``recipe`` with the optional stages ``off`` names left out (``export_onnx=off``: the bundle ships, not the ONNX)."""
+    """``recipe`` with the optional stages ``off`` names left out (``export_onnx=off``: the bundle ships, not the
+    ONNX)."""
     names = [spec.name for spec in recipe.stages]
     for name in off:
         if name not in names:
-            raise UsageError(f"{name}={OFF}: stage {name} is not in recipe {recipe.name!r} (stages: {', '.join(names)})")
+            raise UsageError(
+                f"{name}={OFF}: stage {name} is not in recipe {recipe.name!r} (stages: {', '.join(names)})"
+            )
         if not get_stage(name).optional:
             optional = [n for n in names if get_stage(n).optional]
             raise UsageError(f"{name}={OFF}: stage {name} cannot be left out of recipe {recipe.name!r}"
@@ -260,8 +306,12 @@ def default_out_dir(options: RunOptions, target: Target, recipe: Recipe) -> Path
 def build_plan(options: RunOptions) -> Plan:
     """Resolve and check everything before any work; every problem is a :class:`UsageError`."""
     target = load_target(options.target)
-    model = resolve_model(options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code)
-    recipe = without_stages(load_recipe(_default_recipe(target, model) if options.recipe == "default" else options.recipe), options.off)
+    model = resolve_model(
+        options.model, weights_required=not options.dry_run, trust_remote_code=options.trust_remote_code
+    )
+    recipe = without_stages(
+        load_recipe(_default_recipe(target, model) if options.recipe == "default" else options.recipe), options.off
+    )
     stage_options, explicit, budget_overrides = _stage_options(recipe, options.overrides)
     if budget_overrides:
         target = apply_budget_overrides(target, budget_overrides)
@@ -269,8 +319,9 @@ def build_plan(options: RunOptions) -> Plan:
     config = model_config(model)
     if config is not None:
         _check_model_config(config, model)
-    planned = _check_stage_chain(recipe, (stage_options, explicit), target, _Model(model_kind(config or {}), model.spec, config),
-                                 options.off)
+    planned = _check_stage_chain(
+        recipe, (stage_options, explicit), target, _Model(model_kind(config or {}), model.spec, config), options.off
+    )
     out_dir = options.out or default_out_dir(options, target, recipe)
     if options.eval_labels is not None and not Path(options.eval_labels).is_file():
         raise UsageError(f"eval_labels={options.eval_labels}: no such file")
@@ -297,7 +348,8 @@ def build_plan(options: RunOptions) -> Plan:
 
 
 def _training_data(options: RunOptions, planned: list[PlannedStage]) -> TrainingData | None:
-    """``train_data=``, checked and sampled for the overlap check, for a recipe that trains (refused for one that does not)."""
+    """``train_data=``, checked and sampled for the overlap check, for a recipe that trains (refused for one that does
+    not)."""
     if not options.train_data:
         return None
     if not any(p.stage.name == "distill" for p in planned):
@@ -313,8 +365,14 @@ def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str
         return []
     searches = [p.config for p in planned if isinstance(p.config, AutoConfig)]
     formats = len(candidate_formats(searches[0], target)) if searches else 0
-    return estimate_stages([(p.stage.name, p.config) for p in planned], config, _checkpoint_bytes(model, config), device,
-                           search_formats=formats, evaluation_domains=domains)
+    return estimate_stages(
+        [(p.stage.name, p.config) for p in planned],
+        config,
+        _checkpoint_bytes(model, config),
+        device,
+        search_formats=formats,
+        evaluation_domains=domains,
+    )
 
 
 def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
@@ -326,22 +384,28 @@ def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
 
 
 def _check_model_config(config: dict[str, Any], model: ModelSource) -> None:
-    """Sane dimensions, and an embedding with a row for every id the tokenizer makes (else evaluation indexes past it)."""
+    """Sane dimensions, and an embedding with a row for every id the tokenizer makes (else evaluation indexes past
+    it)."""
     check_model_dimensions(config, f"model={model.spec}")
     if model.kind == "hf-folder":
         check_tokenizer_files(model.path, model.spec)
     tokens = tokenizer_size(model.path) if model.kind == "hf-folder" else None
     vocab = config.get("vocab_size") or (config.get("text_config") or {}).get("vocab_size")
     if tokens is not None and vocab is not None and tokens > vocab:
-        raise UsageError(f"model={model.spec}: the tokenizer makes {tokens:,} token ids but the embedding has {vocab:,} rows "
-                         "(vocab_size in config.json); the model cannot read its own tokens")
+        raise UsageError(
+            f"model={model.spec}: the tokenizer makes {tokens:,} token ids but the embedding has {vocab:,} rows "
+            "(vocab_size in config.json); the model cannot read its own tokens"
+        )
 
 
 def _default_recipe(target: Target, model: ModelSource) -> str:
-    """What ``recipe=default`` means: the target's own default for a decoder where it names one, else the model kind's."""
+    """What ``recipe=default`` means: the target's own default for a decoder where it names one, else the model
+    kind's."""
     kind = model_kind(model_config(model) or {})
     if kind == "decoder" and target.default_recipe is not None:
-        log.info("recipe=default on %s: %s, because %s", target.name, target.default_recipe.name, target.default_recipe.why)
+        log.info(
+            "recipe=default on %s: %s, because %s", target.name, target.default_recipe.name, target.default_recipe.why
+        )
         return target.default_recipe.name
     if DEFAULT_RECIPES[kind] != "default":
         log.info("recipe=default for %s %s: %s", _article(kind), kind, DEFAULT_RECIPES[kind])
@@ -374,15 +438,21 @@ def _check_stage_chain(recipe: Recipe, options: tuple[dict[str, dict[str, Any]],
             raise UsageError(f"recipe {recipe.name}: stage {spec.name} appears twice")
         seen.add(spec.name)
         if not stage.accepts(previous_kind, kind):
-            raise UsageError(f"{label}: stage {spec.name} takes {' or '.join(stage.takes(kind))} but the step before it gives "
-                             f"{previous_kind}")
+            raise UsageError(
+                f"{label}: stage {spec.name} takes {' or '.join(stage.takes(kind))} but the step before it gives "
+                f"{previous_kind}"
+            )
         variant = stage.variant(kind)
         if variant is None:
             raise _wrong_kind(stage, stage.model_kinds, model)
         try:
             stage_config = variant.make_config(f"stage {spec.name}", stage_options[spec.name], explicit[spec.name])
         except UsageError:
-            fits = [other for other, v in stage.variants.items() if other != kind and _validates(v, stage_options[spec.name])]
+            fits = [
+                other
+                for other, v in stage.variants.items()
+                if other != kind and _validates(v, stage_options[spec.name])
+            ]
             if fits:  # the recipe's options are those of another kind of model's stage
                 raise _wrong_kind(stage, tuple(fits), model) from None
             raise
@@ -396,9 +466,11 @@ def _check_stage_chain(recipe: Recipe, options: tuple[dict[str, dict[str, Any]],
 def _wrong_kind(stage: StageDef, kinds: tuple[str, ...], model: _Model) -> UsageError:
     works_on = " and ".join(f"{k}s" for k in kinds)
     kind = model.kind
-    return UsageError(f"stage {stage.name} works on {works_on}; model={model.spec} is {_article(kind)} {kind} "
-                      f"({(model.config or {}).get('model_type')}): use {_article(kind)} {kind} recipe (recipe=default picks "
-                      f"{DEFAULT_RECIPES[kind]})")
+    return UsageError(
+        f"stage {stage.name} works on {works_on}; model={model.spec} is {_article(kind)} {kind} "
+        f"({(model.config or {}).get('model_type')}): use {_article(kind)} {kind} recipe (recipe=default picks "
+        f"{DEFAULT_RECIPES[kind]})"
+    )
 
 
 def _validates(variant: StageVariant, options: dict[str, Any]) -> bool:
@@ -410,7 +482,8 @@ def _validates(variant: StageVariant, options: dict[str, Any]) -> bool:
 
 
 def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelSource, config: dict | None) -> None:
-    """Stage rules that depend on the stages before them or on the model's shape (e.g. what a deployment format takes)."""
+    """Stage rules that depend on the stages before them or on the model's shape (e.g. what a deployment format
+    takes)."""
     if config is not None and model_kind(config) == DECODER:
         try:
             family_of(config)
@@ -457,11 +530,16 @@ def _assign_fingerprints(plan: Plan) -> None:
 
 
 def deployment_versions(plan: Plan) -> dict[str, str]:
-    """The pinned TensorRT Edge-LLM release and the device stack a run's bundle is for (only when the run exports one)."""
+    """The pinned TensorRT Edge-LLM release and the device stack a run's bundle is for (only when the run exports
+    one)."""
     if not any(p.stage.output_kind == EDGELLM_BUNDLE for p in plan.stages):
         return {}
     stack = plan.target.edgellm
-    device = f"JetPack {stack.jetpack}, CUDA {stack.cuda}" if stack.jetpack else f"CUDA {stack.cuda}, TensorRT {stack.tensorrt}"
+    device = (
+        f"JetPack {stack.jetpack}, CUDA {stack.cuda}"
+        if stack.jetpack
+        else f"CUDA {stack.cuda}, TensorRT {stack.tensorrt}"
+    )
     return {"tensorrt-edgellm": EDGELLM_VERSION, "edgellm-device-stack": device}
 
 
@@ -470,10 +548,16 @@ def data_record(plan: Plan) -> dict[str, Any]:
     def entries(sources: list[TextSource]) -> list[dict[str, str]]:
         return [{"domain": s.domain, "path": str(s.path), "sha256": s.sha256} for s in sources]
 
-    record = {"calibration": entries(plan.calibration), "evaluation": entries(plan.evaluation), "unseen_domains": plan.unseen_domains}
+    record = {
+        "calibration": entries(plan.calibration),
+        "evaluation": entries(plan.evaluation),
+        "unseen_domains": plan.unseen_domains,
+    }
     if plan.train_data:
-        record["train_data"] = [{"path": str(spec), "sha256": digest} for spec, digest in zip(plan.train_data.specs,
-                                                                                             plan.train_data.sha256, strict=True)]
+        record["train_data"] = [
+            {"path": str(spec), "sha256": digest}
+            for spec, digest in zip(plan.train_data.specs, plan.train_data.sha256, strict=True)
+        ]
     if plan.options.prompts:
         record["prompts"] = plan.options.prompts
     return record

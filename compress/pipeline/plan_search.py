@@ -90,19 +90,22 @@ class SearchResult:
 
 def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], budget: float,
            quantize: Quantize, measure: Measure, work: Path, limits: SearchLimits) -> SearchResult:
-    """The fastest plan the measurement accepts: solve under ``budget`` (within one of the limits' format sets), quantize,
-    measure; on a failure shrink the budget (the groups that spend most of it for least gain go back to a wider format
-    first) and try again, at most ``limits.rounds`` plans. The budget shrinks in proportion to how far over its limits
-    the plan measured (``BACKOFF_SAFETY / overshoot``: the predictions undercount by about that much), by half when the
-    measurement does not say; a back-off so deep that nothing would be quantized backs up halfway (geometrically) towards
-    the failed budget instead of giving up. A back-off can overshoot: with ``limits.refine_rounds`` more plans the search
-    then bisects between the accepted budget and the last failed one, keeping any faster plan that holds."""
+    """The fastest plan the measurement accepts: solve under ``budget`` (within one of the limits' format sets),
+    quantize, measure; on a failure shrink the budget (the groups that spend most of it for least gain go back to a
+    wider format first) and try again, at most ``limits.rounds`` plans. The budget shrinks in proportion to how far over
+    its limits the plan measured (``BACKOFF_SAFETY / overshoot``: the predictions undercount by about that much), by
+    half when the measurement does not say; a back-off so deep that nothing would be quantized backs up halfway
+    (geometrically) towards the failed budget instead of giving up. A back-off can overshoot: with
+    ``limits.refine_rounds`` more plans the search then bisects between the accepted budget and the last failed one,
+    keeping any faster plan that holds."""
     trials = _Trials(choices, configs, quantize, measure, work, limits.format_sets)
     budget, failed_budget = _back_off_until_held(trials, budget, limits.rounds)
     if trials.chosen is None:
         candidates = trials.candidates
-        raise StageError(f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
-                         f"{_describe(candidates[-1]) if candidates else 'nothing'}); use a uniform recipe or a larger margin")
+        raise StageError(
+            f"no mixed-precision plan held the budgets in {len(candidates)} measured plans (the last quantized "
+            f"{_describe(candidates[-1]) if candidates else 'nothing'}); use a uniform recipe or a larger margin"
+        )
     if failed_budget is not None:
         _refine(trials, budget, failed_budget, limits.refine_rounds)
     chosen = trials.chosen
@@ -111,8 +114,8 @@ def search(choices: dict[tuple[int, str], list[Choice]], configs: dict[str, Quan
 
 
 def _back_off_until_held(trials: _Trials, budget: float, rounds: int) -> tuple[float, float | None]:
-    """Measure plans under shrinking budgets until one holds (or ``rounds`` are spent); returns the last budget tried and
-    the smallest budget whose plan failed."""
+    """Measure plans under shrinking budgets until one holds (or ``rounds`` are spent); returns the last budget tried
+    and the smallest budget whose plan failed."""
     failed_budget: float | None = None
     empty_budget = 0.0  # the largest budget whose plan quantizes nothing
     measured = 0
@@ -140,9 +143,9 @@ def _back_off_until_held(trials: _Trials, budget: float, rounds: int) -> tuple[f
 
 
 def _refine(trials: _Trials, accepted_budget: float, failed_budget: float, rounds: int) -> None:
-    """Bisect between a budget whose plan held and a larger one whose plan did not, for a faster plan that holds: at most
-    ``rounds`` plans measured. A plan already measured moves the bound it measured as; one no faster than the chosen plan
-    moves the lower bound."""
+    """Bisect between a budget whose plan held and a larger one whose plan did not, for a faster plan that holds: at
+    most ``rounds`` plans measured. A plan already measured moves the bound it measured as; one no faster than the
+    chosen plan moves the lower bound."""
     low, high = accepted_budget, failed_budget
     measured = 0
     while measured < rounds and high - low > REFINE_RESOLUTION * high:
@@ -166,8 +169,15 @@ class _Trials:
     """The plans a search has solved, quantized and measured: each plan measured once, rejected folders removed, the
     fastest accepted one kept."""
 
-    def __init__(self, choices: dict[tuple[int, str], list[Choice]], configs: dict[str, QuantizeConfig], quantize: Quantize,
-                 measure: Measure, work: Path, format_sets: Sequence[Iterable[str]] | None) -> None:
+    def __init__(
+        self,
+        choices: dict[tuple[int, str], list[Choice]],
+        configs: dict[str, QuantizeConfig],
+        quantize: Quantize,
+        measure: Measure,
+        work: Path,
+        format_sets: Sequence[Iterable[str]] | None,
+    ) -> None:
         self.choices, self.configs, self.format_sets = choices, configs, format_sets
         self.quantize, self.measure, self.work = quantize, measure, work
         self.candidates: list[Candidate] = []
@@ -199,7 +209,9 @@ class _Trials:
         return Attempt(Solved.MEASURED, passed, candidate)
 
     def _keep_if_fastest(self, candidate: Candidate, quantization: Any, folder: Path) -> None:
-        if candidate.passed and (self.chosen is None or candidate.predicted_cost < self.chosen.candidate.predicted_cost):
+        if candidate.passed and (
+            self.chosen is None or candidate.predicted_cost < self.chosen.candidate.predicted_cost
+        ):
             if self.chosen is not None:
                 shutil.rmtree(self.chosen.folder)
             self.chosen = _Accepted(candidate, quantization, folder)

@@ -1,8 +1,8 @@
 """Know before you start: each stage's peak host memory, disk and time for this model on this machine.
 
 The figures come from the model's parameter count and rates measured on the stages as they are
-written today (the scaling section of ``docs/benchmarks.md`` gives the runs they were measured on): the stages that hold the
-model in its own dtype (load, sparsify, quantize: one block in float32 at a time) need a multiple of
+written today (the scaling section of ``docs/benchmarks.md`` gives the runs they were measured on): the stages that hold
+the model in its own dtype (load, sparsify, quantize: one block in float32 at a time) need a multiple of
 the checkpoint's bytes, the others that load a model in full a multiple of its fp32 bytes; time is
 linear in the parameters and in the tokens a stage reads. They are estimates, good to about a
 factor of two; the plan refuses only a run whose largest stage would need more than this machine's
@@ -26,8 +26,10 @@ PROCESS_BASE_BYTES = 0.45 * GB  # torch, transformers, ONNX Runtime imported: th
 REFUSE_MARGIN = 1.25  # refuse when the estimate exceeds memory + swap by this factor (the estimate's error)
 
 # Peak host memory of a stage beyond the process floor: fp32 copies of the model (what a stage computing on a float32
-# copy holds) plus copies of the checkpoint's bytes (what a stage holding the model in its own dtype, one part in float32
-# at a time, holds) plus a fixed part; measured on the embedded SmolLM2 (float32) and on Qwen3-0.6B- and Qwen3-1.7B-shape
+# copy holds) plus copies of the checkpoint's bytes (what a stage holding the model in its own dtype, one part in
+# float32
+# at a time, holds) plus a fixed part; measured on the embedded SmolLM2 (float32) and on Qwen3-0.6B- and
+# Qwen3-1.7B-shape
 # bf16 checkpoints (default recipe, 2 cores; `bench/scale_table.py --measure`), fitted to the larger of each.
 # A stage in none of the tables: two fp32 copies.
 HOST_FP32_COPIES = {"distill": 6.0, "prune_heads": 3.0, "build_engine": 0.5}
@@ -58,20 +60,33 @@ DEFAULT_SESSION_BYTES = 1024 * 2**20
 # Hessians, the copies a search makes) on the compute device: this many float32 copies of one block.
 STREAMED_BLOCK_COPIES = {"quantize": 4.0, "validate": 2.0}
 
-# Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes). export_edgellm: the bundle (its ONNX
+# Bytes written per parameter (None: computed from the checkpoint, see _disk_bytes). export_edgellm: the bundle (its
+# ONNX
 # and the embedding table beside it; 1.13 GB for the 0.6B-parameter Qwen3 shape in INT8), the unified checkpoint
 # it is exported from being removed once the bundle is checked (``export_edgellm.keep_checkpoint``).
-DISK_BYTES_PER_PARAM = {"load": None, "distill": 4.0, "prune_heads": 4.0, "sparsify": None, "quantize": None, "export_onnx": None,
-                        "export_edgellm": 1.9, "build_engine": 0.0, "validate": 0.0}
+DISK_BYTES_PER_PARAM = {
+    "load": None,
+    "distill": 4.0,
+    "prune_heads": 4.0,
+    "sparsify": None,
+    "quantize": None,
+    "export_onnx": None,
+    "export_edgellm": 1.9,
+    "build_engine": 0.0,
+    "validate": 0.0,
+}
 # Seconds per parameter and token read (stages that run the model over text), per parameter, and fixed, on two cores
 # of this class of machine (quantize: W8A8 SmoothQuant + GPTQ on the Qwen3-1.7B shape, 1,721 s for 16,384 tokens).
 SECONDS_PER_PARAM_TOKEN = {"quantize": 6.2e-11, "sparsify": 6.2e-11, "validate": 6.5e-11, "distill": 6.0e-10}
-# The same on a CUDA device (the block-by-block work there, the rest of the stage on the host), measured on one H200 with
+# The same on a CUDA device (the block-by-block work there, the rest of the stage on the host), measured on one H200
+# with
 # `bench/gpu_checks.sh`: W8A8 SmoothQuant + GPTQ on a Qwen3-1.7B shape (160 s; INT4 AWQ + GPTQ on Llama-3.1-8B's width
 # took a quarter of that per parameter) and its validation (99 s). A smaller GPU is slower by about its arithmetic rate.
 CUDA_SECONDS_PER_PARAM_TOKEN = {"quantize": 5.7e-12, "sparsify": 5.7e-12, "validate": 4.7e-12}
-# recipe=auto's search before the chosen plan (measured on the Qwen3-0.6B shape, `bench/auto_table.py --shape qwen3-0.6b`,
-# the Orin Nano's INT8 and INT4): the output Fisher pass holds the model in its own dtype, one block recomputed in float32
+# recipe=auto's search before the chosen plan (measured on the Qwen3-0.6B shape, `bench/auto_table.py --shape
+# qwen3-0.6b`,
+# the Orin Nano's INT8 and INT4): the output Fisher pass holds the model in its own dtype, one block recomputed in
+# float32
 # and one window's logits, their log-probabilities and gradients (3.62 GiB; the sensitivities 2.24 GiB, the teacher's
 # answers 3.06 GiB; measuring three plans 5.75 GiB, fitted as copies of the checkpoint, quantizing and measuring not
 # told apart); its time is per token of its windows, the sensitivities'
@@ -100,9 +115,14 @@ class StageEstimate:
     device_bytes: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
-        return {"stage": self.stage, "peak_host_gb": round(self.host_bytes / GB, 2), "disk_gb": round(self.disk_bytes / GB, 2),
-                "minutes": round(self.seconds / 60, 1), "seconds": round(self.seconds, 1),
-                "peak_device_gb": round(self.device_bytes / GB, 2)}
+        return {
+            "stage": self.stage,
+            "peak_host_gb": round(self.host_bytes / GB, 2),
+            "disk_gb": round(self.disk_bytes / GB, 2),
+            "minutes": round(self.seconds / 60, 1),
+            "seconds": round(self.seconds, 1),
+            "peak_device_gb": round(self.device_bytes / GB, 2),
+        }
 
 
 def readable_bytes(size: float) -> str:
@@ -123,23 +143,27 @@ def parameter_count(config: dict[str, Any]) -> int:
 
 
 def _tokens_read(stage: str, config: Any, domains: int) -> int:
-    """Tokens a stage runs the model over, from its config (calibration windows, evaluation tokens per evaluation domain,
-    training steps)."""
+    """Tokens a stage runs the model over, from its config (calibration windows, evaluation tokens per evaluation
+    domain, training steps)."""
     if stage in ("quantize", "sparsify"):
         return int(getattr(config, "calib_windows", 32)) * int(getattr(config, "calib_window", 512))
     if stage == "validate":
         return domains * int(getattr(config, "eval_tokens", 2048))
     if stage == "distill":
-        return int(getattr(config, "steps", 0)) * int(getattr(config, "batch_size", 1)) * int(getattr(config, "seq_len", 512))
+        return (
+            int(getattr(config, "steps", 0))
+            * int(getattr(config, "batch_size", 1))
+            * int(getattr(config, "seq_len", 512))
+        )
     return 0
 
 
 def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any], checkpoint_bytes: float,
                     device: str = "cpu", search_formats: int = 0, evaluation_domains: int = 6) -> list[StageEstimate]:
-    """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take ``checkpoint_bytes``;
-    ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live there);
-    ``search_formats``: the candidate formats of a ``method: auto`` quantize stage's search; ``evaluation_domains``: how
-    many domains validation evaluates (the shipped text has six)."""
+    """One estimate per ``(stage name, stage config)`` for a model of ``model_config`` whose files take
+    ``checkpoint_bytes``; ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live
+    there); ``search_formats``: the candidate formats of a ``method: auto`` quantize stage's search;
+    ``evaluation_domains``: how many domains validation evaluates (the shipped text has six)."""
     params = parameter_count(model_config)
     fp32 = 4.0 * params
     shape = ModelShape.from_config(model_config) if model_kind(model_config) == "decoder" else None
@@ -161,7 +185,9 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
             block = 4.0 * (shape.decoder_linear_params() / shape.num_layers + 2 * hidden)
             work += STREAMED_BLOCK_COPIES[base] * block
             embeddings = per_param * shape.vocab_size * hidden
-            host += EMBEDDING_COPIES.get(base, 1.0) * embeddings  # read in the checkpoint's dtype for the first block's inputs
+            host += (
+                EMBEDDING_COPIES.get(base, 1.0) * embeddings
+            )  # read in the checkpoint's dtype for the first block's inputs
             if base == "validate":  # both models' hidden states over every window (on the device where there is one)
                 work += 2 * 4 * tokens * hidden
         if on_device:
@@ -172,18 +198,31 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
         quantized = any(other == "quantize" for other, _ in stages)
         graph_bytes = _disk_bytes("export_onnx", model_config, params, checkpoint_bytes, quantized)
         if phased:  # one after the other: the largest of what each phase holds
-            session = _onnx_session(checkpoint_bytes, graph_bytes, _session_limit(config, "session_mb"), shape, per_param)
-            trace = max(2 * 4.0 * shape.vocab_size * shape.hidden_size, EXPORT_GRAPH_CHECKPOINT_COPIES * checkpoint_bytes)
+            session = _onnx_session(
+                checkpoint_bytes, graph_bytes, _session_limit(config, "session_mb"), shape, per_param
+            )
+            trace = max(
+                2 * 4.0 * shape.vocab_size * shape.hidden_size, EXPORT_GRAPH_CHECKPOINT_COPIES * checkpoint_bytes
+            )
             host = max(host, PROCESS_BASE_BYTES + max(session, trace))
         if base == "validate" and shape is not None and any(other == "export_onnx" for other, _ in stages):
-            session = _onnx_session(checkpoint_bytes, graph_bytes, _session_limit(config, "onnx_session_mb"), shape, per_param)
+            session = _onnx_session(
+                checkpoint_bytes, graph_bytes, _session_limit(config, "onnx_session_mb"), shape, per_param
+            )
             host = max(host, PROCESS_BASE_BYTES + session)
         disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
-        disk = _disk_bytes(base, model_config, params, checkpoint_bytes, quantized) if disk_rate is None else disk_rate * params
+        disk = (
+            _disk_bytes(base, model_config, params, checkpoint_bytes, quantized)
+            if disk_rate is None
+            else disk_rate * params
+        )
         disk = _kept_copies(base, config, disk, model_config, params, checkpoint_bytes)
         rates = CUDA_SECONDS_PER_PARAM_TOKEN if on_device else SECONDS_PER_PARAM_TOKEN
-        seconds = (rates.get(base, SECONDS_PER_PARAM_TOKEN.get(base, 0.0)) * params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * params
-                   + FIXED_SECONDS.get(base, 0.0))
+        seconds = (
+            rates.get(base, SECONDS_PER_PARAM_TOKEN.get(base, 0.0)) * params * tokens
+            + SECONDS_PER_PARAM.get(base, 0.0) * params
+            + FIXED_SECONDS.get(base, 0.0)
+        )
         if base == "quantize" and getattr(config, "method", None) == "auto" and shape is not None:
             search_host, search_seconds = _search(config, params, checkpoint_bytes, shape, search_formats)
             rate = CUDA_SECONDS_PER_PARAM_TOKEN["quantize"] / SECONDS_PER_PARAM_TOKEN["quantize"] if on_device else 1.0
@@ -195,16 +234,20 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
 
 def _search(config: Any, params: int, checkpoint_bytes: float, shape: ModelShape, formats: int) -> tuple[float, float]:
     """recipe=auto's search on the CPU: the peak host memory of its largest phase (the output Fisher pass, or quantizing
-    and measuring the plans), and the seconds of the Fisher pass, the sensitivities, the teacher's answers and the plans."""
+    and measuring the plans), and the seconds of the Fisher pass, the sensitivities, the teacher's answers and the
+    plans."""
     window = int(config.calib_window)
     largest_block = 4.0 * shape.decoder_linear_params() / shape.num_layers
     fisher_host = (PROCESS_BASE_BYTES + checkpoint_bytes + FISHER_LOGITS_COPIES * 4 * window * shape.vocab_size
                    + 2 * largest_block + 4 * window * shape.hidden_size * shape.num_layers)
     calibration_tokens = int(config.calib_windows) * window
-    seconds = (FISHER_SECONDS_PER_PARAM_TOKEN * params * int(config.fisher_windows) * window
-               + SENSITIVITY_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens * max(formats, 1)
-               + TEACHER_SECONDS_PER_PARAM * params
-               + SEARCH_PLANS * (PLAN_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens + PLAN_MEASURE_SECONDS_PER_PARAM * params))
+    seconds = (
+        FISHER_SECONDS_PER_PARAM_TOKEN * params * int(config.fisher_windows) * window
+        + SENSITIVITY_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens * max(formats, 1)
+        + TEACHER_SECONDS_PER_PARAM * params
+        + SEARCH_PLANS
+        * (PLAN_SECONDS_PER_PARAM_TOKEN * params * calibration_tokens + PLAN_MEASURE_SECONDS_PER_PARAM * params)
+    )
     return max(fisher_host, PROCESS_BASE_BYTES + PLANS_CHECKPOINT_COPIES * checkpoint_bytes), seconds
 
 
@@ -214,7 +257,9 @@ def _session_limit(config: Any, option: str) -> float:
     return value * 2**20 if value else DEFAULT_SESSION_BYTES
 
 
-def _onnx_session(checkpoint_bytes: float, graph_bytes: float, limit_bytes: float, shape: ModelShape, per_param: float) -> float:
+def _onnx_session(
+    checkpoint_bytes: float, graph_bytes: float, limit_bytes: float, shape: ModelShape, per_param: float
+) -> float:
     """ONNX Runtime's largest session beyond the process floor: the whole graph's, or, for a graph over ``limit_bytes``,
     its largest slice's share (whole blocks up to the limit; the last also holds the LM head)."""
     if graph_bytes <= limit_bytes:
@@ -227,7 +272,9 @@ def _onnx_session(checkpoint_bytes: float, graph_bytes: float, limit_bytes: floa
     return max(ORT_SESSION_CHECKPOINT_COPIES * checkpoint_bytes * min(1.0, largest / graph_bytes), head_at_run)
 
 
-def _kept_copies(stage: str, config: Any, disk: float, model_config: dict[str, Any], params: int, checkpoint_bytes: float) -> float:
+def _kept_copies(
+    stage: str, config: Any, disk: float, model_config: dict[str, Any], params: int, checkpoint_bytes: float
+) -> float:
     """``disk`` with what a stage's options keep or leave out: the load stage writes nothing unless it copies the model,
     the Edge-LLM export keeps its unified checkpoint (the quantized linears again) only when asked."""
     if stage == "load" and not getattr(config, "copy_model", False):
@@ -237,7 +284,9 @@ def _kept_copies(stage: str, config: Any, disk: float, model_config: dict[str, A
     return disk
 
 
-def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float, quantized: bool) -> float:
+def _disk_bytes(
+    stage: str, model_config: dict[str, Any], params: int, checkpoint_bytes: float, quantized: bool
+) -> float:
     """What the stages that write the model in its own dtype write: the checkpoint again (load, sparsify, the ONNX of a
     float model), or its quantized linears as one byte per weight and the rest as in the checkpoint (quantize, the ONNX
     of a quantized model)."""
@@ -245,7 +294,9 @@ def _disk_bytes(stage: str, model_config: dict[str, Any], params: int, checkpoin
     if not writes_levels or model_kind(model_config) != "decoder":
         return checkpoint_bytes
     per_param = checkpoint_bytes / max(params, 1)
-    linear = sum(out * inp for out, inp in linear_shapes(model_config).values()) * int(model_config.get("num_hidden_layers", 0))
+    linear = sum(out * inp for out, inp in linear_shapes(model_config).values()) * int(
+        model_config.get("num_hidden_layers", 0)
+    )
     return linear + per_param * max(params - linear, 0)
 
 
@@ -296,13 +347,20 @@ def _way_out(stage: str) -> str:
     """What a user can change when ``stage`` would not fit."""
     base = stage.removesuffix("_encoder")
     if base == "export_onnx":
-        return ("let ONNX Runtime hold less at a time (export_onnx.session_mb=N, MiB of weights), leave the portable ONNX out "
-                "with export_onnx=off (an Edge-LLM bundle ships without it), or use a larger machine")
+        return (
+            "let ONNX Runtime hold less at a time (export_onnx.session_mb=N, MiB of weights), leave the portable ONNX "
+            "out with export_onnx=off (an Edge-LLM bundle ships without it), or use a larger machine"
+        )
     if base == "validate":
-        return ("let ONNX Runtime hold less at a time (validate.onnx_session_mb=N, MiB of weights), leave the portable ONNX "
-                "out with export_onnx=off, or use a larger machine")
+        return (
+            "let ONNX Runtime hold less at a time (validate.onnx_session_mb=N, MiB of weights), leave the portable "
+            "ONNX out with export_onnx=off, or use a larger machine"
+        )
     if base in ("quantize", "sparsify"):
-        return f"compute on a GPU with device=cuda, give a smaller calibration budget ({base}.calib_windows=N), or use a larger machine"
+        return (
+            f"compute on a GPU with device=cuda, give a smaller calibration budget ({base}.calib_windows=N), "
+            "or use a larger machine"
+        )
     if base == "distill":
         return "distill on a GPU machine (device=cuda, distill.processes=N), or a smaller teacher"
     return "run it on a larger machine or a smaller model"
@@ -316,15 +374,19 @@ def fit_problem(estimates: list[StageEstimate], machine: Machine, model_spec: st
     largest = max(estimates, key=lambda e: e.host_bytes)
     ceiling = (machine.memory_bytes + machine.swap_bytes) * REFUSE_MARGIN
     if machine.memory_bytes and largest.host_bytes > ceiling:
-        return (f"model={model_spec}: {largest.stage} would need about {largest.host_bytes / GB:.1f} GB of memory "
-                f"(estimated from the model's size), this machine has {machine.memory_bytes / GB:.1f} GB"
-                f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; {_way_out(largest.stage)} "
-                "(`--dry-run` prints every stage's estimate)")
+        return (
+            f"model={model_spec}: {largest.stage} would need about {largest.host_bytes / GB:.1f} GB of memory "
+            f"(estimated from the model's size), this machine has {machine.memory_bytes / GB:.1f} GB"
+            f"{f' and {machine.swap_bytes / GB:.1f} GB of swap' if machine.swap_bytes else ''}; "
+            f"{_way_out(largest.stage)} (`--dry-run` prints every stage's estimate)"
+        )
     on_device = max(estimates, key=lambda e: e.device_bytes)
     if machine.device_memory_bytes and on_device.device_bytes > machine.device_memory_bytes:
-        return (f"model={model_spec}: {on_device.stage} would need about {on_device.device_bytes / GB:.1f} GB on {machine.device}, "
-                f"which has {machine.device_memory_bytes / GB:.1f} GB; use a smaller calibration budget "
-                f"({on_device.stage}.calib_windows) or device=cpu")
+        return (
+            f"model={model_spec}: {on_device.stage} would need about {on_device.device_bytes / GB:.1f} GB on "
+            f"{machine.device}, which has {machine.device_memory_bytes / GB:.1f} GB; use a smaller calibration budget "
+            f"({on_device.stage}.calib_windows) or device=cpu"
+        )
     disk = sum(e.disk_bytes for e in estimates)
     if disk > machine.free_disk_bytes * REFUSE_MARGIN:
         return (f"model={model_spec}: the run directory would take about {readable_bytes(disk)}, its file system has "

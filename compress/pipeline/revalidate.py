@@ -30,8 +30,14 @@ def _measured_figures(measured: dict[str, Any]) -> tuple[dict[str, float | None]
     """(decode latency, TTFT, peak memory) from either runtime's measurement, and where they came from."""
     if measured.get("runtime") == "edgellm":
         mode = measured.get("power_mode_read") or "not read (no nvpmodel)"
-        return ({"decode_latency_ms": measured["decode_latency_ms"], "ttft_ms": measured["ttft_ms"],
-                 "memory_gb": measured["peak_device_memory_gb"]}, f"Edge-LLM llm_inference profile, nvpmodel mode {mode}")
+        return (
+            {
+                "decode_latency_ms": measured["decode_latency_ms"],
+                "ttft_ms": measured["ttft_ms"],
+                "memory_gb": measured["peak_device_memory_gb"],
+            },
+            f"Edge-LLM llm_inference profile, nvpmodel mode {mode}",
+        )
     return ({"decode_latency_ms": measured["decode"]["p50_ms"], "ttft_ms": measured["ttft_ms"],
              "memory_gb": measured["peak_device_memory_gb"]}, "TensorRT engine on this device")
 
@@ -53,7 +59,9 @@ def _on_device_checks(run_dir: Path, checks: list[Check], target) -> tuple[list[
         if check.name not in limits:
             replaced.append(check)
         elif figures[check.name] is None:
-            replaced.append(Check(check.name, None, check.limit, NOT_MEASURED, "measured", check.unit, f"{source}: no figure"))
+            replaced.append(
+                Check(check.name, None, check.limit, NOT_MEASURED, "measured", check.unit, f"{source}: no figure")
+            )
         else:
             replaced.append(upper_bound_check(check.name, figures[check.name], limits[check.name][0], "measured",
                                               limits[check.name][1], source))
@@ -62,7 +70,8 @@ def _on_device_checks(run_dir: Path, checks: list[Check], target) -> tuple[list[
 
 def revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool = False,
                on_device: bool = False) -> tuple[dict[str, Any], Path]:
-    """Recompute the gate; writes ``validate-<target>-<mode>.json|.md`` beside ``report.json`` and returns the report and the ``.md`` path.
+    """Recompute the gate; writes ``validate-<target>-<mode>.json|.md`` beside ``report.json`` and returns the report
+    and the ``.md`` path.
 
     With ``on_device`` and no device to measure on, the exit code is 3 (not measured) whatever the host checks say.
     """
@@ -88,27 +97,50 @@ def _target_of(run_dir: Path, pairs: dict[str, str]) -> Target:
 
 def _encoder_checks(run_dir: Path, stored: dict[str, Any], target, mode: str,
                     on_device: bool) -> tuple[list[Check], dict[str, Any], dict[str, Any] | None]:
-    """An encoder run's gate for ``target``: stored fidelity, predictions recomputed, batch latency measured when asked."""
-    predicted = encoder_gate.predictions(stored["shape"], stored["precision"], target, mode, stored["metrics"]["median_tokens"])
+    """An encoder run's gate for ``target``: stored fidelity, predictions recomputed, batch latency measured when
+    asked."""
+    predicted = encoder_gate.predictions(
+        stored["shape"], stored["precision"], target, mode, stored["metrics"]["median_tokens"]
+    )
     checks = encoder_gate.gate_checks(stored["metrics"], predicted, target, must_measure=False)
     if not on_device:
         return checks, predicted, None
     try:
         measured = measure_on_device(run_dir, encoder_batch=target.budgets.encoder_batch)
     except MissingBackendError as exc:
-        return [Check(c.name, None, c.limit, NOT_MEASURED, "measured", c.unit, str(exc)) if c.name == "encoder_batch_ms" else c
-                for c in checks], predicted, {"status": str(exc), "ran": False}
+        return (
+            [
+                Check(c.name, None, c.limit, NOT_MEASURED, "measured", c.unit, str(exc))
+                if c.name == "encoder_batch_ms"
+                else c
+                for c in checks
+            ],
+            predicted,
+            {"status": str(exc), "ran": False},
+        )
     row = next(r for r in measured["batches"] if r["batch"] == target.budgets.encoder_batch)
-    checks = [upper_bound_check(c.name, row["p50_ms"], target.budgets.max_encoder_batch_ms, "measured", "ms",
-                                f"TensorRT engine on this device, batch {row['batch']} (p50)") if c.name == "encoder_batch_ms" else c
-              for c in checks]
+    checks = [
+        upper_bound_check(
+            c.name,
+            row["p50_ms"],
+            target.budgets.max_encoder_batch_ms,
+            "measured",
+            "ms",
+            f"TensorRT engine on this device, batch {row['batch']} (p50)",
+        )
+        if c.name == "encoder_batch_ms"
+        else c
+        for c in checks
+    ]
     return checks, predicted, {**measured, "status": "measured", "ran": True}
 
 
 def _decoder_checks(run_dir: Path, stored: dict[str, Any], target, mode: str,
                     on_device: bool) -> tuple[list[Check], dict[str, Any], dict[str, Any] | None]:
     """A decoder run's gate for ``target``: stored quality, predictions recomputed, latency measured when asked."""
-    predictions = decoder_gate.target_predictions(stored["model_config"], stored["precision"], target, mode, stored["deployment"])
+    predictions = decoder_gate.target_predictions(
+        stored["model_config"], stored["precision"], target, mode, stored["deployment"]
+    )
     checks = decoder_gate.gate_checks(stored["metrics"], predictions, target, must_measure=False)
     device_result = None
     if on_device:
@@ -116,7 +148,9 @@ def _decoder_checks(run_dir: Path, stored: dict[str, Any], target, mode: str,
     return checks, predictions, device_result
 
 
-def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on_device: bool) -> tuple[dict[str, Any], Path]:
+def _revalidate(
+    run_dir: Path, pairs: dict[str, str], require_measured: bool, on_device: bool
+) -> tuple[dict[str, Any], Path]:
     budget_overrides = {k.split(".", 1)[1]: v for k, v in pairs.items() if k.startswith("budgets.")}
     unknown = [k for k in pairs if k not in REVALIDATE_KEYS and not k.startswith("budgets.")]
     if unknown:
@@ -132,7 +166,9 @@ def _revalidate(run_dir: Path, pairs: dict[str, str], require_measured: bool, on
     gate_for = _encoder_checks if stored.get("model_kind") == "encoder" else _decoder_checks
     checks, predictions, device_result = gate_for(run_dir, stored, target, mode, on_device)
     gate = gate_json(require_measured_checks(checks) if require_measured else checks)
-    exit_code = EXIT_NOT_MEASURED if device_result is not None and not device_result["ran"] else exit_code_for(gate["verdict"])
+    exit_code = (
+        EXIT_NOT_MEASURED if device_result is not None and not device_result["ran"] else exit_code_for(gate["verdict"])
+    )
     new_report = {**report, "target": {"name": target.name, "power_mode": mode, "budgets": target.budgets.model_dump()},
                   "predictions": predictions, "gate": gate, "exit_code": exit_code,
                   "revalidated_from": report["target"]["name"], "on_device": device_result}

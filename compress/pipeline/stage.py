@@ -31,12 +31,23 @@ DECODER, ENCODER = "decoder", "encoder"
 MODEL_KINDS = (DECODER, ENCODER)
 
 # The stage modules, in pipeline order (``compress ls stages`` lists them so).
-_STAGE_MODULES = ("load", "distill", "prune_heads", "sparsify", "quantize", "export_onnx", "export_edgellm", "build_engine", "validate")
+_STAGE_MODULES = (
+    "load",
+    "distill",
+    "prune_heads",
+    "sparsify",
+    "quantize",
+    "export_onnx",
+    "export_edgellm",
+    "build_engine",
+    "validate",
+)
 
 
 @dataclass
 class RunContext:
-    """What a stage may read besides its input artifact: the run's settings and the artifacts of the stages before it."""
+    """What a stage may read besides its input artifact: the run's settings and the artifacts of the stages before
+    it."""
 
     run_dir: Path
     stage_dir: Path
@@ -52,8 +63,10 @@ class RunContext:
     require_measured: bool = False
     progress: bool = True
     device: str = "cpu"  # where block-by-block work (calibration, quantization, sparsification, scores) is computed
-    prompts: str | None = None  # ``prompts=``: the app's prompt file, ``off``, or None for the shipped set (chat models)
-    train_data: list[DataSpec] = field(default_factory=list)  # ``train_data=``: the distillation corpus (else calibration)
+    # ``prompts=``: the app's prompt file, ``off``, or None for the shipped set (chat models)
+    prompts: str | None = None
+    # ``train_data=``: the distillation corpus (else calibration)
+    train_data: list[DataSpec] = field(default_factory=list)
     artifacts: dict[str, Artifact] = field(default_factory=dict)  # by stage name, in run order
     stage_name: str = ""
     fingerprint: str = ""
@@ -73,8 +86,8 @@ class RunContext:
 
 @dataclass(frozen=True)
 class StageResult:
-    """What a stage produced: its artifact, the one line the log, report and ``compress show`` print, and the figures the
-    report plots (names in :mod:`compress.report.figures`)."""
+    """What a stage produced: its artifact, the one line the log, report and ``compress show`` print, and the figures
+    the report plots (names in :mod:`compress.report.figures`)."""
 
     artifact: Artifact
     summary: str = ""
@@ -86,7 +99,8 @@ class StageResult:
 
 StageFn = Callable[[Artifact, Any, RunContext], StageResult]
 TargetCheck = Callable[[Any, Target], None]
-# (this stage's config, the configs of the stages before it by name, target, model config or None) -> None; raises UsageError
+# (this stage's config, the configs of the stages before it by name, target, model config or None) -> None; raises
+# UsageError
 PlanCheck = Callable[[Any, dict[str, Any], Target, "dict | None"], None]
 
 
@@ -100,14 +114,15 @@ class StageVariant:
     check_plan: PlanCheck | None = None
     # (config, model config or None, target) -> what --dry-run shows of this stage's plan beyond its config
     describe: Callable[[Any, dict | None, Target], dict[str, Any]] | None = None
-    # For a union config: the key choosing the class, and each choice's class (to drop a recipe's options of another choice).
+    # For a union config: the key choosing the class, and each choice's class (to drop a recipe's options of another
+    # choice).
     choice_key: str | None = None
     choices: dict[str, type[StrictModel]] | None = None
     input_kind: tuple[str, ...] | None = None  # what this variant takes, where it is narrower than the stage's
 
     def make_config(self, where: str, options: dict[str, Any], explicit: set[str] = frozenset()) -> Any:
-        """Validate ``options`` (the recipe's, with ``explicit`` the keys given on the command line); an unknown key or wrong
-        type is a usage error naming it."""
+        """Validate ``options`` (the recipe's, with ``explicit`` the keys given on the command line); an unknown key or
+        wrong type is a usage error naming it."""
         options = self._drop_other_choices(where, options, explicit)
         try:
             if isinstance(self.config_cls, TypeAdapter):
@@ -117,8 +132,13 @@ class StageVariant:
             raise UsageError(self._message(exc, where, options)) from exc
 
     def _drop_other_choices(self, where: str, options: dict[str, Any], explicit: set[str]) -> dict[str, Any]:
-        """A choice given on the command line starts from that choice's defaults: the recipe's options it lacks are dropped."""
-        if self.choice_key is None or self.choice_key not in explicit or options.get(self.choice_key) not in (self.choices or {}):
+        """A choice given on the command line starts from that choice's defaults: the recipe's options it lacks are
+        dropped."""
+        if (
+            self.choice_key is None
+            or self.choice_key not in explicit
+            or options.get(self.choice_key) not in (self.choices or {})
+        ):
             return options
         taken = self.choices[options[self.choice_key]].model_fields
         dropped = sorted(key for key in options if key not in taken and key not in explicit)
@@ -136,7 +156,8 @@ class StageVariant:
         key = ".".join(str(part) for part in (loc[1:] if choice else loc)) or "(top level)"
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         if errors[0]["type"] == "union_tag_invalid":
-            return f"{where}: {self.choice_key}: {options.get(self.choice_key)!r} is not one of {', '.join(self.choices or {})}"
+            choices = ", ".join(self.choices or {})
+            return f"{where}: {self.choice_key}: {options.get(self.choice_key)!r} is not one of {choices}"
         if errors[0]["type"] == "extra_forbidden":
             return f"{where}: {key}: not an option of {self.choice_key} {choice}{more}"
         message = errors[0]["msg"].removeprefix("Value error, ")
@@ -179,11 +200,16 @@ _REGISTRY: dict[str, StageDef] = {}
 
 
 def register(stage: StageDef, aliases: dict[str, str] | None = None) -> StageDef:
-    """Add a stage to the registry (once, by its module), with ``aliases``: other names pinned to one model kind's variant."""
+    """Add a stage to the registry (once, by its module), with ``aliases``: other names pinned to one model kind's
+    variant."""
     _REGISTRY[stage.name] = stage
     for alias, kind in (aliases or {}).items():
-        _REGISTRY[alias] = replace(stage, name=alias, summary=f"{stage.name} for {kind}s, under the name {kind} recipes use",
-                                   variants={kind: stage.variants[kind]})
+        _REGISTRY[alias] = replace(
+            stage,
+            name=alias,
+            summary=f"{stage.name} for {kind}s, under the name {kind} recipes use",
+            variants={kind: stage.variants[kind]},
+        )
     return stage
 
 

@@ -21,7 +21,8 @@ from compress.core.rundir import READ_IN_PLACE, RunDir, locked, read_in_place_pr
 
 @dataclass
 class Verification:
-    """What ``compress verify`` found: the differences from what compress wrote, and a custody check it could not run."""
+    """What ``compress verify`` found: the differences from what compress wrote, and a custody check it could not
+    run."""
 
     problems: list[str] = field(default_factory=list)
     not_checked: str | None = None
@@ -41,7 +42,9 @@ def verify_run(run_dir: Path) -> Verification:
         folder, record = bundle
         with tempfile.TemporaryDirectory(prefix="compress-verify-") as work:
             try:
-                custody = check_custody(run.output_path(HF_MODEL, "a quantized model"), folder / record["output"]["path"], Path(work))
+                custody = check_custody(
+                    run.output_path(HF_MODEL, "a quantized model"), folder / record["output"]["path"], Path(work)
+                )
             except MissingBackendError as exc:
                 result.not_checked = f"the bundle's custody was not checked: {exc}"
             except StageError as exc:
@@ -52,8 +55,8 @@ def verify_run(run_dir: Path) -> Verification:
 
 
 def _model_read_in_place(run: RunDir) -> str | None:
-    """What became of the model the run read in place (None when the run copied it): still what the run read, changed, or
-    not on this machine."""
+    """What became of the model the run read in place (None when the run copied it): still what the run read, changed,
+    or not on this machine."""
     for _, record in run.stages():
         if record is not None and record["output"].get(READ_IN_PLACE):
             problem = read_in_place_problem(record, full=True)

@@ -55,19 +55,41 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     manifest = run.manifest()
     stages = _stage_entries(run)
     validation = next((s["output"]["meta"] for s in reversed(stages) if s["output"]["kind"] == REPORT), None)
-    gate = validation["gate"] if validation else {"verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
+    gate = (
+        validation["gate"]
+        if validation
+        else {"verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
+    )
     report = {
         "schema_version": REPORT_SCHEMA_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(),
         "target": {"name": manifest["target"], "power_mode": manifest["power_mode"], "budgets": manifest["budgets"]},
         "model": {"spec": manifest["model"]["spec"], "license": manifest["model"].get("license", "unknown")},
         "recipe": manifest["recipe"]["name"],
-        "stages": [{key: stage[key] for key in ("name", "dir", "status", "duration_s", "peak_rss_mb", "peak_device_memory_mb", "metrics",
-                                                  "summary", "figures")}
-                   | {"kind": stage["output"]["kind"]} for stage in stages],
-        "artifacts": {"onnx": _artifact_path(stages, ONNX, run.path), "engine": _artifact_path(stages, ENGINE, run.path),
-                      "engine_build_plan": _artifact_path(stages, ENGINE, run.path, deferred=True),
-                      "edgellm_bundle": _artifact_path(stages, EDGELLM_BUNDLE, run.path)},
+        "stages": [
+            {
+                key: stage[key]
+                for key in (
+                    "name",
+                    "dir",
+                    "status",
+                    "duration_s",
+                    "peak_rss_mb",
+                    "peak_device_memory_mb",
+                    "metrics",
+                    "summary",
+                    "figures",
+                )
+            }
+            | {"kind": stage["output"]["kind"]}
+            for stage in stages
+        ],
+        "artifacts": {
+            "onnx": _artifact_path(stages, ONNX, run.path),
+            "engine": _artifact_path(stages, ENGINE, run.path),
+            "engine_build_plan": _artifact_path(stages, ENGINE, run.path, deferred=True),
+            "edgellm_bundle": _artifact_path(stages, EDGELLM_BUNDLE, run.path),
+        },
         "predictions": validation.get("predictions") if validation else None,
         "data": manifest["data"],
         "versions": manifest["versions"],

@@ -35,10 +35,13 @@ def _domain_section(report: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     unseen = ", ".join(metrics.get("unseen_domains") or []) or "none"
-    return ["<h2>Quality per evaluation domain</h2>",
-            f"<p>The accuracy budget applies to the worst domain (<b>{escape(metrics['worst_domain'])}</b>). Unseen domains "
-            f"(no calibration or training text came from them): {escape(unseen)}.</p>",
-            _table(DOMAIN_HEADERS, [[escape(cell) for cell in row] for row in rows])]
+    return [
+        "<h2>Quality per evaluation domain</h2>",
+        f"<p>The accuracy budget applies to the worst domain (<b>{escape(metrics['worst_domain'])}</b>). Unseen "
+        "domains "
+        f"(no calibration or training text came from them): {escape(unseen)}.</p>",
+        _table(DOMAIN_HEADERS, [[escape(cell) for cell in row] for row in rows]),
+    ]
 
 
 def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
@@ -67,8 +70,18 @@ def render_html(report: dict[str, Any], plots: dict[str, Path]) -> str:
     ]
     predictions = decoder_predictions(report)
     if predictions:
-        rows = [[escape(m["power_mode"]), _fmt(m["watts"]), f"{m['decode_tokens_per_s']:.1f}", f"{m['decode_latency_ms']:.2f}",
-                 f"{m['ttft_ms']:.1f}", f"{m['memory_gb']:.2f}", f"{m['joules_per_token']:.3f}"] for m in predictions["modes"]]
+        rows = [
+            [
+                escape(m["power_mode"]),
+                _fmt(m["watts"]),
+                f"{m['decode_tokens_per_s']:.1f}",
+                f"{m['decode_latency_ms']:.2f}",
+                f"{m['ttft_ms']:.1f}",
+                f"{m['memory_gb']:.2f}",
+                f"{m['joules_per_token']:.3f}",
+            ]
+            for m in predictions["modes"]
+        ]
         parts += [f"<h2>Predicted on {escape(predictions['target'])} (latency model)</h2>",
                   _table(["power mode", "W", "tokens/s", "ms/token", "TTFT ms", "memory GB", "J/token"], rows)]
     titles = {"stages": "Size and perplexity per stage", "domains": "Perplexity change per evaluation domain",

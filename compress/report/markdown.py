@@ -54,8 +54,18 @@ def domain_rows(metrics: dict[str, Any]) -> list[list[str]]:
         if not row:
             continue
         seen = "—" if name == "mixed" else ("yes" if row.get("seen") else "no (unseen)")
-        rows.append([name, seen, f"{row['tokens']:,}", f"{row['perplexity_model']:.3f}", f"{row['perplexity_reference']:.3f}",
-                     f"{row['perplexity_increase_pct']:+.2f}%", f"{100 * row['top1_agreement']:.1f}%", f"{row['mean_kl']:.4f}"])
+        rows.append(
+            [
+                name,
+                seen,
+                f"{row['tokens']:,}",
+                f"{row['perplexity_model']:.3f}",
+                f"{row['perplexity_reference']:.3f}",
+                f"{row['perplexity_increase_pct']:+.2f}%",
+                f"{100 * row['top1_agreement']:.1f}%",
+                f"{row['mean_kl']:.4f}",
+            ]
+        )
     return rows
 
 
@@ -64,12 +74,19 @@ def _domain_table(report: dict[str, Any]) -> list[str]:
     rows = domain_rows(metrics)
     if not rows:
         return []
-    return ["", "## Quality per evaluation domain", "",
-            f"The accuracy budget applies to the worst domain (**{md_text(metrics['worst_domain'])}**). Unseen domains (no "
-            f"calibration or training text came from them): {', '.join(map(md_text, metrics.get('unseen_domains') or [])) or 'none'}. "
-            f"{_prefix_sentence(metrics.get('window_prefix'))}", "",
-            "| " + " | ".join(DOMAIN_HEADERS) + " |", "|" + "---|" * len(DOMAIN_HEADERS),
-            *("| " + " | ".join([md_text(row[0]), *row[1:]]) + " |" for row in rows)]
+    return [
+        "",
+        "## Quality per evaluation domain",
+        "",
+        f"The accuracy budget applies to the worst domain (**{md_text(metrics['worst_domain'])}**). Unseen domains (no "
+        "calibration or training text came from them): "
+        f"{', '.join(map(md_text, metrics.get('unseen_domains') or [])) or 'none'}. "
+        f"{_prefix_sentence(metrics.get('window_prefix'))}",
+        "",
+        "| " + " | ".join(DOMAIN_HEADERS) + " |",
+        "|" + "---|" * len(DOMAIN_HEADERS),
+        *("| " + " | ".join([md_text(row[0]), *row[1:]]) + " |" for row in rows),
+    ]
 
 
 def _prefix_sentence(prefix: list[str] | None) -> str:
@@ -99,16 +116,29 @@ def _prompt_table(report: dict[str, Any]) -> list[str]:
     measured = figure(report, PROMPT_ANSWERS)
     if not measured:
         return []
-    lines = ["", "## The app's prompts", "",
-             f"{measured['prompts']} prompts ({measured['source']}), greedy answers of {measured['new_tokens']} tokens at most: "
-             f"**{100 * measured['identical_answers']:.0f}%** identical to the teacher's, "
-             f"**{100 * measured['answer_prefix_agreement']:.0f}%** of the teacher's answer matched on average before the "
-             f"first difference, first token equal in **{100 * measured['first_token_agreement']:.0f}%**.", "",
-             "Worst first; the deployed answer's part after its first difference is marked ⟦…⟧.", "",
-             "| id | prompt | matched | teacher's answer | deployed answer | expect |", "|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## The app's prompts",
+        "",
+        f"{measured['prompts']} prompts ({measured['source']}), greedy answers of {measured['new_tokens']} tokens at "
+        f"most: **{100 * measured['identical_answers']:.0f}%** identical to the teacher's, "
+        f"**{100 * measured['answer_prefix_agreement']:.0f}%** of the teacher's answer matched on average before the "
+        f"first difference, first token equal in **{100 * measured['first_token_agreement']:.0f}%**.",
+        "",
+        "Worst first; the deployed answer's part after its first difference is marked ⟦…⟧.",
+        "",
+        "| id | prompt | matched | teacher's answer | deployed answer | expect |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in measured["rows"]:
-        expect = "—" if row["expect"] is None else (f"`{row['expect']}`: teacher {'✓' if row['teacher_passes'] else '✗'}, "
-                                                     f"deployed {'✓' if row['model_passes'] else '✗'}")
+        expect = (
+            "—"
+            if row["expect"] is None
+            else (
+                f"`{row['expect']}`: teacher {'✓' if row['teacher_passes'] else '✗'}, "
+                f"deployed {'✓' if row['model_passes'] else '✗'}"
+            )
+        )
         lines.append(f"| {md_text(row['id'])} | {_cell(row['prompt'], 80)} | {100 * row['prefix_fraction']:.0f}% | "
                      f"{_cell(row['teacher_answer'])} | {_cell(marked_answer(row))} | {_cell(expect, 80)} |")
     return lines
@@ -120,35 +150,63 @@ def _search_section(report: dict[str, Any]) -> list[str]:
     if not search:
         return []
     answered = any("answer_prefix_agreement" in c["measured"] for c in search["candidates"])
-    lines = ["", "## Precision search (quantize.method=auto)", "",
-             f"Formats the target's deployment runs: {', '.join(search['formats'])}. First budget: predicted KL "
-             f"{search['budget_kl']:.4g} nats/token ({search['margin']:g} of the gate's). Each plan is measured against the teacher "
-             f"on {search['selection']['windows']} held-out calibration windows ({', '.join(search['selection']['domains'])}); "
-             "the evaluation text stays for the gate" + ("; a chat model's answers to the chat calibration prompts, not the gate's, "
-                                                          "against the teacher's." if answered else "."), "",
-             "| plan | formats (groups) | predicted KL | predicted tok/s | predicted GB | predicted J/token | held-out worst domain | "
-             "top-1 | KL | answer prefix | accepted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "",
+        "## Precision search (quantize.method=auto)",
+        "",
+        f"Formats the target's deployment runs: {', '.join(search['formats'])}. First budget: predicted KL "
+        f"{search['budget_kl']:.4g} nats/token ({search['margin']:g} of the gate's). Each plan is measured against the "
+        f"teacher on {search['selection']['windows']} held-out calibration windows "
+        f"({', '.join(search['selection']['domains'])}); the evaluation text stays for the gate"
+        + (
+            "; a chat model's answers to the chat calibration prompts, not the gate's, against the teacher's."
+            if answered
+            else "."
+        ),
+        "",
+        "| plan | formats (groups) | predicted KL | predicted tok/s | predicted GB | predicted J/token | held-out "
+        "worst domain | "
+        "top-1 | KL | answer prefix | accepted |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for c in search["candidates"]:
         measured = c["measured"]
         prefix = measured.get("answer_prefix_agreement")
-        lines.append(f"| {c['round']} | {', '.join(f'{n} {k}' for n, k in c['formats'].items())} | {c['predicted_kl']:.4g} | "
-                     f"{c['predicted_tokens_per_s']:.1f} | {_fmt(c.get('predicted_memory_gb'))} | "
-                     f"{_fmt(c.get('predicted_joules_per_token'))} | {measured['worst_domain']} {measured['worst_increase_pct']:+.2f}% | "
-                     f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | "
-                     f"{'-' if prefix is None else f'{100 * prefix:.1f}%'} | {_verdict(c)} |")
+        lines.append(
+            f"| {c['round']} | {', '.join(f'{n} {k}' for n, k in c['formats'].items())} | {c['predicted_kl']:.4g} | "
+            f"{c['predicted_tokens_per_s']:.1f} | {_fmt(c.get('predicted_memory_gb'))} | "
+            f"{_fmt(c.get('predicted_joules_per_token'))} | {measured['worst_domain']} "
+            f"{measured['worst_increase_pct']:+.2f}% | "
+            f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | "
+            f"{'-' if prefix is None else f'{100 * prefix:.1f}%'} | {_verdict(c)} |"
+        )
     chosen = next(c for c in search["candidates"] if c["chosen"])
     faster = [c for c in search["candidates"] if c["predicted_tokens_per_s"] > chosen["predicted_tokens_per_s"]]
     if faster:
         nearest = min(faster, key=lambda c: c["predicted_tokens_per_s"])
         lines += ["", f"The next-faster plan measured ({nearest['predicted_tokens_per_s']:.1f} tok/s predicted) lost "
                       f"{nearest['measured']['worst_increase_pct']:+.2f}% on {nearest['measured']['worst_domain']}."]
-    lines += ["", "Uniform references (each format wherever the shapes allow it, FP16 elsewhere; predicted):", "",
-              "| reference | predicted KL | predicted tok/s | predicted GB | predicted J/token |", "|---|---|---|---|---|"]
-    lines += [f"| {r['name']} | {r['predicted_kl']:.4g} | {r['predicted_tokens_per_s']:.1f} | {_fmt(r.get('predicted_memory_gb'))} | "
-              f"{_fmt(r.get('predicted_joules_per_token'))} |" for r in search["references"]]
+    lines += [
+        "",
+        "Uniform references (each format wherever the shapes allow it, FP16 elsewhere; predicted):",
+        "",
+        "| reference | predicted KL | predicted tok/s | predicted GB | predicted J/token |",
+        "|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['name']} | {r['predicted_kl']:.4g} | {r['predicted_tokens_per_s']:.1f} | "
+        f"{_fmt(r.get('predicted_memory_gb'))} | {_fmt(r.get('predicted_joules_per_token'))} |"
+        for r in search["references"]
+    ]
     plan = search["plan"]
     points = sorted({point for groups in plan.values() for point in groups})
-    lines += ["", "The chosen plan, per block:", "", "| block | " + " | ".join(points) + " |", "|---|" + "---|" * len(points)]
+    lines += [
+        "",
+        "The chosen plan, per block:",
+        "",
+        "| block | " + " | ".join(points) + " |",
+        "|---|" + "---|" * len(points),
+    ]
     lines += [f"| {block} | " + " | ".join(plan[block][p] for p in points) + " |" for block in sorted(plan, key=int)]
     lines += ["", f"The LM head: {search.get('lm_head', 'fp16')}."]
     return lines
@@ -168,11 +226,15 @@ def _on_device_section(report: dict[str, Any]) -> list[str]:
     if not device.get("ran"):
         return ["", "## On the device", "", f"Not measured: {device.get('status')}."]
     lines = ["", "## On the device", "", "| figure | value |", "|---|---|"]
-    rows = [("runtime", device.get("runtime", "tensorrt")), ("power mode read", device.get("power_mode_read")),
-            ("decode tokens/s", device.get("decode_tokens_per_s") or device.get("tokens_per_s")),
-            ("time to first token (ms)", device.get("ttft_ms")), ("peak device memory (GB)", device.get("peak_device_memory_gb")),
-            ("greedy prefix agreement with the host model", device.get("greedy_prefix_agreement")),
-            ("greedy sequences identical", device.get("greedy_sequences_identical"))]
+    rows = [
+        ("runtime", device.get("runtime", "tensorrt")),
+        ("power mode read", device.get("power_mode_read")),
+        ("decode tokens/s", device.get("decode_tokens_per_s") or device.get("tokens_per_s")),
+        ("time to first token (ms)", device.get("ttft_ms")),
+        ("peak device memory (GB)", device.get("peak_device_memory_gb")),
+        ("greedy prefix agreement with the host model", device.get("greedy_prefix_agreement")),
+        ("greedy sequences identical", device.get("greedy_sequences_identical")),
+    ]
     lines += [f"| {name} | {_fmt(value)} |" for name, value in rows if value is not None]
     return lines
 
@@ -181,11 +243,20 @@ def _encoder_predictions(report: dict[str, Any]) -> list[str]:
     predictions = report.get("predictions")
     if not predictions or predictions.get("kind") != "encoder":
         return []
-    lines = ["", f"## Predicted on {predictions['target']} (latency model, not measured)", "",
-             f"Compute at {predictions['chosen']['compute_efficiency_assumed']:.0%} of the tensor cores' peak (assumed).", "",
-             "| power mode | batch | tokens | ms per batch | sentences/s | bound | memory GB |", "|---|---|---|---|---|---|---|"]
-    lines += [f"| {m['power_mode']} | {m['batch']} | {m['tokens']} | {m['batch_ms']:.2f} | {m['sentences_per_s']:.0f} | {m['bound']} | "
-              f"{m['memory_gb']:.2f} |" for m in predictions["modes"]]
+    lines = [
+        "",
+        f"## Predicted on {predictions['target']} (latency model, not measured)",
+        "",
+        f"Compute at {predictions['chosen']['compute_efficiency_assumed']:.0%} of the tensor cores' peak (assumed).",
+        "",
+        "| power mode | batch | tokens | ms per batch | sentences/s | bound | memory GB |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {m['power_mode']} | {m['batch']} | {m['tokens']} | {m['batch_ms']:.2f} | {m['sentences_per_s']:.0f} | "
+        f"{m['bound']} | {m['memory_gb']:.2f} |"
+        for m in predictions["modes"]
+    ]
     return lines
 
 
@@ -226,8 +297,13 @@ def render_markdown(report: dict[str, Any]) -> str:
     predictions = decoder_predictions(report)
     lines += _encoder_predictions(report)
     if predictions:
-        lines += ["", f"## Predicted on {predictions['target']} (latency model, not measured)", "",
-                  "| power mode | W | decode tokens/s | ms/token | TTFT ms | memory GB | J/token |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            f"## Predicted on {predictions['target']} (latency model, not measured)",
+            "",
+            "| power mode | W | decode tokens/s | ms/token | TTFT ms | memory GB | J/token |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for mode in predictions["modes"]:
             lines.append(f"| {mode['power_mode']} | {_fmt(mode['watts'])} | {mode['decode_tokens_per_s']:.1f} | "
                          f"{mode['decode_latency_ms']:.2f} | {mode['ttft_ms']:.1f} | {mode['memory_gb']:.2f} | "

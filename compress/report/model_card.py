@@ -33,17 +33,30 @@ def render_model_card(report: dict[str, Any]) -> str:
     lines += ["", "## Calibration and evaluation data", ""]
     for role in ("calibration", "evaluation"):
         for item in data.get(role, []):
-            lines.append(f"- {role} ({md_text(item.get('domain', ''))}): {md_code(item['path'])} (sha256 `{item['sha256']}`)")
+            lines.append(
+                f"- {role} ({md_text(item.get('domain', ''))}): {md_code(item['path'])} (sha256 `{item['sha256']}`)"
+            )
     if data.get("unseen_domains"):
         names = ", ".join(map(md_text, data["unseen_domains"]))
         lines.append(f"- evaluation domains no calibration or training text came from: {names}")
     lines += ["", "## Metrics", "", "| metric | value |", "|---|---|"]
-    for key in ("perplexity_teacher", "perplexity_model", "perplexity_onnx", "perplexity_torch_quantized", "perplexity_increase_pct",
-                "perplexity_increase_pct_mixed", "top1_agreement", "mean_kl", "model_size_bytes"):
+    for key in (
+        "perplexity_teacher",
+        "perplexity_model",
+        "perplexity_onnx",
+        "perplexity_torch_quantized",
+        "perplexity_increase_pct",
+        "perplexity_increase_pct_mixed",
+        "top1_agreement",
+        "mean_kl",
+        "model_size_bytes",
+    ):
         if validate.get(key) is not None:
             lines.append(f"| {key} | {validate[key]:.4g} |")
     for check in report["gate"]["checks"]:
-        lines.append(f"| {check['name']} ({check['source']}) | {check['value']} (limit {check['limit']}, {check['verdict']}) |")
+        lines.append(
+            f"| {check['name']} ({check['source']}) | {check['value']} (limit {check['limit']}, {check['verdict']}) |"
+        )
     lines += ["", "## Library versions", ""]
     for name, version in report.get("versions", {}).items():
         lines.append(f"- {name} {version}")

@@ -149,8 +149,13 @@ def plot_distill_curve(report: dict[str, Any], path: Path) -> Path | None:
     ax.axhline(distill["teacher"], color="black", linestyle="--", label="teacher, seen domains")
     unseen = [p for p in points if "perplexity_unseen" in p]
     if unseen and distill.get("before_unseen") is not None:
-        ax.plot([0] + [p["step"] for p in unseen], [distill["before_unseen"]] + [p["perplexity_unseen"] for p in unseen],
-                "s-", color="#C44E52", label="student, unseen domains")
+        ax.plot(
+            [0] + [p["step"] for p in unseen],
+            [distill["before_unseen"]] + [p["perplexity_unseen"] for p in unseen],
+            "s-",
+            color="#C44E52",
+            label="student, unseen domains",
+        )
         ax.axhline(distill["teacher_unseen"], color="#C44E52", linestyle=":", label="teacher, unseen domains")
     if distill.get("stopped_early_at"):
         ax.axvline(distill["stopped_early_at"], color="grey", linewidth=0.8, label="stopped: unseen domains got worse")
@@ -183,7 +188,14 @@ def plot_domains(report: dict[str, Any], path: Path) -> Path | None:
     return _save(fig, path)
 
 
-FORMAT_COLOURS = {"fp16": "#BBBBBB", "int8": "#4C72B0", "fp8": "#8172B2", "int4": "#55A868", "nvfp4": "#C44E52", "nvfp4_a16": "#DD8452"}
+FORMAT_COLOURS = {
+    "fp16": "#BBBBBB",
+    "int8": "#4C72B0",
+    "fp8": "#8172B2",
+    "int4": "#55A868",
+    "nvfp4": "#C44E52",
+    "nvfp4_a16": "#DD8452",
+}
 
 
 def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
@@ -200,10 +212,16 @@ def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
     for candidate in search["candidates"]:
         colour = "#55A868" if candidate["chosen"] else "#8FBF9A" if candidate["passed"] else "#C44E52"
         front.scatter([candidate["predicted_decode_ms"]], [candidate["predicted_kl"]], color=colour, s=50)
-        front.annotate(f"plan {candidate['round']}: held-out {candidate['measured']['worst_increase_pct']:+.2f}%",
-                       (candidate["predicted_decode_ms"], candidate["predicted_kl"]), fontsize=7, textcoords="offset points",
-                       xytext=(4, -10))
-    front.axhline(search["budget_kl"], color="black", linestyle="--", linewidth=0.8, label="first budget (predicted KL)")
+        front.annotate(
+            f"plan {candidate['round']}: held-out {candidate['measured']['worst_increase_pct']:+.2f}%",
+            (candidate["predicted_decode_ms"], candidate["predicted_kl"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(4, -10),
+        )
+    front.axhline(
+        search["budget_kl"], color="black", linestyle="--", linewidth=0.8, label="first budget (predicted KL)"
+    )
     front.set_xlabel("predicted decode latency (ms/token)")
     front.set_ylabel("predicted KL to the teacher (nats/token)")
     front.set_title("Plans measured (green: chosen; pale: held, slower) and uniform references", fontsize=9)
@@ -219,7 +237,9 @@ def plot_precision_search(report: dict[str, Any], path: Path) -> Path | None:
                 vmax=len(names) - 0.5, interpolation="nearest")
     heat.set_yticks(range(len(points)), points, fontsize=8)
     heat.set_xlabel("decoder block")
-    heat.set_title("Format chosen per block: " + ", ".join(names) + f"; the LM head: {search.get('lm_head', 'fp16')}", fontsize=9)
+    heat.set_title(
+        "Format chosen per block: " + ", ".join(names) + f"; the LM head: {search.get('lm_head', 'fp16')}", fontsize=9
+    )
     handles = [plt.Rectangle((0, 0), 1, 1, color=FORMAT_COLOURS.get(n, "#000000")) for n in names]
     heat.legend(handles, names, fontsize=7, loc="upper right", bbox_to_anchor=(1.0, -0.12), ncol=len(names))
     return _save(fig, path)
@@ -233,8 +253,12 @@ def make_plots(report: dict[str, Any], folder: Path) -> dict[str, Path]:
     if decoder_predictions(report):
         plots["power_modes"] = plot_power_modes(report, folder / "power_modes.png")
         plots["pareto"] = plot_pareto(report, folder / "pareto.png")
-    for name, plot in (("domains", plot_domains), ("sensitivity", plot_sensitivity), ("distill_curve", plot_distill_curve),
-                       ("precision_search", plot_precision_search)):
+    for name, plot in (
+        ("domains", plot_domains),
+        ("sensitivity", plot_sensitivity),
+        ("distill_curve", plot_distill_curve),
+        ("precision_search", plot_precision_search),
+    ):
         made = plot(report, folder / f"{name}.png")
         if made:
             plots[name] = made

@@ -67,7 +67,9 @@ class TextGenerator:
         self.backend = backend
         self.provenance = provenance
         self.eos = set(decoder.layout.eos_token_ids)
-        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (decoder.layout.eos_token_ids or [0])[0]
+        self.pad_id = (
+            tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (decoder.layout.eos_token_ids or [0])[0]
+        )
 
     def encode(self, prompt: str, chat: bool) -> list[int]:
         if chat:
@@ -158,8 +160,8 @@ def _check_onnx_provenance(run: RunDir) -> tuple[Path, dict]:
 
 def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "tensorrt"] = "auto",
          threads: int | None = None) -> TextGenerator | EdgeLLMGenerator | OnnxEncoder:
-    """Load a run directory (or an exported ONNX folder): a generator for a decoder, an :class:`OnnxEncoder` for an encoder
-    (``.embed(...)``, ``.classify(...)``)."""
+    """Load a run directory (or an exported ONNX folder): a generator for a decoder, an :class:`OnnxEncoder` for an
+    encoder (``.embed(...)``, ``.classify(...)``)."""
     path = Path(path)
     run = RunDir(path) if (path / MANIFEST_FILE).is_file() else None
     if run is not None:
@@ -177,7 +179,11 @@ def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "t
         generator = _try_edgellm(run, tokenizer, provenance, required=backend == "edgellm")
         if generator is not None:
             return generator
-    engine = _try_tensorrt(run, required=backend == "tensorrt") if backend in ("auto", "tensorrt") and run is not None else None
+    engine = (
+        _try_tensorrt(run, required=backend == "tensorrt")
+        if backend in ("auto", "tensorrt") and run is not None
+        else None
+    )
     if engine is not None:
         decoder = TrtDecoder(engine[0], DecoderLayout.load(onnx_dir), engine[1])
         return TextGenerator(decoder, tokenizer, "tensorrt", provenance)
@@ -186,10 +192,14 @@ def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "t
     return TextGenerator(OnnxDecoder(onnx_dir, threads), tokenizer, "onnxruntime", provenance)
 
 
-def _encoder(onnx_dir: Path, provenance: dict, backend: str, threads: int | None, run: RunDir | None = None) -> OnnxEncoder:
+def _encoder(
+    onnx_dir: Path, provenance: dict, backend: str, threads: int | None, run: RunDir | None = None
+) -> OnnxEncoder:
     if backend not in ("auto", "onnxruntime", "tensorrt"):
         raise UsageError(f"backend={backend!r}: encoders run in ONNX Runtime or on their TensorRT engine")
-    engine = _try_tensorrt(run, required=backend == "tensorrt") if run is not None and backend != "onnxruntime" else None
+    engine = (
+        _try_tensorrt(run, required=backend == "tensorrt") if run is not None and backend != "onnxruntime" else None
+    )
     if engine is None and backend == "tensorrt":
         raise UsageError(f"backend='tensorrt' needs a run directory with a built engine, not {onnx_dir}")
     encoder = TrtEncoder(onnx_dir, engine[0], engine[1]) if engine is not None else OnnxEncoder(onnx_dir, threads)
@@ -202,7 +212,9 @@ def _try_edgellm(run: RunDir, tokenizer, provenance: dict, required: bool) -> Ed
     folder = run.edgellm_engine_folder()
     if folder is None or not (folder / ENGINE_MANIFEST).is_file():
         if required:
-            raise ProvenanceError(f"{run.path} has no built Edge-LLM engine; run `compress build-engine {run.path}` on the device")
+            raise ProvenanceError(
+                f"{run.path} has no built Edge-LLM engine; run `compress build-engine {run.path}` on the device"
+            )
         return None
     manifest = check_engine_files(folder)
     try:
@@ -224,7 +236,9 @@ def _try_tensorrt(run: RunDir, required: bool) -> tuple[Path, bool] | None:
     engine_dir = found[0] / found[1]["output"]["path"] if found else None
     if engine_dir is None or not (engine_dir / ENGINE_MANIFEST).is_file():
         if required:
-            raise ProvenanceError(f"{run.path} has no built engine; run `compress build-engine {run.path}` on the device")
+            raise ProvenanceError(
+                f"{run.path} has no built engine; run `compress build-engine {run.path}` on the device"
+            )
         return None
     try:
         manifest = check_engine_provenance(engine_dir)

@@ -56,8 +56,8 @@ class WindowLogits:
         return len(self.hidden)
 
     def logits(self, index: int, tokens: slice = slice(None)) -> np.ndarray:
-        """Window ``index``'s ``(tokens, vocab)`` logits in float32 (``tokens``: those positions only), the head taken in
-        float32 a slice of its rows at a time (a float32 copy of a 150k-token vocabulary's head is as large as a 0.3B
+        """Window ``index``'s ``(tokens, vocab)`` logits in float32 (``tokens``: those positions only), the head taken
+        in float32 a slice of its rows at a time (a float32 copy of a 150k-token vocabulary's head is as large as a 0.3B
         model's blocks)."""
         with torch.no_grad():
             hidden = self.hidden[index][0][tokens]
@@ -81,16 +81,18 @@ LOGIT_POSITIONS_STEP = 32  # what the readers take at a time (fidelity's and per
 
 
 class WindowRows:
-    """One window's ``(positions, vocab)`` logits, computed a block of positions at a time (:data:`LOGIT_BLOCK_BYTES`) as a
-    reader slices them in order (``rows[32:64]``), so no reader holds a whole window's. Every head input is quantized
-    position by position, so the logits are those of :meth:`WindowLogits.logits`."""
+    """One window's ``(positions, vocab)`` logits, computed a block of positions at a time (:data:`LOGIT_BLOCK_BYTES`)
+    as a reader slices them in order (``rows[32:64]``), so no reader holds a whole window's. Every head input is
+    quantized position by position, so the logits are those of :meth:`WindowLogits.logits`."""
 
     def __init__(self, owner: WindowLogits, index: int, stop: int) -> None:
         self.owner = owner
         self.index = index
         self.stop = stop
         vocab = owner.head_weight.shape[0]
-        self.block = max(LOGIT_POSITIONS_STEP, LOGIT_BLOCK_BYTES // (4 * vocab) // LOGIT_POSITIONS_STEP * LOGIT_POSITIONS_STEP)
+        self.block = max(
+            LOGIT_POSITIONS_STEP, LOGIT_BLOCK_BYTES // (4 * vocab) // LOGIT_POSITIONS_STEP * LOGIT_POSITIONS_STEP
+        )
         self._block_start = -1
         self._block: np.ndarray | None = None
 
@@ -140,7 +142,8 @@ class _Deployed(BlockVisitor):
 
 def window_logits(folder: Path, windows: torch.Tensor, device: torch.device | str = "cpu", progress: bool = False,
                   desc: str = "evaluate", trust_remote_code: bool = False) -> WindowLogits:
-    """The model in ``folder`` (float, or quantized by the quantize stage) over ``windows`` ``(n, tokens)``, block by block."""
+    """The model in ``folder`` (float, or quantized by the quantize stage) over ``windows`` ``(n, tokens)``, block by
+    block."""
     model = empty_causal_lm(folder, trust_remote_code)
     reader = CheckpointReader(folder)
     embeddings = model.get_input_embeddings()

@@ -84,8 +84,11 @@ def sparsify_model(model, windows: torch.Tensor, config: SparsifyConfig, progres
     started = time.perf_counter()
     sparsifier = _Sparsifier(config, family_of(model.config))
     walk_blocks(model, windows, [sparsifier], device=device, progress=progress, desc=f"sparsify {config.method}")
-    return {"layers": sparsifier.layers, "pattern_fraction": pattern_fraction(model) if config.pattern == "2:4" else None,
-            "seconds": time.perf_counter() - started}
+    return {
+        "layers": sparsifier.layers,
+        "pattern_fraction": pattern_fraction(model) if config.pattern == "2:4" else None,
+        "seconds": time.perf_counter() - started,
+    }
 
 
 def sparse_linears(model) -> dict[str, torch.Tensor]:

@@ -99,7 +99,8 @@ class BlockKwargs:
 
 @dataclass
 class CapturedInputs:
-    """What :func:`capture_block_inputs` captured: the hidden states entering the first block and every block's kwargs."""
+    """What :func:`capture_block_inputs` captured: the hidden states entering the first block and every block's
+    kwargs."""
 
     hidden: list[torch.Tensor]
     kwargs: BlockKwargs
@@ -255,7 +256,9 @@ class BlockVisitor:
 
 
 @contextlib.contextmanager
-def onloaded(block: torch.nn.Module, device: torch.device | str | None, dtype: torch.dtype | None = None) -> Iterator[None]:
+def onloaded(
+    block: torch.nn.Module, device: torch.device | str | None, dtype: torch.dtype | None = None
+) -> Iterator[None]:
     """``block`` on ``device`` and in ``dtype`` for the duration (None: as it is), then back where and as it was."""
     first = next(block.parameters())
     home, home_dtype = first.device, first.dtype
@@ -306,9 +309,17 @@ class StreamedBlocks:
             release(block)
 
 
-def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[BlockVisitor], *, device: torch.device | str | None = None,
-                progress: bool = False, desc: str = "blocks", compute_dtype: torch.dtype | None = torch.float32,
-                blocks: HeldBlocks | StreamedBlocks | None = None) -> None:
+def walk_blocks(
+    model,
+    calibration: Calibration | None,
+    visitors: Sequence[BlockVisitor],
+    *,
+    device: torch.device | str | None = None,
+    progress: bool = False,
+    desc: str = "blocks",
+    compute_dtype: torch.dtype | None = torch.float32,
+    blocks: HeldBlocks | StreamedBlocks | None = None,
+) -> None:
     """Drive ``model``'s decoder blocks once, in order, through ``visitors`` (see the module docstring).
 
     ``device`` is where each block and its inputs are computed (None: where the model is); between
@@ -353,8 +364,8 @@ def walk_blocks(model, calibration: Calibration | None, visitors: Sequence[Block
 
 @contextlib.contextmanager
 def _embeddings_in(model, dtype: torch.dtype | None) -> Iterator[None]:
-    """The input embeddings' output cast to ``dtype`` for the duration: what enters the first block, and the rotary tables
-    computed in its dtype, are then the float32 model's, not rounded to the 16 bits the model is held in."""
+    """The input embeddings' output cast to ``dtype`` for the duration: what enters the first block, and the rotary
+    tables computed in its dtype, are then the float32 model's, not rounded to the 16 bits the model is held in."""
     if dtype is None:
         yield
         return
@@ -371,7 +382,14 @@ def _log_progress(desc: str, index: int, total: int, started: float) -> None:
     if index == 0 or index % step:
         return
     elapsed = time.perf_counter() - started
-    log.info("%s: %d of %d blocks in %.0f s, about %.0f s left", desc, index, total, elapsed, elapsed / index * (total - index))
+    log.info(
+        "%s: %d of %d blocks in %.0f s, about %.0f s left",
+        desc,
+        index,
+        total,
+        elapsed,
+        elapsed / index * (total - index),
+    )
 
 
 def run_encoder_batches(model, batches: list[dict[str, torch.Tensor]], mask: list[torch.Tensor], handles: list) -> None:

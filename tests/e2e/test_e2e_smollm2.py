@@ -79,16 +79,34 @@ def test_smoke_gate_holds_the_shipped_app_prompts_against_the_teacher(smoke_run)
     checks = {c["name"]: c["value"] for c in report["gate"]["checks"]}
     for name in ("answer_prefix_agreement", "first_token_agreement", "identical_answers"):
         assert checks[name] == prompts[name] and 0.0 <= checks[name] <= 1.0
-    assert prompts["first_token_agreement"] >= prompts["identical_answers"]  # an identical answer starts with the same token
+    assert (
+        prompts["first_token_agreement"] >= prompts["identical_answers"]
+    )  # an identical answer starts with the same token
 
 
 def test_baseline_onnx_matches_torch_teacher(tmp_path):
     out = tmp_path / "baseline"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"out={out}",
-                           "validate.eval_tokens=512", "validate.latency_new_tokens=8", "export_onnx.parity_new_tokens=8",
-                           "prompts=off"],  # the smoke run gates the app prompts on this model
-                          env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=baseline",
+            f"out={out}",
+            "validate.eval_tokens=512",
+            "validate.latency_new_tokens=8",
+            "export_onnx.parity_new_tokens=8",
+            "prompts=off",
+        ],  # the smoke run gates the app prompts on this model
+        env=env,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
     parity = stages["export_onnx"]["metrics"]["parity"]

@@ -43,13 +43,35 @@ def test_every_shipped_recipe_plans_on_the_embedded_model_or_is_refused_naming_w
 
 def test_the_distill_recipe_runs_to_a_verdict_on_the_embedded_model(tmp_path):
     out = tmp_path / "distill"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=distill", f"out={out}",
-                           "--no-progress", "distill.steps=2", "distill.teacher_generations=2",
-                           "distill.generation_prompt_tokens=16", "distill.eval_every=1000", "distill.checkpoint_every=1000",
-                           "distill.eval_windows=1", "export_onnx.parity_new_tokens=4", "validate.eval_tokens=256",
-                           "validate.window=128", "validate.latency_prompt_tokens=16", "validate.latency_new_tokens=4",
-                           "prompts=off"],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=distill",
+            f"out={out}",
+            "--no-progress",
+            "distill.steps=2",
+            "distill.teacher_generations=2",
+            "distill.generation_prompt_tokens=16",
+            "distill.eval_every=1000",
+            "distill.checkpoint_every=1000",
+            "distill.eval_windows=1",
+            "export_onnx.parity_new_tokens=4",
+            "validate.eval_tokens=256",
+            "validate.window=128",
+            "validate.latency_prompt_tokens=16",
+            "validate.latency_new_tokens=4",
+            "prompts=off",
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]  # a verdict: PASS or FAIL, not a stopped run
     report = json.loads((out / "report.json").read_text())
     distill = next(s for s in report["stages"] if s["name"] == "distill")["metrics"]

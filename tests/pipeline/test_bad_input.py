@@ -60,9 +60,13 @@ def test_corrupt_safetensors(capsys, tmp_path, tiny_llama):
         (broken / item.name).write_bytes(item.read_bytes())
     weights = broken / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    _fails_with_usage_error(capsys, ["run", "target=jetson-orin", f"model={broken}", f"out={tmp_path / 'run'}"], "truncated")
+    _fails_with_usage_error(
+        capsys, ["run", "target=jetson-orin", f"model={broken}", f"out={tmp_path / 'run'}"], "truncated"
+    )
     weights.write_bytes(b"\x00garbage" * 10)
-    _fails_with_usage_error(capsys, ["run", "target=jetson-orin", f"model={broken}", f"out={tmp_path / 'run'}"], "corrupt safetensors")
+    _fails_with_usage_error(
+        capsys, ["run", "target=jetson-orin", f"model={broken}", f"out={tmp_path / 'run'}"], "corrupt safetensors"
+    )
 
 
 def test_folder_without_weights(capsys, tmp_path):
@@ -100,7 +104,9 @@ def test_empty_and_non_utf8_calibration_text(capsys, tmp_path, tiny_llama):
     _fails_with_usage_error(capsys, ["run", "target=jetson-orin", f"model={tiny_llama}", f"calib={empty}"], "is empty")
     latin = tmp_path / "latin1.txt"
     latin.write_bytes("caf\xe9 au lait".encode("latin-1"))
-    _fails_with_usage_error(capsys, ["run", "target=jetson-orin", f"model={tiny_llama}", f"calib={latin}"], "is not UTF-8")
+    _fails_with_usage_error(
+        capsys, ["run", "target=jetson-orin", f"model={tiny_llama}", f"calib={latin}"], "is not UTF-8"
+    )
 
 
 def test_calibration_overlapping_evaluation_is_refused(capsys, tiny_llama):
@@ -123,9 +129,23 @@ def test_disk_write_failure_is_a_usage_error_and_run_not_finished(tmp_path, tiny
     out = tmp_path / "run"
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.run(
-        [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", f"out={out}",
-         *TINY_SMOKE],
-        capture_output=True, text=True, preexec_fn=_limit_file_size, env=env, cwd=tmp_path, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=baseline",
+            f"model={tiny_llama}",
+            f"out={out}",
+            *TINY_SMOKE,
+        ],
+        capture_output=True,
+        text=True,
+        preexec_fn=_limit_file_size,
+        env=env,
+        cwd=tmp_path,
+        timeout=300,
     )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr[-2000:]
@@ -139,12 +159,24 @@ def test_a_library_failure_outside_a_stage_exits_4_not_the_gates_fail_code(capsy
     import compress.pipeline.device
 
     run = tmp_path / "run"
-    assert main(["run", "target=jetson-orin", "recipe=smoke", f"model={tiny_llama}", f"out={run}", "quantize.calib_window=256",
-                 "quantize.min_calib_tokens=1024", *TINY_SMOKE]) in (0, 1)
+    assert main(
+        [
+            "run",
+            "target=jetson-orin",
+            "recipe=smoke",
+            f"model={tiny_llama}",
+            f"out={run}",
+            "quantize.calib_window=256",
+            "quantize.min_calib_tokens=1024",
+            *TINY_SMOKE,
+        ]
+    ) in (0, 1)
     capsys.readouterr()
 
     def driver_failure():
-        raise RuntimeError("cuInit failed: CUDA_ERROR_NO_DEVICE\n(more lines)")  # what cuda-python raises without a driver
+        raise RuntimeError(
+            "cuInit failed: CUDA_ERROR_NO_DEVICE\n(more lines)"
+        )  # what cuda-python raises without a driver
 
     monkeypatch.setattr(compress.pipeline.device, "cuda_device", driver_failure)
     assert main(["build-engine", str(run)]) == 4

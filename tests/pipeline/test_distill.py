@@ -20,7 +20,9 @@ from tests.conftest import CALIB, REPO, TINY_SMOKE, build_tiny_llama
 
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory):
-    return build_tiny_llama(tmp_path_factory.mktemp("d4") / "m", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("d4") / "m", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128
+    )
 
 
 def _load(folder):
@@ -34,8 +36,17 @@ def _windows(n=16, length=64, vocab=512, seed=0):
 
 
 def _config(**overrides):
-    base = dict(num_layers=2, intermediate_size=64, steps=6, batch_size=4, seq_len=64, checkpoint_every=3, eval_every=100,
-                warmup_steps=1, lr=1e-3)
+    base = dict(
+        num_layers=2,
+        intermediate_size=64,
+        steps=6,
+        batch_size=4,
+        seq_len=64,
+        checkpoint_every=3,
+        eval_every=100,
+        warmup_steps=1,
+        lr=1e-3,
+    )
     return DistillConfig(**{**base, **overrides})
 
 
@@ -77,7 +88,9 @@ def test_training_lowers_the_loss_and_is_deterministic(llama4, tmp_path):
     for run in range(2):
         torch.manual_seed(0)
         student, built = _student(llama4, windows[:4])
-        distiller = Distiller(student, _load(llama4), windows, _config(steps=8), tmp_path / f"c{run}", built["kept_layers"])
+        distiller = Distiller(
+            student, _load(llama4), windows, _config(steps=8), tmp_path / f"c{run}", built["kept_layers"]
+        )
         history = distiller.run(progress=False)
         results.append((history, {k: v.clone() for k, v in student.state_dict().items()}))
     (h0, w0), (h1, w1) = results
@@ -90,12 +103,16 @@ def test_resume_from_checkpoint_reaches_the_same_weights(llama4, tmp_path):
     windows = _windows()
     torch.manual_seed(0)
     student, built = _student(llama4, windows[:4])
-    Distiller(student, _load(llama4), windows, _config(), tmp_path / "straight", built["kept_layers"]).run(progress=False)
+    Distiller(student, _load(llama4), windows, _config(), tmp_path / "straight", built["kept_layers"]).run(
+        progress=False
+    )
     reference = {k: v.clone() for k, v in student.state_dict().items()}
 
     torch.manual_seed(0)
     student, built = _student(llama4, windows[:4])
-    interrupted = Distiller(student, _load(llama4), windows, _config(eval_every=1), tmp_path / "killed", built["kept_layers"])
+    interrupted = Distiller(
+        student, _load(llama4), windows, _config(eval_every=1), tmp_path / "killed", built["kept_layers"]
+    )
 
     def crash():
         if interrupted.step == 4:
@@ -121,12 +138,36 @@ def test_two_gloo_processes_match_one_process(llama4, tmp_path):
     for processes in (1, 2):
         config = _config(processes=processes, steps=4)
         job = tmp_path / f"job{processes}.json"
-        write_job(job, {"student": str(tmp_path / "init"), "teacher": str(llama4), "windows": str(tmp_path / "windows.pt"),
-                        "config": config.model_dump(mode="json"), "checkpoints": str(tmp_path / f"ck{processes}"),
-                        "out": str(tmp_path / f"out{processes}"), "kept_layers": built["kept_layers"]})
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
-                               "-m", "compress.transforms.distill.worker", "--job", str(job)], cwd=REPO, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}, timeout=600)
+        write_job(
+            job,
+            {
+                "student": str(tmp_path / "init"),
+                "teacher": str(llama4),
+                "windows": str(tmp_path / "windows.pt"),
+                "config": config.model_dump(mode="json"),
+                "checkpoints": str(tmp_path / f"ck{processes}"),
+                "out": str(tmp_path / f"out{processes}"),
+                "kept_layers": built["kept_layers"],
+            },
+        )
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={processes}",
+                "-m",
+                "compress.transforms.distill.worker",
+                "--job",
+                str(job),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         outputs[processes] = _load(tmp_path / f"out{processes}").state_dict()
     for key, value in outputs[1].items():
@@ -134,9 +175,18 @@ def test_two_gloo_processes_match_one_process(llama4, tmp_path):
 
 
 def test_7b_plan_from_config_alone(tmp_path, capsys):
-    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
-              "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32000,
-              "max_position_embeddings": 4096, "tie_word_embeddings": False}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 11008,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 32,
+        "vocab_size": 32000,
+        "max_position_embeddings": 4096,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["run", "target=rtx-4090", "recipe=llama-7b-to-3b", f"model={tmp_path}", "--dry-run"]) == 0
     plan = next(s for s in json.loads(capsys.readouterr().out)["stages"] if s["name"] == "distill")["plan"]
@@ -152,7 +202,14 @@ def test_7b_plan_from_config_alone(tmp_path, capsys):
 def test_default_recipe_does_not_distill_and_the_distill_recipe_plans_a_half_size_student(capsys):
     assert main(["run", "target=jetson-orin", "--dry-run"]) == 0
     stages = json.loads(capsys.readouterr().out)["stages"]
-    assert [s["name"] for s in stages] == ["load", "quantize", "export_onnx", "export_edgellm", "build_engine", "validate"]
+    assert [s["name"] for s in stages] == [
+        "load",
+        "quantize",
+        "export_onnx",
+        "export_edgellm",
+        "build_engine",
+        "validate",
+    ]
     quantize = next(s for s in stages if s["name"] == "quantize")["config"]
     assert quantize["method"] == "int8" and quantize["hadamard_block"] == 0
     assert main(["run", "target=jetson-orin", "recipe=distill", "--dry-run"]) == 0
@@ -166,16 +223,47 @@ def test_default_recipe_does_not_distill_and_the_distill_recipe_plans_a_half_siz
 def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
     out = tmp_path / "run"
     corpus = tmp_path / "corpus.jsonl"  # train_data=: a JSON-lines corpus, packed into the training windows
-    corpus.write_text("".join(json.dumps({"text": p}) + "\n" for p in CALIB.read_text(encoding="utf-8")[:60_000].split("\n\n")
-                              if p.strip()), encoding="utf-8")
+    corpus.write_text(
+        "".join(
+            json.dumps({"text": p}) + "\n"
+            for p in CALIB.read_text(encoding="utf-8")[:60_000].split("\n\n")
+            if p.strip()
+        ),
+        encoding="utf-8",
+    )
     recipe = tmp_path / "distill-int8.yaml"
-    recipe.write_text("name: distill-int8\nstages:\n  - load\n  - distill: {target_fraction: 0.7}\n  - quantize: {method: int8}\n"
-                      "  - export_onnx\n  - build_engine\n  - validate\n")
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={llama4}",
-                           f"out={out}", "--no-progress", "distill.steps=2", "distill.seq_len=64", "distill.eval_every=1000",
-                           "distill.eval_windows=1", "distill.teacher_generations=2", "distill.generation_prompt_tokens=16",
-                           "distill.train_windows=12", f"train_data={corpus}", "quantize.calib_windows=8", *TINY_SMOKE],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=900)
+    recipe.write_text(
+        "name: distill-int8\nstages:\n  - load\n  - distill: {target_fraction: 0.7}\n  - quantize: {method: int8}\n"
+        "  - export_onnx\n  - build_engine\n  - validate\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            f"recipe={recipe}",
+            f"model={llama4}",
+            f"out={out}",
+            "--no-progress",
+            "distill.steps=2",
+            "distill.seq_len=64",
+            "distill.eval_every=1000",
+            "distill.eval_windows=1",
+            "distill.teacher_generations=2",
+            "distill.generation_prompt_tokens=16",
+            "distill.train_windows=12",
+            f"train_data={corpus}",
+            "quantize.calib_windows=8",
+            *TINY_SMOKE,
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
     assert list(stages) == ["load", "distill", "quantize", "export_onnx", "build_engine", "validate"]
@@ -184,8 +272,13 @@ def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
     assert stages["quantize"]["metrics"]["quantized_linears"] == shape["num_layers"] * 7
     assert stages["export_onnx"]["metrics"]["quantized_linears"] == shape["num_layers"] * 7
     student = json.loads((out / "02_distill" / "model" / "config.json").read_text())
-    assert (student["num_hidden_layers"], student["intermediate_size"]) == (shape["num_layers"], shape["intermediate_size"])
-    assert stages["validate"]["metrics"]["perplexity_model"] > 0 and stages["validate"]["metrics"]["perplexity_onnx"] > 0
+    assert (student["num_hidden_layers"], student["intermediate_size"]) == (
+        shape["num_layers"],
+        shape["intermediate_size"],
+    )
+    assert (
+        stages["validate"]["metrics"]["perplexity_model"] > 0 and stages["validate"]["metrics"]["perplexity_onnx"] > 0
+    )
     distill = stages["distill"]["metrics"]
     assert distill["teacher_generations"] == 2 and distill["unseen_domains"] == ["learned", "government", "religion"]
     assert distill["train_data"] == [str(corpus)] and distill["train_windows"] == 12 + 2  # packed windows + generations
@@ -194,23 +287,53 @@ def test_distill_then_quantize_export_and_validate(llama4, tmp_path):
 
 def test_explicit_student_larger_than_teacher_is_refused(llama4, tmp_path):
     recipe = tmp_path / "wide.yaml"
-    recipe.write_text("name: wide\nstages:\n  - load\n  - distill: {intermediate_size: 4096, steps: 1}\n  - export_onnx\n  - validate\n")
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={llama4}",
-                           f"out={tmp_path / 'run'}"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    recipe.write_text(
+        "name: wide\nstages:\n  - load\n  - distill: {intermediate_size: 4096, steps: 1}\n  - export_onnx\n  - "
+        "validate\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            f"recipe={recipe}",
+            f"model={llama4}",
+            f"out={tmp_path / 'run'}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "cannot be larger than the teacher: intermediate_size 4096 > 128" in proc.stderr
 
 
 def test_distill_stage_resumes_after_sigkill(llama4, tmp_path):
     recipe = tmp_path / "d.yaml"
-    recipe.write_text("name: d\nstages:\n  - load\n  - distill: {num_layers: 2, intermediate_size: 64, steps: 150, batch_size: 2,"
-                      " seq_len: 64, train_windows: 32, checkpoint_every: 10, eval_every: 1000, eval_windows: 1}\n"
-                      "  - export_onnx\n  - validate\n")
+    recipe.write_text(
+        "name: d\nstages:\n  - load\n  - distill: {num_layers: 2, intermediate_size: 64, steps: 150, batch_size: 2,"
+        " seq_len: 64, train_windows: 32, checkpoint_every: 10, eval_every: 1000, eval_windows: 1}\n"
+        "  - export_onnx\n  - validate\n"
+    )
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={llama4}", f"out={out}",
-               *TINY_SMOKE]
+    command = [
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        "target=jetson-orin",
+        f"recipe={recipe}",
+        f"model={llama4}",
+        f"out={out}",
+        *TINY_SMOKE,
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    proc = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
     deadline = time.time() + 300
     while time.time() < deadline and proc.poll() is None and not list(out.glob("checkpoints/*/checkpoint.pt")):
         time.sleep(0.05)
@@ -231,7 +354,9 @@ def test_training_stops_when_unseen_domains_get_worse_and_keeps_the_best_weights
     torch.manual_seed(0)
     student, built = _student(llama4, windows[:4])
     start = {k: v.clone() for k, v in student.state_dict().items()}
-    distiller = Distiller(student, _load(llama4), windows, _config(steps=6, eval_every=2), tmp_path / "c", built["kept_layers"])
+    distiller = Distiller(
+        student, _load(llama4), windows, _config(steps=6, eval_every=2), tmp_path / "c", built["kept_layers"]
+    )
     rising = iter([11.0, 14.0, 9.0])  # better at step 2, then 27% worse than that at step 4: stop there
     snapshots = {}
 
@@ -251,8 +376,12 @@ def test_unseen_domains_worse_from_the_start_keep_the_untrained_student(llama4, 
     torch.manual_seed(0)
     student, built = _student(llama4, windows[:4])
     start = {k: v.clone() for k, v in student.state_dict().items()}
-    distiller = Distiller(student, _load(llama4), windows, _config(steps=6, eval_every=3), tmp_path / "c", built["kept_layers"])
-    distiller.run(lambda: {"perplexity": 1.0, "perplexity_unseen": 20.0}, progress=False, initial={"perplexity_unseen": 10.0})
+    distiller = Distiller(
+        student, _load(llama4), windows, _config(steps=6, eval_every=3), tmp_path / "c", built["kept_layers"]
+    )
+    distiller.run(
+        lambda: {"perplexity": 1.0, "perplexity_unseen": 20.0}, progress=False, initial={"perplexity_unseen": 10.0}
+    )
     assert distiller.stopped_early_at == 3
     assert all(torch.equal(start[k], v) for k, v in student.state_dict().items())
 

@@ -35,9 +35,25 @@ def int8_run(tmp_path_factory) -> Path:
     tiny = build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1,
                             intermediate=256, chat_template=True)
     out = tmp_path_factory.mktemp("edgellm8") / "run"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny}",
-                           f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-                          capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=edgellm-int8",
+            f"model={tiny}",
+            f"out={out}",
+            *QUANTIZE_SMALL,
+            *TINY_SMOKE,
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return out
 
@@ -46,7 +62,9 @@ def test_the_engine_build_is_deferred_with_edgellm_commands_sized_by_the_target(
     report = json.loads((int8_run / "report.json").read_text())
     stage = next(s for s in report["stages"] if s["name"] == "build_engine")
     assert stage["status"] == "deferred" and stage["metrics"]["reason"] == "not run: no CUDA device"
-    assert report["artifacts"]["engine"] is None and report["artifacts"]["engine_build_plan"] == "05_build_engine/engine"
+    assert (
+        report["artifacts"]["engine"] is None and report["artifacts"]["engine_build_plan"] == "05_build_engine/engine"
+    )
     engine = int8_run / "05_build_engine" / "engine"
     plan = json.loads((engine / "edgellm_build.json").read_text())
     budgets = load_target("jetson-orin").budgets
@@ -54,8 +72,11 @@ def test_the_engine_build_is_deferred_with_edgellm_commands_sized_by_the_target(
                                "max_kv_cache_capacity": budgets.context_length}
     assert plan["stack"]["jetpack"] == "7.2" and plan["edgellm_version"] == "0.11.0"
     script = (engine / "build_on_device.sh").read_text()
-    assert ('"${EDGELLM_TOOLS}/llm_build" --onnxDir ../../04_export_edgellm/bundle/llm --engineDir engines --maxBatchSize 1 '
-            f"--maxInputLen {budgets.prompt_length} --maxKVCacheCapacity {budgets.context_length}") in script
+    assert (
+        '"${EDGELLM_TOOLS}/llm_build" --onnxDir ../../04_export_edgellm/bundle/llm --engineDir engines --maxBatchSize '
+        '1 '
+        f"--maxInputLen {budgets.prompt_length} --maxKVCacheCapacity {budgets.context_length}"
+    ) in script
     assert "JetPack 7.2" in script and "-DEMBEDDED_TARGET=jetson-orin" in script
     assert not list(engine.rglob("*.engine"))
     reference = json.loads((int8_run / "06_validate" / "device_reference.json").read_text())
@@ -94,7 +115,9 @@ def standin_device(monkeypatch, tmp_path):
     return tmp_path
 
 
-def test_engine_built_measured_and_loaded_through_the_edgellm_tools(int8_run, tmp_path, standin_device, capsys, monkeypatch):
+def test_engine_built_measured_and_loaded_through_the_edgellm_tools(
+    int8_run, tmp_path, standin_device, capsys, monkeypatch
+):
     run = tmp_path / "run"
     shutil.copytree(int8_run, run)
     assert main(["build-engine", str(run)]) == 0
@@ -122,7 +145,10 @@ def test_engine_built_measured_and_loaded_through_the_edgellm_tools(int8_run, tm
     assert device["greedy_sequences_identical"] == pytest.approx((prompts - 1) / prompts)
     assert device["power_mode_read"] == "25W" and device["runtime"] == "edgellm"
     checks = {c["name"]: c for c in result["gate"]["checks"]}
-    assert checks["decode_latency_ms"]["value"] == pytest.approx(12.5) and checks["decode_latency_ms"]["source"] == "measured"
+    assert (
+        checks["decode_latency_ms"]["value"] == pytest.approx(12.5)
+        and checks["decode_latency_ms"]["source"] == "measured"
+    )
     assert checks["ttft_ms"]["value"] == pytest.approx(41.5) and checks["memory_gb"]["value"] == pytest.approx(1.5)
     assert "nvpmodel mode 25W" in checks["ttft_ms"]["detail"]
 
@@ -142,7 +168,11 @@ def test_a_failed_request_is_an_error_not_a_figure():
         edgellm_tools.output_ids({"responses": [{"request_idx": 0, "batch_idx": 0, "output_ids": [5]},
                                                  {"request_idx": 1, "batch_idx": 0, "output_ids": []}]}, 2)
     figures = edgellm_tools.profile_figures({"prefill": {"average_time_per_run_ms": 20.0}})
-    assert figures["decode_tokens_per_s"] is None and figures["peak_device_memory_gb"] is None and figures["ttft_ms"] == 20.0
+    assert (
+        figures["decode_tokens_per_s"] is None
+        and figures["peak_device_memory_gb"] is None
+        and figures["ttft_ms"] == 20.0
+    )
 
 
 def test_a_target_whose_context_leaves_no_room_to_generate_is_refused():

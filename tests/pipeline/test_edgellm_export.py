@@ -26,13 +26,28 @@ from tests.conftest import QUANTIZE_SMALL, TINY_SMOKE, build_tiny_llama, run_com
 @pytest.fixture(scope="module")
 def tiny_wide(tmp_path_factory) -> Path:
     # 64-aligned widths: Edge-LLM's INT4 GEMM layout needs them.
-    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256,
-                            chat_template=True)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("wide") / "model",
+        layers=2,
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        intermediate=256,
+        chat_template=True,
+    )
 
 
 def _run(tiny: Path, out: Path, recipe: str, *extra: str) -> subprocess.CompletedProcess:
-    return run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
-                        *extra)
+    return run_compress(
+        "run",
+        "target=jetson-orin",
+        f"recipe={recipe}",
+        f"model={tiny}",
+        f"out={out}",
+        *QUANTIZE_SMALL,
+        *TINY_SMOKE,
+        *extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,17 +60,37 @@ def int4_run(tiny_wide, tmp_path_factory) -> Path:
 
 def test_int4_recipe_leaves_a_checked_bundle_named_in_the_report(int4_run):
     report = json.loads((int4_run / "report.json").read_text())
-    assert [s["name"] for s in report["stages"]] == ["load", "quantize", "export_onnx", "export_edgellm", "build_engine", "validate"]
+    assert [s["name"] for s in report["stages"]] == [
+        "load",
+        "quantize",
+        "export_onnx",
+        "export_edgellm",
+        "build_engine",
+        "validate",
+    ]
     assert report["artifacts"]["edgellm_bundle"] == "04_export_edgellm/bundle"
     bundle = int4_run / "04_export_edgellm" / "bundle" / "llm"
-    for name in ("model.onnx", "model.onnx.data", "embedding.safetensors", "config.json", "tokenizer.json", "chat_template.jinja"):
+    for name in (
+        "model.onnx",
+        "model.onnx.data",
+        "embedding.safetensors",
+        "config.json",
+        "tokenizer.json",
+        "chat_template.jinja",
+    ):
         assert (bundle / name).is_file(), name
     assert json.loads((bundle / "config.json").read_text())["edgellm_version"] == "0.11.0"
     metrics = next(s for s in report["stages"] if s["name"] == "export_edgellm")["metrics"]
     assert metrics["checkpoint"]["quant_algo"] == "W4A16_AWQ" and metrics["checkpoint"]["group_size"] == 128
-    # 14 INT4 linears (weights and scales) compared; their 14 GEMM plugins and 2 attention plugins held against the contract.
-    assert metrics["custody"] == {"tensors_compared": 28, "mismatches": 0, "int4_plugin_version": 2, "kernel_nodes_checked": 16,
-                                  "config_fields": metrics["custody"]["config_fields"]}
+    # 14 INT4 linears (weights and scales) compared; their 14 GEMM plugins and 2 attention plugins held against the
+    # contract.
+    assert metrics["custody"] == {
+        "tensors_compared": 28,
+        "mismatches": 0,
+        "int4_plugin_version": 2,
+        "kernel_nodes_checked": 16,
+        "config_fields": metrics["custody"]["config_fields"],
+    }
     assert "num_key_value_heads" in metrics["custody"]["config_fields"]
     # The unified checkpoint the bundle was exported from is gone once the bundle is checked (the quantized folder holds
     # its numbers), and the model was read in place: the run directory holds no second copy of either.
@@ -108,8 +143,14 @@ def test_linears_left_float_beside_int4_ones_are_found_fused_and_transposed(tiny
     custody = json.loads((out / "04_export_edgellm" / "custody.json").read_text())
     assert custody["mismatches"] == []
     compared = {c["tensor"] for c in custody["compared"]}
-    assert any(t.startswith("_model.model.layers.1.self_attn.k_proj.weight (FP16, rows 128:192 of fused q|k|v") for t in compared)
-    assert any(t.startswith("_model.model.layers.1.self_attn.o_proj.weight (FP16, ") and "no initializer" not in t for t in compared)
+    assert any(
+        t.startswith("_model.model.layers.1.self_attn.k_proj.weight (FP16, rows 128:192 of fused q|k|v")
+        for t in compared
+    )
+    assert any(
+        t.startswith("_model.model.layers.1.self_attn.o_proj.weight (FP16, ") and "no initializer" not in t
+        for t in compared
+    )
     assert "_model.model.layers.1.mlp.down_proj.weight" in compared
 
 
@@ -138,14 +179,28 @@ def test_int8_recipe_bundle_holds_our_integers_and_activation_scales(tiny_wide, 
     assert validate["top1_agreement"] > 0.5 and validate["mean_kl"] >= 0
 
 
-@pytest.mark.parametrize(("recipe", "extra", "needle"), [
-    ("edgellm-int8", ["quantize.hadamard_block=128"], "quantize.hadamard_block rotates down_proj inputs online"),
-    ("edgellm-int4", [], "q_proj 576 x 576, k_proj 192 x 576, v_proj 192 x 576, o_proj 576 x 576, gate_proj 1536 x 576, "
-                         "up_proj 1536 x 576 (out x in): Edge-LLM 0.11.0 takes INT4 linears with N and K multiples of 64"),
-    ("edgellm-int4", ["quantize.group_size=64"], "quantize.group_size=64, and Edge-LLM 0.11.0 takes INT4 weights in groups of 128"),
-    ("edgellm-int8", ["quantize.method=fp8", "target=jetson-agx-thor", "quantize.fp8_weight_scale=channel"],
-     "Edge-LLM takes FP8 linears with one weight scale per tensor"),
-])
+@pytest.mark.parametrize(
+    ("recipe", "extra", "needle"),
+    [
+        ("edgellm-int8", ["quantize.hadamard_block=128"], "quantize.hadamard_block rotates down_proj inputs online"),
+        (
+            "edgellm-int4",
+            [],
+            "q_proj 576 x 576, k_proj 192 x 576, v_proj 192 x 576, o_proj 576 x 576, gate_proj 1536 x 576, "
+            "up_proj 1536 x 576 (out x in): Edge-LLM 0.11.0 takes INT4 linears with N and K multiples of 64",
+        ),
+        (
+            "edgellm-int4",
+            ["quantize.group_size=64"],
+            "quantize.group_size=64, and Edge-LLM 0.11.0 takes INT4 weights in groups of 128",
+        ),
+        (
+            "edgellm-int8",
+            ["quantize.method=fp8", "target=jetson-agx-thor", "quantize.fp8_weight_scale=channel"],
+            "Edge-LLM takes FP8 linears with one weight scale per tensor",
+        ),
+    ],
+)
 def test_what_edgellm_cannot_express_is_refused_before_any_work(capsys, tmp_path, recipe, extra, needle):
     out = tmp_path / "run"
     target = next((e for e in extra if e.startswith("target=")), "target=jetson-orin")
@@ -157,7 +212,9 @@ def test_what_edgellm_cannot_express_is_refused_before_any_work(capsys, tmp_path
 
 def test_sparse_models_and_other_families_are_refused(capsys, tmp_path, tiny_wide):
     recipe = tmp_path / "sparse-edgellm.yaml"
-    recipe.write_text("name: sparse-edgellm\nstages:\n  - load\n  - sparsify\n  - export_onnx\n  - export_edgellm\n  - validate\n")
+    recipe.write_text(
+        "name: sparse-edgellm\nstages:\n  - load\n  - sparsify\n  - export_onnx\n  - export_edgellm\n  - validate\n"
+    )
     assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny_wide}", f"out={tmp_path / 'a'}"]) == 2
     assert "Edge-LLM builds engines without sparse weights" in capsys.readouterr().err
     other = tmp_path / "other"
@@ -166,18 +223,29 @@ def test_sparse_models_and_other_families_are_refused(capsys, tmp_path, tiny_wid
     config["model_type"] = "mistral"
     (other / "config.json").write_text(json.dumps(config))
     assert main(["run", "target=jetson-orin", "recipe=edgellm-int4", f"model={other}", f"out={tmp_path / 'b'}"]) == 2
-    assert "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama, phi3, qwen2, qwen3)" in capsys.readouterr().err
+    assert (
+        "model_type 'mistral' is not supported for Edge-LLM deployment (supported: llama, phi3, qwen2, qwen3)"
+        in capsys.readouterr().err
+    )
 
 
 def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys, tmp_path):
     narrow_heads = build_tiny_llama(tmp_path / "d32", layers=1, hidden=128, heads=4, kv_heads=2, intermediate=256)
-    assert main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={narrow_heads}", f"out={tmp_path / 'a'}"]) == 2
-    assert "head_dim 32 has no prefill attention kernel in Edge-LLM 0.11.0, which takes attention head sizes 64, 128, 256, 512" \
+    assert (
+        main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={narrow_heads}", f"out={tmp_path / 'a'}"])
+        == 2
+    )
+    assert (
+        "head_dim 32 has no prefill attention kernel in Edge-LLM 0.11.0, which takes attention head sizes 64, 128, "
+        "256, 512"
         in capsys.readouterr().err
+    )
     with pytest.raises(UsageError, match="12 query heads cannot share 5 KV heads evenly"):
         check_attention_shape({"num_attention_heads": 12, "num_key_value_heads": 5, "hidden_size": 768})
     recipe = tmp_path / "pruned-edgellm.yaml"
-    recipe.write_text("name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n  - export_onnx\n  - export_edgellm\n")
+    recipe.write_text(
+        "name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n  - export_onnx\n  - export_edgellm\n"
+    )
     assert main(["run", "target=jetson-orin", f"recipe={recipe}", f"out={tmp_path / 'b'}"]) == 2
     assert "prune_heads.mode=per_layer keeps a different set of heads in each layer" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -185,8 +253,16 @@ def test_attention_shapes_and_head_pruning_edgellm_cannot_run_are_refused(capsys
 
 def test_phi3_fused_projections_are_checked_part_by_part(tmp_path):
     """Phi-3 stores q/k/v and gate/up fused; Edge-LLM splits them on load, so custody compares each part's rows."""
-    folder = build_tiny_llama(tmp_path / "phi3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
-                              family="phi3")
+    folder = build_tiny_llama(
+        tmp_path / "phi3",
+        layers=2,
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        intermediate=256,
+        chat_template=True,
+        family="phi3",
+    )
     out = tmp_path / "run"
     proc = _run(folder, out, "edgellm-int4")
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
@@ -208,8 +284,16 @@ def test_phi3_fused_projections_are_checked_part_by_part(tmp_path):
 def test_qwen2_biases_are_part_of_the_chain_of_custody(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder = build_tiny_llama(tmp_path / "qwen2", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
-                              family="qwen2")
+    folder = build_tiny_llama(
+        tmp_path / "qwen2",
+        layers=2,
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        intermediate=256,
+        chat_template=True,
+        family="qwen2",
+    )
     model = AutoModelForCausalLM.from_pretrained(folder)
     generator = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -231,8 +315,8 @@ def test_qwen2_biases_are_part_of_the_chain_of_custody(tmp_path):
 
 
 def test_a_group_size_the_kernels_do_not_take_is_caught_by_custody_naming_the_node(tiny_wide, tmp_path):
-    """The portable int4 recipe quantizes in groups of 64; forced into a bundle past the plan check, the exporter writes it
-    (it passes group_size through), the numbers match, and the contract check on the plugin nodes catches it."""
+    """The portable int4 recipe quantizes in groups of 64; forced into a bundle past the plan check, the exporter writes
+    it (it passes group_size through), the numbers match, and the contract check on the plugin nodes catches it."""
     from compress.backends.edgellm.bundle import export_bundle
 
     out = tmp_path / "run"
@@ -240,8 +324,11 @@ def test_a_group_size_the_kernels_do_not_take_is_caught_by_custody_naming_the_no
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     work = tmp_path / "work"
     work.mkdir()
-    with pytest.raises(StageError, match=r"would misread: node \S+ \(Int4GroupwiseGemmPluginV2, _model\.model\.layers\.\d\.\S+\.weight\): "
-                                         r"group_size=64; the kernels take INT4 weights in groups of 128 input channels only"):
+    with pytest.raises(
+        StageError,
+        match=r"would misread: node \S+ \(Int4GroupwiseGemmPluginV2, _model\.model\.layers\.\d\.\S+\.weight\): "
+        r"group_size=64; the kernels take INT4 weights in groups of 128 input channels only",
+    ):
         export_bundle(out / "02_quantize" / "model", work)
     custody = json.loads((work / "custody.json").read_text())
     assert custody["mismatches"] == []  # the numbers are ours; it is their reading that is wrong
@@ -262,18 +349,46 @@ def test_a_group_size_the_kernels_do_not_take_is_caught_by_custody_naming_the_no
 def test_each_contract_rule_refuses_a_plan_that_breaks_it(capsys, tmp_path, tiny_wide, rule, model, extra):
     from compress.backends.edgellm.contracts import RULES
 
-    models = {"default": [], "head_dim_32": [f"model={build_tiny_llama(tmp_path / 'd32', layers=1, hidden=128, heads=4, kv_heads=2)}"]}
+    models = {
+        "default": [],
+        "head_dim_32": [f"model={build_tiny_llama(tmp_path / 'd32', layers=1, hidden=128, heads=4, kv_heads=2)}"],
+    }
     if model in ("mistral", "qwen3"):
-        mixed = {"sliding_window": 8192, "use_sliding_window": True, "layer_types": ["sliding_attention", "full_attention"]}
-        folder = build_tiny_llama(tmp_path / model, layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, family=model,
-                                  **(mixed if model == "qwen3" else {}))
+        mixed = {
+            "sliding_window": 8192,
+            "use_sliding_window": True,
+            "layer_types": ["sliding_attention", "full_attention"],
+        }
+        folder = build_tiny_llama(
+            tmp_path / model,
+            layers=2,
+            hidden=128,
+            heads=2,
+            kv_heads=1,
+            intermediate=256,
+            family=model,
+            **(mixed if model == "qwen3" else {}),
+        )
         models[model] = [f"model={folder}"]
-    if model == "qwen3_sliding":  # every layer slides over 512 tokens: one layer type, a window shorter than Orin's 2048
-        folder = build_tiny_llama(tmp_path / model, layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, family="qwen3",
-                                  sliding_window=512, use_sliding_window=True, layer_types=["sliding_attention"] * 2)
+    if (
+        model == "qwen3_sliding"
+    ):  # every layer slides over 512 tokens: one layer type, a window shorter than Orin's 2048
+        folder = build_tiny_llama(
+            tmp_path / model,
+            layers=2,
+            hidden=128,
+            heads=2,
+            kv_heads=1,
+            intermediate=256,
+            family="qwen3",
+            sliding_window=512,
+            use_sliding_window=True,
+            layer_types=["sliding_attention"] * 2,
+        )
         models[model] = [f"model={folder}"]
-    (tmp_path / "pruned-edgellm.yaml").write_text("name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n"
-                                                  "  - export_onnx\n  - export_edgellm\n")
+    (tmp_path / "pruned-edgellm.yaml").write_text(
+        "name: pruned-edgellm\nstages:\n  - load\n  - prune_heads\n  - quantize\n  - export_onnx\n  - export_edgellm\n"
+    )
     extra = [f"recipe={tmp_path / 'pruned-edgellm.yaml'}" if e == "recipe=pruned-edgellm.yaml" else e for e in extra]
     target = next((e for e in extra if e.startswith("target=")), "target=jetson-orin")
     words = [e for e in extra if not e.startswith("target=")]
@@ -287,15 +402,33 @@ def test_uniform_head_pruning_ships_and_computes_what_masked_heads_compute(tmp_p
     """Every layer keeps the same heads (by summed importance), so the bundle's one num_attention_heads describes it."""
     from transformers import AutoModelForCausalLM
 
-    folder = build_tiny_llama(tmp_path / family, layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, chat_template=True,
-                              family=family, head_dim=64)
+    folder = build_tiny_llama(
+        tmp_path / family,
+        layers=2,
+        hidden=128,
+        heads=4,
+        kv_heads=2,
+        intermediate=256,
+        chat_template=True,
+        family=family,
+        head_dim=64,
+    )
     recipe = tmp_path / "pruned.yaml"
-    recipe.write_text("name: pruned\nstages:\n  - load\n  - prune_heads:\n      fraction: 0.5\n      mode: uniform\n"
-                      "      calib_window: 64\n      min_calib_tokens: 128\n  - quantize:\n      method: int8\n  - export_onnx\n"
-                      "  - export_edgellm\n")
+    recipe.write_text(
+        "name: pruned\nstages:\n  - load\n  - prune_heads:\n      fraction: 0.5\n      mode: uniform\n"
+        "      calib_window: 64\n      min_calib_tokens: 128\n  - quantize:\n      method: int8\n  - export_onnx\n"
+        "  - export_edgellm\n"
+    )
     out = tmp_path / "run"
-    proc = run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}", f"out={out}", *QUANTIZE_SMALL,
-                        "export_onnx.parity_new_tokens=4")
+    proc = run_compress(
+        "run",
+        "target=jetson-orin",
+        f"recipe={recipe}",
+        f"model={folder}",
+        f"out={out}",
+        *QUANTIZE_SMALL,
+        "export_onnx.parity_new_tokens=4",
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]  # no validate stage: the gate is not measured
     kept = json.loads((out / "02_prune_heads" / "stage.json").read_text())["metrics"]["heads_kept_per_layer"]
     assert kept[0] == kept[1] and len(kept[0]) == 2  # one head kept in each of the 2 KV groups, the same in both layers

@@ -20,12 +20,22 @@ from compress.models.sources import resolve_model
 from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder
 from tests.conftest import REPO
 
-FAST = ["validate_encoder.sentences_per_domain=24", "validate_encoder.latency_sentences=32", "validate_encoder.latency_repeats=1"]
+FAST = [
+    "validate_encoder.sentences_per_domain=24",
+    "validate_encoder.latency_sentences=32",
+    "validate_encoder.latency_repeats=1",
+]
 
 
 def _run(out: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"out={out}", "--no-progress", *args],
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO, capture_output=True, text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "compress", "run", "target=jetson-orin", f"out={out}", "--no-progress", *args],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
 def _validation(out: Path) -> dict:
@@ -44,7 +54,13 @@ def test_default_on_minilm_is_int8_and_passes_the_embedding_gate(minilm_int8):
     report = json.loads((minilm_int8 / "report.json").read_text())
     assert report["recipe"] == "encoder-int8" and report["gate"]["verdict"] == "PASS"
     checks = {c["name"]: c for c in report["gate"]["checks"]}
-    assert {"embedding_cosine_mean", "embedding_cosine_min", "neighbour_agreement", "encoder_batch_ms", "memory_gb"} <= set(checks)
+    assert {
+        "embedding_cosine_mean",
+        "embedding_cosine_min",
+        "neighbour_agreement",
+        "encoder_batch_ms",
+        "memory_gb",
+    } <= set(checks)
     metrics = _validation(minilm_int8)["metrics"]
     assert 0.99 < metrics["embedding_cosine_mean"] < 1.0 and len(metrics["domains"]) == 6
     assert [row["batch"] for row in metrics["host_latency"]] == [1, 8, 32]
@@ -87,7 +103,9 @@ def test_smoothing_is_what_makes_int8_minilm_hold(minilm_int8):
         model = load_encoder(folder)
         from compress.transforms.quantize.encoder import attach_encoder_quant
 
-        attach_encoder_quant(model, quantize_encoder(model, batches, EncoderQuantizeConfig(alpha=alpha, float_activations_below_db=None)))
+        attach_encoder_quant(
+            model, quantize_encoder(model, batches, EncoderQuantizeConfig(alpha=alpha, float_activations_below_db=None))
+        )
         losses[alpha] = 1 - torch.nn.functional.cosine_similarity(cosine(model), reference).mean().item()
     assert losses["auto"] < 0.5 * losses[0.0], losses
 
@@ -97,7 +115,9 @@ def test_fp16_passes_and_pruned_minilm_fails_the_gate(tmp_path):
     assert fp16.returncode == 0, fp16.stderr[-3000:]
     assert _validation(tmp_path / "fp16")["metrics"]["embedding_cosine_min"] > 0.9999
     pruned = _run(tmp_path / "pruned", "model=all-minilm-l6-v2", "recipe=encoder-prune-heads", *FAST)
-    assert pruned.returncode == 1, pruned.stderr[-3000:]  # a quarter of the heads, no recovery training: the gate says no
+    assert pruned.returncode == 1, pruned.stderr[
+        -3000:
+    ]  # a quarter of the heads, no recovery training: the gate says no
     validation = _validation(tmp_path / "pruned")
     assert validation["gate"]["verdict"] == "FAIL"
     assert next(c for c in validation["gate"]["checks"] if c["name"] == "embedding_cosine_mean")["verdict"] == "FAIL"
@@ -109,8 +129,16 @@ def test_decoder_stages_on_an_encoder_and_encoder_stages_on_a_decoder_are_refuse
     assert main(["run", "target=jetson-orin", "model=all-minilm-l6-v2", "recipe=int8", f"out={tmp_path / 'a'}"]) == 2
     assert "stage quantize works on decoders; model=all-minilm-l6-v2 is an encoder (bert)" in capsys.readouterr().err
     assert main(["run", "target=jetson-orin", "recipe=encoder-int8", f"out={tmp_path / 'b'}"]) == 2
-    assert "stage quantize_encoder works on encoders; model=smollm2-135m-instruct is a decoder (llama)" in capsys.readouterr().err
-    assert main(["run", "target=jetson-orin", "model=all-minilm-l6-v2", "eval_labels=missing.tsv", f"out={tmp_path / 'c'}"]) == 2
+    assert (
+        "stage quantize_encoder works on encoders; model=smollm2-135m-instruct is a decoder (llama)"
+        in capsys.readouterr().err
+    )
+    assert (
+        main(
+            ["run", "target=jetson-orin", "model=all-minilm-l6-v2", "eval_labels=missing.tsv", f"out={tmp_path / 'c'}"]
+        )
+        == 2
+    )
     assert "eval_labels=missing.tsv: no such file" in capsys.readouterr().err
     assert not any((tmp_path / name).exists() for name in "abc")
 
@@ -124,12 +152,28 @@ def _tiny_classifier(folder: Path, family: str) -> Path:
     names = ["ENTAILMENT", "NEUTRAL", "CONTRADICTION"]
     labels = {"id2label": dict(enumerate(names)), "label2id": {name: i for i, name in enumerate(names)}}
     config = {
-        "roberta": transformers.RobertaConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                              intermediate_size=128, max_position_embeddings=130, pad_token_id=0, **labels),
-        "distilbert": transformers.DistilBertConfig(vocab_size=tokenizer.vocab_size, dim=64, n_layers=2, n_heads=4, hidden_dim=128,
-                                                    **labels),
-        "mpnet": transformers.MPNetConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                          intermediate_size=128, pad_token_id=0, **labels),
+        "roberta": transformers.RobertaConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            max_position_embeddings=130,
+            pad_token_id=0,
+            **labels,
+        ),
+        "distilbert": transformers.DistilBertConfig(
+            vocab_size=tokenizer.vocab_size, dim=64, n_layers=2, n_heads=4, hidden_dim=128, **labels
+        ),
+        "mpnet": transformers.MPNetConfig(
+            vocab_size=tokenizer.vocab_size,
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=128,
+            pad_token_id=0,
+            **labels,
+        ),
     }[family]
     transformers.AutoModelForSequenceClassification.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -140,8 +184,13 @@ def _tiny_classifier(folder: Path, family: str) -> Path:
 def test_classifiers_of_each_encoder_family_run_int8_with_a_labelled_set(family, tmp_path):
     folder = _tiny_classifier(tmp_path / family, family)
     labels = tmp_path / "labels.tsv"
-    labels.write_text("\n".join(f"{['ENTAILMENT', 'NEUTRAL', 'CONTRADICTION'][i % 3]}\tThe robot moved {i} blocks to the bin."
-                                for i in range(30)) + "\n")
+    labels.write_text(
+        "\n".join(
+            f"{['ENTAILMENT', 'NEUTRAL', 'CONTRADICTION'][i % 3]}\tThe robot moved {i} blocks to the bin."
+            for i in range(30)
+        )
+        + "\n"
+    )
     out = tmp_path / "run"
     proc = _run(out, f"model={folder}", "recipe=encoder-int8", f"eval_labels={labels}", *FAST)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
@@ -151,4 +200,8 @@ def test_classifiers_of_each_encoder_family_run_int8_with_a_labelled_set(family,
     checks = {c["name"] for c in _validation(out)["gate"]["checks"]}
     assert {"label_agreement", "accuracy_drop_pct"} <= checks
     classifier = compress.runtime.load(out)
-    assert set(classifier.classify(["Stop.", "The robot moved 3 blocks to the bin."])) <= {"ENTAILMENT", "NEUTRAL", "CONTRADICTION"}
+    assert set(classifier.classify(["Stop.", "The robot moved 3 blocks to the bin."])) <= {
+        "ENTAILMENT",
+        "NEUTRAL",
+        "CONTRADICTION",
+    }

@@ -1,4 +1,5 @@
-"""Decoder families: folding smoothing scales is exact on each, every quantize path runs on each, others are refused at plan time."""
+"""Decoder families: folding smoothing scales is exact on each, every quantize path runs on each, others are refused at
+plan time."""
 
 from __future__ import annotations
 
@@ -28,7 +29,9 @@ FAMILIES = ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"]
 @pytest.fixture(scope="module", params=FAMILIES)
 def family_model(request, tmp_path_factory):
     folder = tmp_path_factory.mktemp(request.param) / "model"
-    return request.param, build_tiny_llama(folder, layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, family=request.param)
+    return request.param, build_tiny_llama(
+        folder, layers=2, hidden=128, heads=4, kv_heads=2, intermediate=256, family=request.param
+    )
 
 
 def test_folding_random_smoothing_scales_leaves_the_float_model_unchanged(family_model):
@@ -68,30 +71,40 @@ def _logits_with_masked_inputs(model, ids, module_of, masks) -> torch.Tensor:
 
 def test_head_pruning_mlp_narrowing_and_layer_dropping_equal_masking_what_they_remove(family_model):
     """Removing heads (q rows, biases, fused q parts), MLP channels (gate/up rows, fused or not) and layers must compute
-    exactly what the unpruned model computes with those heads' and channels' outputs zeroed and those layers skipped: the
-    check that catches a cut in the wrong rows of a fused projection or a layer that changes its attention kind."""
+    exactly what the unpruned model computes with those heads' and channels' outputs zeroed and those layers skipped:
+    the check that catches a cut in the wrong rows of a fused projection or a layer that changes its attention kind."""
     name, folder = family_model
     model = load_causal_lm(folder).float().eval()
     family = family_of(model.config)
     ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
     _, _, head_dim = attention_geometry(model.config)
     plan = [[0, 3], [1, 2]]  # one of the two query heads of each KV group, different per layer
-    masks = [torch.zeros(4 * head_dim).index_fill_(0, torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kept]), 1)
-             for kept in plan]
+    masks = [
+        torch.zeros(4 * head_dim).index_fill_(
+            0, torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in kept]), 1
+        )
+        for kept in plan
+    ]
     expected = _logits_with_masked_inputs(model, ids, family.attn_output, masks)
     pruned = copy.deepcopy(model)
     prune_heads(pruned, plan)
     with torch.no_grad():
         assert (pruned(ids).logits - expected).abs().max().item() < 1e-5, name
-    importance = [torch.rand(model.config.intermediate_size, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    masks = [torch.zeros(model.config.intermediate_size).index_fill_(0, scores.topk(160).indices, 1) for scores in importance]
+    importance = [
+        torch.rand(model.config.intermediate_size, generator=torch.Generator().manual_seed(i)) for i in range(2)
+    ]
+    masks = [
+        torch.zeros(model.config.intermediate_size).index_fill_(0, scores.topk(160).indices, 1) for scores in importance
+    ]
     expected = _logits_with_masked_inputs(model, ids, family.mlp_output, masks)
     narrow_mlp(model, importance, 160)
     with torch.no_grad():
         assert (model(ids).logits - expected).abs().max().item() < 1e-5, name
     assert model.config.intermediate_size == 160 and pruned.config.num_attention_heads == 2
     first = decoder_blocks(model)[0]
-    skip = first.register_forward_hook(lambda _m, args, kwargs, _out: args[0] if args else kwargs["hidden_states"], with_kwargs=True)
+    skip = first.register_forward_hook(
+        lambda _m, args, kwargs, _out: args[0] if args else kwargs["hidden_states"], with_kwargs=True
+    )
     with torch.no_grad():
         expected = model(ids).logits
     skip.remove()
@@ -111,11 +124,31 @@ def test_distill_prune_sparsify_int8_and_export_on_each_family(family_model, tmp
                       "  - quantize: {method: int8, calib_windows: 4, calib_window: 128, min_calib_tokens: 512}\n"
                       "  - export_onnx\n  - validate\n")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", f"recipe={recipe}", f"model={folder}",
-                           f"out={out}", "--no-progress", "distill.steps=2", "distill.seq_len=64", "distill.eval_every=1000",
-                           "distill.eval_windows=1", "distill.teacher_generations=2", "distill.generation_prompt_tokens=16",
-                           *TINY_SMOKE], env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            f"recipe={recipe}",
+            f"model={folder}",
+            f"out={out}",
+            "--no-progress",
+            "distill.steps=2",
+            "distill.seq_len=64",
+            "distill.eval_every=1000",
+            "distill.eval_windows=1",
+            "distill.teacher_generations=2",
+            "distill.generation_prompt_tokens=16",
+            *TINY_SMOKE,
+        ],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     stages = {s["name"]: s for s in json.loads((out / "report.json").read_text())["stages"]}
     assert stages["distill"]["metrics"]["parameters"] < stages["distill"]["metrics"]["teacher_parameters"]
@@ -137,7 +170,9 @@ def _int4_logit_error(folder, config: QuantizeConfig) -> tuple[float, float, int
         before = model(windows).logits
     result = quantize_model(model, windows, config, progress=False)
     for linear, quant in result.linears.items():  # weight-only, one scale per group of 32 inputs
-        assert quant.input_scale is None and quant.weight_scales.shape[-1] == model.get_submodule(linear).in_features // 32
+        assert (
+            quant.input_scale is None and quant.weight_scales.shape[-1] == model.get_submodule(linear).in_features // 32
+        )
     with torch.no_grad():
         after = model(windows).logits
     agreement = (after.argmax(-1) == before.argmax(-1)).float().mean().item()
@@ -146,7 +181,9 @@ def _int4_logit_error(folder, config: QuantizeConfig) -> tuple[float, float, int
 
 def test_int4_awq_gptq_keeps_each_family_close_to_its_float_model(family_model):
     name, folder = family_model
-    error, agreement, count = _int4_logit_error(folder, quantize_config(method="int4", group_size=32, sample_tokens=256))
+    error, agreement, count = _int4_logit_error(
+        folder, quantize_config(method="int4", group_size=32, sample_tokens=256)
+    )
     rtn_error, _, _ = _int4_logit_error(folder, quantize_config(method="rtn", bits=4, group_size=32))
     assert count == 2 * len(family_of(load_causal_lm(folder).config).linears())
     # AWQ scales folded into the wrong module would undo the gain over round-to-nearest (measured 0.53-0.63x of it).
@@ -158,20 +195,30 @@ def test_undescribed_families_are_refused_and_a_window_shorter_than_the_context_
     import transformers
 
     gpt2 = tmp_path / "gpt2"
-    transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)).save_pretrained(gpt2)
+    transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64)
+    ).save_pretrained(gpt2)
     assert main(["run", "target=jetson-orin", "recipe=int8", f"model={gpt2}", f"out={tmp_path / 'a'}"]) == 2
     assert "model_type 'gpt2' is not a decoder family compress describes " \
         "(supported: gemma3_text, llama, ministral, mistral, phi3, qwen2, qwen3)" in capsys.readouterr().err
-    mistral = build_tiny_llama(tmp_path / "mistral", layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128, family="mistral")
+    mistral = build_tiny_llama(
+        tmp_path / "mistral", layers=1, hidden=64, heads=4, kv_heads=2, intermediate=128, family="mistral"
+    )
     config = json.loads((mistral / "config.json").read_text())
     config["sliding_window"] = 512
     (mistral / "config.json").write_text(json.dumps(config))
-    # The portable ONNX computes the sliding layers' banded mask (next test), so a 512-token window at a 2048 context plans.
-    assert main(["run", "target=jetson-orin", "recipe=int8", f"model={mistral}", f"out={tmp_path / 'b'}", "--dry-run"]) == 0
+    # The portable ONNX computes the sliding layers' banded mask (next test), so a 512-token window at a 2048 context
+    # plans.
+    assert (
+        main(["run", "target=jetson-orin", "recipe=int8", f"model={mistral}", f"out={tmp_path / 'b'}", "--dry-run"])
+        == 0
+    )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-@pytest.mark.parametrize(("family", "exporter"), [("mistral", "torchscript"), ("gemma3", "torchscript"), ("gemma3", "dynamo")])
+@pytest.mark.parametrize(
+    ("family", "exporter"), [("mistral", "torchscript"), ("gemma3", "torchscript"), ("gemma3", "dynamo")]
+)
 def test_sliding_window_layers_are_exported_with_their_banded_mask(family, exporter, tmp_path):
     """At a context three times the window, ONNX Runtime computes what transformers computes (prefill logits, greedy
     decoding and chunked prefill through the KV cache), and that is not what full attention would give: the band is in
@@ -182,8 +229,18 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
 
     window = 8
     options = {"layer_types": None} if family == "mistral" else {}  # Mistral: every layer slides
-    folder = build_tiny_llama(tmp_path / "model", layers=4, hidden=64, heads=4, kv_heads=2, intermediate=128, family=family,
-                              sliding_window=window, chat_template=True, **options)
+    folder = build_tiny_llama(
+        tmp_path / "model",
+        layers=4,
+        hidden=64,
+        heads=4,
+        kv_heads=2,
+        intermediate=128,
+        family=family,
+        sliding_window=window,
+        chat_template=True,
+        **options,
+    )
     export_decoder_folder(folder, tmp_path / "onnx", exporter=exporter, parity_new_tokens=2)
     decoder = OnnxDecoder(tmp_path / "onnx")
     model = load_causal_lm(folder)
@@ -196,7 +253,9 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
     ours = decoder.logits(ids.numpy())
     scale = float(np.abs(sliding).max())
     assert float(np.abs(ours - sliding).max()) < 1e-4 * scale
-    assert float(np.abs(full - sliding)[:, window:].max()) > 1e-2 * scale  # past the window the band changes the numbers
+    assert (
+        float(np.abs(full - sliding)[:, window:].max()) > 1e-2 * scale
+    )  # past the window the band changes the numbers
     prompt = ids[0, :window].tolist()
     expected = model.generate(ids[:, :window], max_new_tokens=2 * window, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, window:].tolist()
@@ -232,7 +291,9 @@ def test_a_gguf_file_of_each_family_loads_with_the_numbers_of_its_folder(name, t
 
     monkeypatch.setenv("COMPRESS_CACHE", str(tmp_path / "cache"))
     options, completed = GGUF_MODELS[name]
-    folder = build_tiny_llama(tmp_path / "hf", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, family=name, **options)
+    folder = build_tiny_llama(
+        tmp_path / "hf", layers=2, hidden=64, heads=4, kv_heads=2, intermediate=128, family=name, **options
+    )
     (tmp_path / "gguf").mkdir()
     path = write_gguf(folder, tmp_path / "gguf" / f"{name}.gguf", general_name=f"{name}-tiny")
     source = resolve_model(str(path))
@@ -245,14 +306,19 @@ def test_a_gguf_file_of_each_family_loads_with_the_numbers_of_its_folder(name, t
     with torch.no_grad():
         assert (converted(ids).logits - reference(ids).logits).abs().max().item() < 1e-4, name
     # llama.cpp writes Mistral as "llama", and transformers reads it back as Llama: the same numbers without a window.
-    assert family_of(converted.config) is family_of(reference.config) or (name, converted.config.model_type) == ("mistral", "llama")
+    assert family_of(converted.config) is family_of(reference.config) or (name, converted.config.model_type) == (
+        "mistral",
+        "llama",
+    )
 
 
 def test_a_gguf_with_longrope_factors_is_refused(tmp_path):
     from tests.support.gguf_files import write_gguf
 
     folder = build_tiny_llama(tmp_path / "hf", layers=1, family="phi3")
-    path = write_gguf(folder, tmp_path / "phi3.gguf", extra_tensors={"rope_factors_long.weight": np.ones(8, dtype=np.float32)})
+    path = write_gguf(
+        folder, tmp_path / "phi3.gguf", extra_tensors={"rope_factors_long.weight": np.ones(8, dtype=np.float32)}
+    )
     with pytest.raises(UsageError, match="rope_factors_long.weight, LongRoPE"):
         resolve_model(str(path))
 

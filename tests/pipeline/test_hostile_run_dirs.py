@@ -163,8 +163,18 @@ def test_a_refused_force_has_removed_nothing(capsys, tmp_path, finished, user_mo
     stage_dirs = sorted(p.name for p in run.iterdir() if p.is_dir() and p.name[:2].isdigit())
     (run / stage_dirs[-1] / "mine.txt").write_text("a file of the user's\n")
     manifest = (run / "manifest.json").read_text()
-    code = main(["run", "target=jetson-orin", "recipe=smoke", f"model={user_model}", f"out={run}", "--no-progress", "--force",
-                 *TINY_SMOKE])
+    code = main(
+        [
+            "run",
+            "target=jetson-orin",
+            "recipe=smoke",
+            f"model={user_model}",
+            f"out={run}",
+            "--no-progress",
+            "--force",
+            *TINY_SMOKE,
+        ]
+    )
     assert code == 2 and "mine.txt" in _last_error(capsys)
     assert sorted(p.name for p in run.iterdir() if p.is_dir() and p.name[:2].isdigit()) == stage_dirs
     assert (run / "manifest.json").read_text() == manifest
@@ -231,8 +241,18 @@ def _with_hostile_names(report: dict) -> dict:
     first = next(iter(quality["domains"]))
     quality["domains"] = {HOSTILE: quality["domains"][first], **quality["domains"]}
     quality["worst_domain"], quality["unseen_domains"] = HOSTILE, [HOSTILE]
-    row = {"id": HOSTILE, "prompt": "p", "prefix_fraction": 1.0, "teacher_answer": "a", "model_answer": "a", "identical": True,
-           "common_prefix": "a", "expect": None, "teacher_passes": None, "model_passes": None}
+    row = {
+        "id": HOSTILE,
+        "prompt": "p",
+        "prefix_fraction": 1.0,
+        "teacher_answer": "a",
+        "model_answer": "a",
+        "identical": True,
+        "common_prefix": "a",
+        "expect": None,
+        "teacher_passes": None,
+        "model_passes": None,
+    }
     stage["figures"][PROMPT_ANSWERS] = {"prompts": 1, "source": "app.jsonl", "new_tokens": 4, "identical_answers": 1.0,
                                         "answer_prefix_agreement": 1.0, "first_token_agreement": 1.0, "rows": [row]}
     report["data"]["evaluation"][0]["domain"] = HOSTILE
@@ -274,8 +294,8 @@ def fill_the_disk_then_plot(*args, **kwargs):
 
 build.make_plots = fill_the_disk_then_plot
 from compress.cli.main import main
-sys.exit(main(["run", "target=jetson-orin", "recipe=baseline", "model=" + sys.argv[3], "out=" + sys.argv[1], "--no-progress",
-               *sys.argv[4:]]))
+arguments = ["run", "target=jetson-orin", "recipe=baseline", "model=" + sys.argv[3], "out=" + sys.argv[1]]
+sys.exit(main([*arguments, "--no-progress", *sys.argv[4:]]))
 """
 
 
@@ -295,13 +315,21 @@ def test_a_disk_that_fills_while_plotting_fails_the_run_naming_the_plot(tmp_path
     model = json.loads((run / "manifest.json").read_text())["model"]["spec"]
     script = tmp_path / "fill.py"
     script.write_text(FILL_THE_DISK_WHEN_PLOTTING)
-    proc = subprocess.run([sys.executable, str(script), str(run), str(small_disk / "filler"), model, *TINY_SMOKE],
-                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(run), str(small_disk / "filler"), model, *TINY_SMOKE],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("compress: error: cannot write to ") and "plots/stages.png" in last
     manifest = json.loads((run / "manifest.json").read_text())
-    assert manifest["status"] == "failed" and "stages.png" in manifest["error"]  # the disk was full, the failure is recorded
+    assert (
+        manifest["status"] == "failed" and "stages.png" in manifest["error"]
+    )  # the disk was full, the failure is recorded
     assert not list((run / "plots").glob(".*partial*"))
 
 
@@ -333,8 +361,12 @@ def test_a_tokenizer_file_that_is_a_device_is_refused_in_one_line(capsys, tmp_pa
 
 def test_an_app_prompt_longer_than_the_target_s_context_is_refused_not_passed(capsys, tmp_path, user_model):
     prompts = tmp_path / "app.jsonl"
-    prompts.write_text(json.dumps({"id": "long", "prompt": "word " * 400}) + "\n" + json.dumps({"prompt": "short"}) + "\n")
-    code = _run(user_model, tmp_path / "run", f"prompts={prompts}", "budgets.context_length=128", "budgets.prompt_length=16")
+    prompts.write_text(
+        json.dumps({"id": "long", "prompt": "word " * 400}) + "\n" + json.dumps({"prompt": "short"}) + "\n"
+    )
+    code = _run(
+        user_model, tmp_path / "run", f"prompts={prompts}", "budgets.context_length=128", "budgets.prompt_length=16"
+    )
     error = _last_error(capsys)
     assert code == 2 and "'long'" in error and "context_length 128" in error
 
@@ -349,19 +381,25 @@ def test_data_that_cannot_be_read_is_named_for_what_it_is(capsys, tmp_path, user
         data = tmp_path / "calib.parquet"
         data.write_bytes(b"")
         expected = "is empty"
-    code = main(["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", f"calib={data}", "--dry-run"])
+    code = main(
+        ["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", f"calib={data}", "--dry-run"]
+    )
     error = _last_error(capsys)
     assert code == 2 and str(data) in error and expected in error
 
 
 def _domains_file(path: Path, domains: int) -> Path:
     words = (CALIB_TEXT * 4).split()
-    rows = [{"domain": f"d{i}", "text": " ".join(words[i * 300 % 20_000: i * 300 % 20_000 + 1200])} for i in range(domains)]
+    rows = [
+        {"domain": f"d{i}", "text": " ".join(words[i * 300 % 20_000 : i * 300 % 20_000 + 1200])} for i in range(domains)
+    ]
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
-CALIB_TEXT = (REPO / "compress" / "catalog" / "text" / "evaluation" / "learned.txt").read_text(encoding="utf-8")[:200_000]
+CALIB_TEXT = (REPO / "compress" / "catalog" / "text" / "evaluation" / "learned.txt").read_text(encoding="utf-8")[
+    :200_000
+]
 
 
 def test_thousands_of_evaluation_domains_are_refused_and_a_few_dozen_are_estimated(capsys, tmp_path, user_model):

@@ -16,7 +16,9 @@ from tests.conftest import TINY_SMOKE, cached_decode_logits, smoke_overrides
 
 def _run(tmp_path, model, *extra, recipe="baseline"):
     out = tmp_path / "run"
-    code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={model}", f"out={out}", *smoke_overrides(*extra)])
+    code = main(
+        ["run", "target=jetson-orin", f"recipe={recipe}", f"model={model}", f"out={out}", *smoke_overrides(*extra)]
+    )
     return code, out
 
 
@@ -38,15 +40,24 @@ def test_run_writes_report_and_stage_records(tiny_run):
     assert report["gate"]["verdict"] in ("PASS", "FAIL", "NOT_MEASURED")
     names = {c["name"]: c for c in report["gate"]["checks"]}
     # The tiny tokenizer has no chat template, so no app prompts; the ONNX is checked against torch on a sample.
-    assert set(names) == {"perplexity_increase_pct", "top1_agreement", "mean_kl", "decode_latency_ms", "ttft_ms", "memory_gb",
-                          "onnx_vs_torch_quantized_pct"}
+    assert set(names) == {
+        "perplexity_increase_pct",
+        "top1_agreement",
+        "mean_kl",
+        "decode_latency_ms",
+        "ttft_ms",
+        "memory_gb",
+        "onnx_vs_torch_quantized_pct",
+    }
     assert names["perplexity_increase_pct"]["source"] == "measured"
     assert names["top1_agreement"]["bound"] == "lower" and names["mean_kl"]["bound"] == "upper"
     validate = next(s for s in report["stages"] if s["name"] == "validate")["metrics"]
     assert set(validate["domains"]) == {"austen", "press", "fiction", "learned", "government", "religion"}
     assert validate["unseen_domains"] == ["learned", "government", "religion"]
     worst = validate["worst_domain"]
-    assert validate["perplexity_increase_pct"] == max(d["perplexity_increase_pct"] for d in validate["domains"].values())
+    assert validate["perplexity_increase_pct"] == max(
+        d["perplexity_increase_pct"] for d in validate["domains"].values()
+    )
     assert validate["perplexity_increase_pct"] == validate["domains"][worst]["perplexity_increase_pct"]
     assert "## Quality per evaluation domain" in (out / "report.md").read_text()
     # Validation's peak memory by phase (no app prompts here), and the stage's peak is the largest of them.
@@ -174,9 +185,9 @@ def test_show_and_revalidate_against_another_target(tiny_run, capsys):
 
 
 def test_a_graph_past_the_protobuf_limit_keeps_its_weights_in_one_side_file(tiny_run, tmp_path):
-    """The export writes the weights in ``model.onnx.data`` beside the graph; saved again under the limit the graph is one
-    file, and with the limit lowered to a few bytes it is saved as a >2 GB one would be: weights in ``model.onnx.data``,
-    earlier external files removed, and ONNX Runtime computes the same logits."""
+    """The export writes the weights in ``model.onnx.data`` beside the graph; saved again under the limit the graph is
+    one file, and with the limit lowered to a few bytes it is saved as a >2 GB one would be: weights in
+    ``model.onnx.data``, earlier external files removed, and ONNX Runtime computes the same logits."""
     import shutil
 
     import onnx

@@ -1,5 +1,5 @@
-"""The app-prompt gate in a run: measured in validate, in report.json's gate, in report.md, re-gated from stored answers;
-and the data options a run accepts (JSON lines, chat rows, train_data=) reaching the stages."""
+"""The app-prompt gate in a run: measured in validate, in report.json's gate, in report.md, re-gated from stored
+answers; and the data options a run accepts (JSON lines, chat rows, train_data=) reaching the stages."""
 
 from __future__ import annotations
 
@@ -22,9 +22,21 @@ def chat_run(tmp_path_factory):
         {"prompt": "Where is the charging dock?", "expect": "."}, {"prompt": "Say hello to the visitor."},
         {"prompt": "What is the capital of France?", "id": "capital"}]), encoding="utf-8")
     chat = root / "chat_calib.jsonl"
-    chat.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"Question {i}?"},
-                                                    {"role": "assistant", "content": "An answer that runs on. " * 30}]}) + "\n"
-                            for i in range(8)), encoding="utf-8")
+    chat.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "messages": [
+                        {"role": "user", "content": f"Question {i}?"},
+                        {"role": "assistant", "content": "An answer that runs on. " * 30},
+                    ]
+                }
+            )
+            + "\n"
+            for i in range(8)
+        ),
+        encoding="utf-8",
+    )
     out = root / "run"
     code = main(["run", "target=jetson-orin", "recipe=int8", f"model={model}", f"out={out}", f"prompts={prompts}",
                  f"calib={chat}", *TINY_SMOKE, "validate.prompt_new_tokens=12", "quantize.calib_windows=4",
@@ -50,7 +62,9 @@ def test_the_prompt_checks_are_in_the_gate_and_the_report(chat_run):
     assert "Nothing is put before a window" in markdown  # the tiny tokenizer starts a text with no special token
     quantize = next(s for s in report["stages"] if s["name"] == "quantize")
     assert quantize["status"] == "done"
-    assert report["data"]["calibration"][0]["path"].endswith("chat_calib.jsonl") and report["data"]["prompts"].endswith(".jsonl")
+    assert report["data"]["calibration"][0]["path"].endswith("chat_calib.jsonl") and report["data"]["prompts"].endswith(
+        ".jsonl"
+    )
 
 
 def test_a_finished_run_is_regated_from_its_stored_answers(chat_run):
@@ -70,19 +84,36 @@ def test_prompts_off_leaves_the_checks_out_and_a_bad_file_is_refused(tmp_path, c
     model = build_tiny_llama(tmp_path / "model", chat_template=True)
     bad = tmp_path / "p.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"prompt": "x", "expect": "(("}\n', encoding="utf-8")
-    assert main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={tmp_path / 'r'}", f"prompts={bad}",
-                 "--dry-run"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "target=jetson-orin",
+                "recipe=baseline",
+                f"model={model}",
+                f"out={tmp_path / 'r'}",
+                f"prompts={bad}",
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     assert f"prompts {bad} row 2" in capsys.readouterr().err
     out = tmp_path / "off"
     main(["run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}", "prompts=off", *TINY_SMOKE])
     report = json.loads((out / "report.json").read_text())
     assert not PROMPT_CHECKS & {c["name"] for c in report["gate"]["checks"]}
     validate = next(s for s in report["stages"] if s["name"] == "validate")["metrics"]
-    assert validate["prompts"] is None and validate["prompts_source"] == "prompts=off" and validate["window_prefix"] == []
+    assert (
+        validate["prompts"] is None and validate["prompts_source"] == "prompts=off" and validate["window_prefix"] == []
+    )
 
 
 def test_train_data_is_for_recipes_that_train(tmp_path, capsys):
     corpus = tmp_path / "corpus.jsonl"
     corpus.write_text('{"text": "some training text"}\n', encoding="utf-8")
-    assert main(["run", "target=jetson-orin", "recipe=int8", f"train_data={corpus}", f"out={tmp_path / 'r'}", "--dry-run"]) == 2
+    assert (
+        main(["run", "target=jetson-orin", "recipe=int8", f"train_data={corpus}", f"out={tmp_path / 'r'}", "--dry-run"])
+        == 2
+    )
     assert "the recipe has no distill stage" in capsys.readouterr().err

@@ -21,8 +21,18 @@ QUANT_SMALL = ["quantize.calib_windows=8", "quantize.calib_window=256", "quantiz
 
 def _run(tmp_path, model, recipe, *extra):
     out = tmp_path / recipe
-    code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={model}", f"out={out}", *TINY_SMOKE, *QUANT_SMALL,
-                 *extra])
+    code = main(
+        [
+            "run",
+            "target=jetson-orin",
+            f"recipe={recipe}",
+            f"model={model}",
+            f"out={out}",
+            *TINY_SMOKE,
+            *QUANT_SMALL,
+            *extra,
+        ]
+    )
     return code, out
 
 
@@ -31,9 +41,23 @@ def runs(tiny_llama, tmp_path_factory):
     base = tmp_path_factory.mktemp("quant")
     results = {}
     for recipe, extra in (("baseline", []), ("int8", []), ("int4", ["quantize.group_size=32"])):
-        code, out = _run(base, tiny_llama, recipe, *extra) if recipe != "baseline" else (
-            main(["run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", f"out={base / 'baseline'}", *TINY_SMOKE]),
-            base / "baseline")
+        code, out = (
+            _run(base, tiny_llama, recipe, *extra)
+            if recipe != "baseline"
+            else (
+                main(
+                    [
+                        "run",
+                        "target=jetson-orin",
+                        "recipe=baseline",
+                        f"model={tiny_llama}",
+                        f"out={base / 'baseline'}",
+                        *TINY_SMOKE,
+                    ]
+                ),
+                base / "baseline",
+            )
+        )
         results[recipe] = (code, out)
     return results
 
@@ -65,7 +89,9 @@ def _assert_no_float_copy(out, graph):
     folder = out / "02_quantize" / "model"
     _, linears = load_quantization(folder)
     model = load_quantized_causal_lm(folder)
-    float_inits = {numpy_helper.to_array(i).tobytes() for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    float_inits = {
+        numpy_helper.to_array(i).tobytes() for i in graph.graph.initializer if i.data_type == onnx.TensorProto.FLOAT
+    }
     for name in linears:
         tensor = model.get_submodule(name).weight.detach()
         assert tensor.T.contiguous().numpy().tobytes() not in float_inits, f"float copy of {name} left in the graph"
@@ -92,7 +118,8 @@ def test_rotated_down_proj_is_rotated_in_the_graph_and_exact_in_the_saved_folder
         matmul = next(n for n in graph.graph.node if dequantize.output[0] in n.input)
         weight_dq = producers[matmul.input[1]]
         assert matmul.op_type == "MatMul" and inits[weight_dq.input[0]].dtype == np.int8
-    # The saved folder stores the rotated basis' integers; the weight it rebuilds is them times their scales, rotated back.
+    # The saved folder stores the rotated basis' integers; the weight it rebuilds is them times their scales, rotated
+    # back.
     folder = out / "02_quantize" / "model"
     meta, linears = load_quantization(folder)
     name = rotated[0]
@@ -125,7 +152,9 @@ def test_onnx_size_reflects_bit_width(runs):
         stage = "02_export_onnx" if recipe == "baseline" else "03_export_onnx"
         sizes[recipe] = onnx_files_size(out / stage / "onnx" / "model.onnx")  # the graph and its weights beside it
     # The int8 recipe's Hadamard rotation adds one float block matrix, shared by every rotated layer.
-    sizes["int8"] -= sum(4 * int(np.prod(i.dims)) for i in _graph(runs["int8"][1]).graph.initializer if i.name.startswith("hadamard_"))
+    sizes["int8"] -= sum(
+        4 * int(np.prod(i.dims)) for i in _graph(runs["int8"][1]).graph.initializer if i.name.startswith("hadamard_")
+    )
     linear_params = 2 * (4 * 64 * 64 - 2 * 64 * 32 + 3 * 64 * 128)  # q,o full; k,v GQA halves; gate, up, down
     assert sizes["baseline"] - sizes["int8"] > 0.7 * linear_params * 3  # ~3 bytes saved per weight
     assert sizes["int8"] - sizes["int4"] > 0.3 * linear_params  # ~half a byte more
@@ -159,7 +188,9 @@ def test_onnx_runtime_perplexity_matches_torch_simulated_quant(runs):
 def test_too_little_calibration_text_is_refused(tiny_llama, tmp_path, capsys):
     short = tmp_path / "short.txt"
     short.write_text("It is a truth universally acknowledged. " * 20)
-    code = main(["run", "target=jetson-orin", "recipe=int8", f"model={tiny_llama}", f"out={tmp_path / 'r'}", f"calib={short}"])
+    code = main(
+        ["run", "target=jetson-orin", "recipe=int8", f"model={tiny_llama}", f"out={tmp_path / 'r'}", f"calib={short}"]
+    )
     assert code == 2
     assert "too little calibration text" in capsys.readouterr().err
 
@@ -202,7 +233,9 @@ def test_linears_below_the_sqnr_floor_keep_float_inputs_and_int8_weights(runs, t
     metrics = json.loads((out / "02_quantize" / "stage.json").read_text())["metrics"]
     fallback = metrics["float_input_linears"]
     assert 0 < len(fallback) < 2 * 7
-    layer0_below = {r["name"] for r in plain["layer_sqnr_db"] if r["name"].startswith("model.layers.0.") and r["sqnr_db"] < floor}
+    layer0_below = {
+        r["name"] for r in plain["layer_sqnr_db"] if r["name"].startswith("model.layers.0.") and r["sqnr_db"] < floor
+    }
     assert {n for n in fallback if n.startswith("model.layers.0.")} == layer0_below
     graph = _graph(out)
     assert len([n for n in graph.graph.node if n.op_type == "QuantizeLinear"]) == 2 * 7 - len(fallback)

@@ -13,8 +13,17 @@ from tests.conftest import REPO, TINY_SMOKE
 
 
 def _command(model, out):
-    return [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}",
-            *TINY_SMOKE]
+    return [
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        "target=jetson-orin",
+        "recipe=baseline",
+        f"model={model}",
+        f"out={out}",
+        *TINY_SMOKE,
+    ]
 
 
 def test_sigkill_during_export_then_rerun_resumes(tiny_llama_deep, tmp_path):
@@ -36,7 +45,9 @@ def test_sigkill_during_export_then_rerun_resumes(tiny_llama_deep, tmp_path):
     assert json.loads((out / "manifest.json").read_text())["status"] == "running"
     assert not (out / "report.json").exists()
 
-    rerun = subprocess.run(_command(tiny_llama_deep, out), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    rerun = subprocess.run(
+        _command(tiny_llama_deep, out), env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600
+    )
     assert rerun.returncode in (0, 1, 3), rerun.stderr[-3000:]
     assert "load: reused" in rerun.stderr
     statuses = [s["status"] for s in json.loads((out / "report.json").read_text())["stages"]]

@@ -24,8 +24,17 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO)}
 
 
 def _command(model: Path, out: Path, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}",
-            *smoke_overrides(*extra)]
+    return [
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        "target=jetson-orin",
+        "recipe=baseline",
+        f"model={model}",
+        f"out={out}",
+        *smoke_overrides(*extra),
+    ]
 
 
 def _last_error(capsys) -> str:
@@ -95,9 +104,27 @@ def test_other_plan_needs_force_and_force_removes_only_recorded_stages(capsys, t
     assert (out / "02_export_onnx").is_dir() and (out / "report.json").is_file()
 
     proc = subprocess.run(
-        [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=sparse24", f"model={tiny_llama}", f"out={out}",
-         "--force", "sparsify.calib_window=256", "sparsify.calib_windows=8", "sparsify.min_calib_tokens=1024", *TINY_SMOKE],
-        env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=sparse24",
+            f"model={tiny_llama}",
+            f"out={out}",
+            "--force",
+            "sparsify.calib_window=256",
+            "sparsify.calib_windows=8",
+            "sparsify.min_calib_tokens=1024",
+            *TINY_SMOKE,
+        ],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode in (0, 1, 3), proc.stderr[-3000:]
     names = {p.name for p in out.iterdir()}
     assert {"notes.txt", "07_mine", ".tmp-editor-swap"} <= names
@@ -119,7 +146,9 @@ def test_second_run_on_the_same_folder_is_refused_naming_the_pid(tmp_path, tiny_
     # otherwise finish, so the second run meets the lock on any machine.
     first.send_signal(signal.SIGSTOP)
     try:
-        second = subprocess.run(_command(tiny_llama_deep, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120)
+        second = subprocess.run(
+            _command(tiny_llama_deep, out), env=ENV, cwd=REPO, capture_output=True, text=True, timeout=120
+        )
     finally:
         first.send_signal(signal.SIGCONT)
     _, first_err = first.communicate(timeout=600)
@@ -221,11 +250,28 @@ def _limit_file_size(limit: int):
 def test_full_model_cache_is_a_usage_error_naming_the_cache(tmp_path, tiny_llama):
     from tests.support.gguf_files import write_gguf
 
-    gguf = write_gguf(tiny_llama, tmp_path / "tiny.gguf")  # its conversion writes ~0.4 MB of weights; the limit stops it
+    gguf = write_gguf(
+        tiny_llama, tmp_path / "tiny.gguf"
+    )  # its conversion writes ~0.4 MB of weights; the limit stops it
     cache = tmp_path / "cache"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={gguf}",
-                           f"out={tmp_path / 'run'}"], env={**ENV, "COMPRESS_CACHE": str(cache)}, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=600, preexec_fn=_limit_file_size(200_000))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=baseline",
+            f"model={gguf}",
+            f"out={tmp_path / 'run'}",
+        ],
+        env={**ENV, "COMPRESS_CACHE": str(cache)},
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=_limit_file_size(200_000),
+    )
     last = proc.stderr.strip().splitlines()[-1]
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert last.startswith(f"compress: error: cannot write to {cache / 'models'}"), last
@@ -292,9 +338,26 @@ def test_custom_code_is_refused_in_one_line(capsys, tmp_path, tiny_llama):
 
 def test_on_device_validate_without_a_gpu_exits_3_and_names_the_file(capsys, tmp_path, tiny_llama):
     run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=smoke", f"model={tiny_llama}",
-                           f"out={run}", "quantize.calib_window=256", "quantize.min_calib_tokens=1024", *TINY_SMOKE],
-                          env=ENV, cwd=REPO, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "compress",
+            "run",
+            "target=jetson-orin",
+            "recipe=smoke",
+            f"model={tiny_llama}",
+            f"out={run}",
+            "quantize.calib_window=256",
+            "quantize.min_calib_tokens=1024",
+            *TINY_SMOKE,
+        ],
+        env=ENV,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     assert json.loads((run / "04_build_engine" / "stage.json").read_text())["status"] == "deferred"
     kl = json.loads((run / "05_validate" / "stage.json").read_text())["metrics"]["mean_kl"]

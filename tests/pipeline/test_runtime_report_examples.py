@@ -29,7 +29,10 @@ def tiny_run(tiny_llama, tmp_path_factory):
 @pytest.fixture(scope="module")
 def baseline_run(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("rtb") / "run"
-    assert main(["run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", f"out={out}", *TINY_SMOKE]) in (0, 1)
+    assert main(["run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", f"out={out}", *TINY_SMOKE]) in (
+        0,
+        1,
+    )
     return out
 
 
@@ -41,8 +44,13 @@ def test_runtime_greedy_tokens_match_torch(baseline_run, tiny_llama):
     reference = AutoModelForCausalLM.from_pretrained(tiny_llama).eval()
     prompt = model.tokenizer("It is a truth universally acknowledged").input_ids
     with torch.no_grad():
-        expected = reference.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
-                                      eos_token_id=reference.config.eos_token_id, pad_token_id=0)[0, len(prompt):].tolist()
+        expected = reference.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=12,
+            do_sample=False,
+            eos_token_id=reference.config.eos_token_id,
+            pad_token_id=0,
+        )[0, len(prompt) :].tolist()
     assert model.generate_ids(prompt, 12) == expected
 
 
@@ -69,7 +77,9 @@ def test_provenance_is_checked_before_loading(baseline_run, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(baseline_run, copy)
     (copy / "02_export_onnx" / "onnx" / "tokenizer_config.json").write_text("{}")
-    with pytest.raises(compress.runtime.ProvenanceError, match="tokenizer_config.json has 2 bytes where .* were written"):
+    with pytest.raises(
+        compress.runtime.ProvenanceError, match="tokenizer_config.json has 2 bytes where .* were written"
+    ):
         compress.runtime.load(copy)
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["status"] = "running"
@@ -125,8 +135,23 @@ def _env():
 
 
 def test_chat_example_streams_an_answer(tiny_run):
-    proc = subprocess.run([sys.executable, "examples/chat_on_device.py", str(tiny_run), "--prompt", "Who is Emma?",
-                           "--max-new-tokens", "6", "--greedy"], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "examples/chat_on_device.py",
+            str(tiny_run),
+            "--prompt",
+            "Who is Emma?",
+            "--max-new-tokens",
+            "6",
+            "--greedy",
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip()
     assert "[onnxruntime]" in proc.stderr
@@ -137,7 +162,9 @@ def test_release_gate_passes_and_blocks(tiny_llama, tmp_path):
     venv_cli = REPO / ".venv" / "bin" / "compress"
     env = {**_env(), "COMPRESS": str(venv_cli) if venv_cli.exists() else "compress"}
     common = ["target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", *TINY_SMOKE]
-    ok = subprocess.run(["bash", str(gate), *common, f"out={tmp_path / 'ok'}"], env=env, capture_output=True, text=True, timeout=600)
+    ok = subprocess.run(
+        ["bash", str(gate), *common, f"out={tmp_path / 'ok'}"], env=env, capture_output=True, text=True, timeout=600
+    )
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "release gate: PASS" in ok.stdout
     failing = subprocess.run(["bash", str(gate), *common, f"out={tmp_path / 'fail'}", "budgets.max_memory_gb=0.0001"],
@@ -151,8 +178,14 @@ def test_release_gate_passes_and_blocks(tiny_llama, tmp_path):
 
 
 def test_python_api_example(tiny_llama, tmp_path):
-    proc = subprocess.run([sys.executable, "examples/python_api.py", "jetson-orin", str(tmp_path / "api"), str(tiny_llama)],
-                          cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "examples/python_api.py", "jetson-orin", str(tmp_path / "api"), str(tiny_llama)],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-2000:]
     assert "gate:" in proc.stdout and "answer:" in proc.stdout
     assert (tmp_path / "api" / "report.json").is_file()

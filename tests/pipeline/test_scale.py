@@ -22,11 +22,26 @@ def _config_only(folder: Path, family: str, **shape) -> Path:
     return folder
 
 
-QWEN3_06B = dict(hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8,
-                 head_dim=128, vocab_size=151936, tie_word_embeddings=True)
+QWEN3_06B = dict(
+    hidden_size=1024,
+    intermediate_size=3072,
+    num_hidden_layers=28,
+    num_attention_heads=16,
+    num_key_value_heads=8,
+    head_dim=128,
+    vocab_size=151936,
+    tie_word_embeddings=True,
+)
 QWEN3_DEEPER = {**QWEN3_06B, "num_hidden_layers": 36}
-LLAMA_70B = dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                 vocab_size=128256, tie_word_embeddings=False)
+LLAMA_70B = dict(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+    tie_word_embeddings=False,
+)
 
 
 def _dry_run(capsys, *args: str) -> dict:
@@ -34,14 +49,18 @@ def _dry_run(capsys, *args: str) -> dict:
     return json.loads(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize(("device", "needle"), [("cuda:99", "device=cuda:99: torch sees"), ("tpu", "expected auto, cpu, cuda")])
+@pytest.mark.parametrize(
+    ("device", "needle"), [("cuda:99", "device=cuda:99: torch sees"), ("tpu", "expected auto, cpu, cuda")]
+)
 def test_a_device_torch_does_not_see_is_refused_at_plan_time(capsys, tmp_path, device, needle):
     assert main(["run", "target=jetson-orin", f"device={device}", f"out={tmp_path / 'run'}", "--dry-run"]) == 2
     assert needle in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 def test_the_device_is_resolved_in_the_plan_and_recorded_by_the_run(capsys, tmp_path, tiny_llama):
-    assert _dry_run(capsys, "recipe=baseline", f"model={tiny_llama}", f"out={tmp_path / 'plan'}")["device"] == resolve_device("auto")
+    assert _dry_run(capsys, "recipe=baseline", f"model={tiny_llama}", f"out={tmp_path / 'plan'}")[
+        "device"
+    ] == resolve_device("auto")
     out = tmp_path / "run"
     assert main(["run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama}", f"out={out}", "device=cpu",
                  "--no-progress", *TINY_SMOKE]) in (0, 1)
@@ -51,7 +70,9 @@ def test_the_device_is_resolved_in_the_plan_and_recorded_by_the_run(capsys, tmp_
 
 def test_the_plan_estimates_each_stage_from_the_models_size(capsys, tmp_path):
     small = _dry_run(capsys, f"model={_config_only(tmp_path / 'q06', 'Qwen3', **QWEN3_06B)}", f"out={tmp_path / 'a'}")
-    large = _dry_run(capsys, f"model={_config_only(tmp_path / 'q17', 'Qwen3', **QWEN3_DEEPER)}", f"out={tmp_path / 'b'}")
+    large = _dry_run(
+        capsys, f"model={_config_only(tmp_path / 'q17', 'Qwen3', **QWEN3_DEEPER)}", f"out={tmp_path / 'b'}"
+    )
     stages = [s["name"] for s in small["stages"]]
     assert [e["stage"] for e in small["estimates"]] == stages
     for a, b in zip(small["estimates"], large["estimates"], strict=True):
@@ -61,14 +82,18 @@ def test_the_plan_estimates_each_stage_from_the_models_size(capsys, tmp_path):
     bf16 = 2 * 0.6  # GB: the Qwen3-0.6B checkpoint
     # One block at a time: less than the model in float32, which it never holds; and not instant.
     assert quantize["peak_host_gb"] < 2 * bf16 and quantize["minutes"] > 1
-    assert deeper["peak_host_gb"] == quantize["peak_host_gb"] and deeper["disk_gb"] > quantize["disk_gb"]  # flat in depth
+    assert (
+        deeper["peak_host_gb"] == quantize["peak_host_gb"] and deeper["disk_gb"] > quantize["disk_gb"]
+    )  # flat in depth
     assert quantize["disk_gb"] < 0.8 * bf16  # int8 linears beside the bf16 embedding: less than the checkpoint
     assert quantize["peak_device_gb"] == 0.0  # this plan computes on the CPU
 
 
 def _sparse_safetensors(path: Path, parameters: int) -> None:
     """A valid safetensors file of ``parameters`` bf16 zeros that takes no disk (its data is a hole)."""
-    header = json.dumps({"weight": {"dtype": "BF16", "shape": [parameters], "data_offsets": [0, 2 * parameters]}}).encode()
+    header = json.dumps(
+        {"weight": {"dtype": "BF16", "shape": [parameters], "data_offsets": [0, 2 * parameters]}}
+    ).encode()
     with path.open("wb") as handle:
         handle.write(len(header).to_bytes(8, "little") + header)
         handle.truncate(8 + len(header) + 2 * parameters)
@@ -101,7 +126,9 @@ def test_a_bf16_checkpoint_is_quantized_into_integers_and_scales_with_no_float_c
     from compress.transforms.quantize.saved import load_quantization
     from tests.conftest import QUANTIZE_SMALL, build_tiny_llama
 
-    model = build_tiny_llama(tmp_path / "fp32", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True)
+    model = build_tiny_llama(
+        tmp_path / "fp32", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True
+    )
     bf16 = tmp_path / "bf16"
     transformers.AutoModelForCausalLM.from_pretrained(model).to(dtype=torch.bfloat16).save_pretrained(bf16)
     build_tokenizer(chat_template=True).save_pretrained(bf16)
@@ -126,11 +153,13 @@ ONNX_SMOKE = [option for option in TINY_SMOKE if not option.startswith("export_o
 
 
 def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tmp_path):
-    """export_onnx=off: the bundle is made straight from the quantized checkpoint, validation measures the deployed numbers
-    in torch (no ONNX Runtime parity, no host latency), and the device reference comes from the same numbers."""
+    """export_onnx=off: the bundle is made straight from the quantized checkpoint, validation measures the deployed
+    numbers in torch (no ONNX Runtime parity, no host latency), and the device reference comes from the same numbers."""
     from tests.conftest import QUANTIZE_SMALL, build_tiny_llama
 
-    model = build_tiny_llama(tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True)
+    model = build_tiny_llama(
+        tmp_path / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True
+    )
     out = tmp_path / "run"
     code = main(["run", "target=jetson-orin", "recipe=edgellm-int8", f"model={model}", f"out={out}", "export_onnx=off",
                  "--no-progress", *QUANTIZE_SMALL, *ONNX_SMOKE, "validate.prompt_new_tokens=8"])
@@ -143,7 +172,9 @@ def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tm
     metrics = json.loads((out / "05_validate" / "validation.json").read_text())["metrics"]
     assert metrics["onnx_parity"] is None and metrics["host_latency"] is None
     assert metrics["perplexity_model"] > 0 and 0.5 < metrics["top1_agreement"] <= 1.0
-    assert metrics["model_size_bytes"] == sum(p.stat().st_size for p in (out / "03_export_edgellm" / "bundle").rglob("*") if p.is_file())
+    assert metrics["model_size_bytes"] == sum(
+        p.stat().st_size for p in (out / "03_export_edgellm" / "bundle").rglob("*") if p.is_file()
+    )
     names = {c["name"] for c in report["gate"]["checks"]}
     assert "onnx_vs_torch_quantized_pct" not in names and "answer_prefix_agreement" in names
     reference = json.loads((out / "05_validate" / "device_reference.json").read_text())
@@ -151,7 +182,9 @@ def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tm
     answers = {row["id"]: row["model_ids"] for row in metrics["prompts"]["rows"]}
     for prompt, expected in zip(reference["prompts"][6:], reference["host_output_ids"][6:], strict=True):
         ids = answers[prompt["domain"].removeprefix("prompt ")]
-        common = min(len(ids), len(expected))  # the measured answer (8 tokens), continued to the device's 24 where it did not end
+        common = min(
+            len(ids), len(expected)
+        )  # the measured answer (8 tokens), continued to the device's 24 where it did not end
         assert expected[:common] == ids[:common] and len(expected) == (len(ids) if len(ids) < 8 else 24)
 
 

@@ -49,8 +49,9 @@ from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, r
 def _layer(seed=0, out_features=64, in_features=128, tokens=1024, outliers=4, gain=30.0):
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=gen) * 0.05
-    x = torch.randn(tokens, 24, generator=gen) @ torch.randn(24, in_features, generator=gen) + 0.2 * torch.randn(tokens, in_features,
-                                                                                                             generator=gen)
+    x = torch.randn(tokens, 24, generator=gen) @ torch.randn(24, in_features, generator=gen) + 0.2 * torch.randn(
+        tokens, in_features, generator=gen
+    )
     x[:, :outliers] *= gain
     return weight, x
 
@@ -102,7 +103,9 @@ def test_gptq_and_awq_on_the_fp4_grid_beat_round_to_nearest():
     grid = Nvfp4Grid().bind([weight])
     rtn, _ = quantize_dequantize(weight, grid)
     gptq, gptq_scales = gptq_quantize(weight, 2 * x.T @ x / x.shape[0], grid)
-    levels_on_grid(gptq, grid, gptq_scales, tolerance=0.0)  # GPTQ's weights lie on the FP4 grid under its own block scales
+    levels_on_grid(
+        gptq, grid, gptq_scales, tolerance=0.0
+    )  # GPTQ's weights lie on the FP4 grid under its own block scales
     assert torch.equal(round_fp8(gptq_scales), gptq_scales)
     assert sqnr_db(reference, x @ gptq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
     scales, ratio = awq_search_scales(x, [weight], Nvfp4Grid())
@@ -124,11 +127,15 @@ def test_the_global_scale_search_clips_where_it_helps_and_never_what_the_attenti
         return float(((delta @ h) * delta).sum())
 
     plain, searched = Nvfp4Grid().bind([weight]), _search_global_scale([weight], hessian)
-    assert error(searched, hessian) <= error(plain, hessian) and searched.global_scale < plain.global_scale  # it clips the outlier
+    assert (
+        error(searched, hessian) <= error(plain, hessian) and searched.global_scale < plain.global_scale
+    )  # it clips the outlier
     sink = torch.zeros(1, x.shape[1])
     sink[0, 50] = 3000.0  # a massive activation on the channel that outlying weight reads, in one token
     with_sink = (torch.cat([x, sink]).T @ torch.cat([x, sink])) / (x.shape[0] + 1)
-    assert _search_global_scale([weight], with_sink).global_scale == plain.global_scale  # clipping it would wreck that token
+    assert (
+        _search_global_scale([weight], with_sink).global_scale == plain.global_scale
+    )  # clipping it would wreck that token
 
 
 def test_nvfp4_activation_graph_in_onnx_runtime_equals_the_torch_fake_quantization():
@@ -143,10 +150,14 @@ def test_nvfp4_activation_graph_in_onnx_runtime_equals_the_torch_fake_quantizati
                               [helper.make_tensor_value_info(output, onnx.TensorProto.FLOAT, [2, 7, 64])], consts)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
     onnx.checker.check_model(model)
-    ours = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})[0]
+    ours = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.numpy()}
+    )[0]
     assert np.array_equal(ours, fmt.fake_quantize(x, scale).numpy())
     fp8 = Fp8Activation()
-    assert fp8.scale_for(448.0 * 3) == 3.0 and torch.equal(fp8.fake_quantize(torch.tensor([1e6]), 1.0), torch.tensor([448.0]))
+    assert fp8.scale_for(448.0 * 3) == 3.0 and torch.equal(
+        fp8.fake_quantize(torch.tensor([1e6]), 1.0), torch.tensor([448.0])
+    )
 
 
 def test_quantize_options_that_do_not_go_together_are_refused():
@@ -158,7 +169,10 @@ def test_quantize_options_that_do_not_go_together_are_refused():
         quantize_config(method="int8", fp8_weight_scale="channel")
     assert quantize_config(method="nvfp4").precision() == "nvfp4_a16"
     assert quantize_config(method="nvfp4", activations="nvfp4").scheme() == (4, True, 16)
-    assert quantize_config(method="fp8").precision() == "fp8" and quantize_config(method="fp8", hadamard_block=64).is_w8a8()
+    assert (
+        quantize_config(method="fp8").precision() == "fp8"
+        and quantize_config(method="fp8", hadamard_block=64).is_w8a8()
+    )
 
 
 @pytest.mark.parametrize("recipe", ["thor-fp8", "thor-nvfp4"])
@@ -173,18 +187,39 @@ def test_orin_refuses_fp8_and_nvfp4_at_plan_time_naming_its_precisions(capsys, t
 
 
 def test_an_fp8_kv_cache_needs_fp8_and_a_checkpoint_edgellm_reads_it_from(capsys, tmp_path):
-    assert main(["run", "target=jetson-orin", "recipe=int8", "quantize.kv_cache=fp8", f"out={tmp_path / 'a'}", "--dry-run"]) == 2
+    assert (
+        main(
+            ["run", "target=jetson-orin", "recipe=int8", "quantize.kv_cache=fp8", f"out={tmp_path / 'a'}", "--dry-run"]
+        )
+        == 2
+    )
     assert "quantize.kv_cache=fp8: target jetson-orin-nano-8gb (ampere sm_87) has no FP8" in capsys.readouterr().err
-    assert main(["run", "target=jetson-agx-thor", "recipe=edgellm-int4", "quantize.kv_cache=fp8", f"out={tmp_path / 'b'}",
-                 "--dry-run"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "target=jetson-agx-thor",
+                "recipe=edgellm-int4",
+                "quantize.kv_cache=fp8",
+                f"out={tmp_path / 'b'}",
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err
-    assert "quantize.kv_cache=fp8 with INT4 weights" in error and "takes no FP8 KV cache read from a W4A16_AWQ checkpoint" in error
+    assert (
+        "quantize.kv_cache=fp8 with INT4 weights" in error
+        and "takes no FP8 KV cache read from a W4A16_AWQ checkpoint" in error
+    )
 
 
 def test_a_generic_tensorrt_build_of_an_nvfp4_graph_is_refused_before_any_work(capsys, tmp_path):
     recipe = tmp_path / "nvfp4-onnx.yaml"
-    recipe.write_text("name: nvfp4-onnx\nstages:\n  - load\n  - quantize: {method: nvfp4}\n  - export_onnx\n  - build_engine\n"
-                      "  - validate\n")
+    recipe.write_text(
+        "name: nvfp4-onnx\nstages:\n  - load\n  - quantize: {method: nvfp4}\n  - export_onnx\n  - build_engine\n"
+        "  - validate\n"
+    )
     assert main(["run", "target=jetson-agx-thor", f"recipe={recipe}", f"out={tmp_path / 'run'}", "--dry-run"]) == 2
     assert "ONNX parser of TensorRT 10.13 on jetson-agx-thor reads opset 21 at most" in capsys.readouterr().err
 
@@ -239,13 +274,28 @@ def test_thor_runs_the_default_its_target_names(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_wide(tmp_path_factory) -> Path:
-    return build_tiny_llama(tmp_path_factory.mktemp("thor") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256,
-                            chat_template=True)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("thor") / "model",
+        layers=2,
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        intermediate=256,
+        chat_template=True,
+    )
 
 
 def _thor_run(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
-    proc = run_compress("run", "target=jetson-agx-thor", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
-                        *extra)
+    proc = run_compress(
+        "run",
+        "target=jetson-agx-thor",
+        f"recipe={recipe}",
+        f"model={tiny}",
+        f"out={out}",
+        *QUANTIZE_SMALL,
+        *TINY_SMOKE,
+        *extra,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return out
 
@@ -264,21 +314,45 @@ def test_per_channel_fp8_weights_go_to_the_portable_onnx_and_not_to_edgellm(tiny
     dequantized, scales = quantize_dequantize(weight, Fp8Grid(per_channel=True))
     assert scales.shape == (64,) and torch.equal(scales.half().float(), scales)
     levels_on_grid(dequantized, Fp8Grid(per_channel=True), scales, tolerance=0.0)
-    assert main(["run", "target=jetson-agx-thor", "recipe=thor-fp8", "quantize.fp8_weight_scale=channel", f"out={tmp_path / 'a'}",
-                 "--dry-run"]) == 2
+    assert (
+        main(
+            [
+                "run",
+                "target=jetson-agx-thor",
+                "recipe=thor-fp8",
+                "quantize.fp8_weight_scale=channel",
+                f"out={tmp_path / 'a'}",
+                "--dry-run",
+            ]
+        )
+        == 2
+    )
     error = capsys.readouterr().err
     assert "quantize.fp8_weight_scale=channel" in error and "FP8 linears with one weight scale per tensor" in error
     recipe = tmp_path / "fp8-onnx.yaml"
-    recipe.write_text("name: fp8-onnx\nstages:\n  - load\n  - quantize: {method: fp8, fp8_weight_scale: channel}\n  - export_onnx\n"
-                      "  - validate\n")
+    recipe.write_text(
+        "name: fp8-onnx\nstages:\n  - load\n  - quantize: {method: fp8, fp8_weight_scale: channel}\n  - export_onnx\n"
+        "  - validate\n"
+    )
     out = tmp_path / "run"
-    assert main(["run", "target=jetson-agx-thor", f"recipe={recipe}", f"model={tiny_wide}", f"out={out}", *QUANTIZE_SMALL,
-                 *TINY_SMOKE]) in (0, 1)
+    assert main(
+        [
+            "run",
+            "target=jetson-agx-thor",
+            f"recipe={recipe}",
+            f"model={tiny_wide}",
+            f"out={out}",
+            *QUANTIZE_SMALL,
+            *TINY_SMOKE,
+        ]
+    ) in (0, 1)
     graph = onnx.load(str(out / "03_export_onnx" / "onnx" / "model.onnx"), load_external_data=False).graph
     inits = {i.name: i for i in graph.initializer}
     weight_dqs = [n for n in graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
                   and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT8E4M3FN]
-    assert len(weight_dqs) == 14 and all(len(inits[n.input[1]].dims) == 1 for n in weight_dqs)  # one scale per output channel
+    assert len(weight_dqs) == 14 and all(
+        len(inits[n.input[1]].dims) == 1 for n in weight_dqs
+    )  # one scale per output channel
     report = json.loads((out / "report.json").read_text())
     assert {c["name"]: c for c in report["gate"]["checks"]}["onnx_vs_torch_quantized_pct"]["value"] < 1.0
 
@@ -300,8 +374,12 @@ def test_fp8_bundle_holds_our_fp8_values_fp16_scales_and_kv_cache_scales(runs):
     assert bundle["custody"]["tensors_compared"] == 14 * 3 + 2 and bundle["custody"]["mismatches"] == 0
     custody = json.loads((run / "04_export_edgellm" / "custody.json").read_text())
     assert [c["tensor"] for c in custody["compared"] if "KV cache" in c["tensor"]] == [
-        "layer 0 AttentionPlugin FP8 KV cache (k_scale, v_scale)", "layer 1 AttentionPlugin FP8 KV cache (k_scale, v_scale)"]
-    hf_quant = json.loads((run / "04_export_edgellm" / "checkpoint" / "hf_quant_config.json").read_text())["quantization"]
+        "layer 0 AttentionPlugin FP8 KV cache (k_scale, v_scale)",
+        "layer 1 AttentionPlugin FP8 KV cache (k_scale, v_scale)",
+    ]
+    hf_quant = json.loads((run / "04_export_edgellm" / "checkpoint" / "hf_quant_config.json").read_text())[
+        "quantization"
+    ]
     assert hf_quant["kv_cache_quant_algo"] == "FP8"
     assert _stage_metrics(run, "export_onnx")["kv_cache_qdq_pairs"] == 4
     checkpoint = CheckpointReader(run / "04_export_edgellm" / "checkpoint")
@@ -322,12 +400,16 @@ def test_nvfp4_w4a4_bundle_is_fused_by_edgellm_and_checked_row_by_row(runs):
     assert bundle["checkpoint"]["quant_algo"] == "NVFP4" and bundle["checkpoint"]["group_size"] == 16
     assert bundle["custody"]["tensors_compared"] == 14 * 4 and bundle["custody"]["mismatches"] == 0
     custody = json.loads((run / "04_export_edgellm" / "custody.json").read_text())
-    assert any("qkv_proj_fused.weight[128:192]" in c["tensor"] for c in custody["compared"])  # v's rows of the fused GEMM
+    assert any(
+        "qkv_proj_fused.weight[128:192]" in c["tensor"] for c in custody["compared"]
+    )  # v's rows of the fused GEMM
     graph = onnx.load(str(run / "04_export_edgellm" / "bundle" / "llm" / "model.onnx"), load_external_data=False).graph
     assert "TRT_FP4DynamicQuantize" in {n.op_type for n in graph.node}
     ours = run / "03_export_onnx" / "onnx" / "model.onnx"
     model = onnx.load(str(ours), load_external_data=False)
-    assert "FLOAT4E2M1" in _initializer_types(ours) and max(o.version for o in model.opset_import if o.domain == "") == 23
+    assert (
+        "FLOAT4E2M1" in _initializer_types(ours) and max(o.version for o in model.opset_import if o.domain == "") == 23
+    )
     report = json.loads((run / "report.json").read_text())
     assert {c["name"]: c for c in report["gate"]["checks"]}["onnx_vs_torch_quantized_pct"]["value"] < 1.0
 
@@ -335,7 +417,9 @@ def test_nvfp4_w4a4_bundle_is_fused_by_edgellm_and_checked_row_by_row(runs):
 def test_nvfp4_weight_only_bundle_keeps_every_input_in_fp16(runs):
     run = runs["w4a16"]
     bundle = _stage_metrics(run, "export_edgellm")
-    assert bundle["checkpoint"]["quant_algo"] == "W4A16_NVFP4" and bundle["exporter_arguments"] == ["--no-quantize-activations"]
+    assert bundle["checkpoint"]["quant_algo"] == "W4A16_NVFP4" and bundle["exporter_arguments"] == [
+        "--no-quantize-activations"
+    ]
     custody = json.loads((run / "04_export_edgellm" / "custody.json").read_text())
     assert sum("weight-only" in c["tensor"] for c in custody["compared"]) == 14 and not custody["mismatches"]
     meta, linears = load_quantization(run / "02_quantize" / "model")
@@ -362,13 +446,24 @@ def _input_scale(run: Path, module: str) -> float | None:
 
 @pytest.mark.parametrize(("kind", "fmt"), [("fp8", Fp8Activation()), ("w4a4", Nvfp4Activation()), ("w4a16", None)])
 def test_edgellm_runs_our_checkpoint_with_the_numbers_our_simulation_measured(runs, tmp_path, kind, fmt):
-    """Edge-LLM's own FP8 / NVFP4 linears (the definitions its ONNX export emits as Q/DQ nodes), loaded from our checkpoint:
-    their dequantized weights are our quantized folder's weights, their input quantization is ours, value for value."""
+    """Edge-LLM's own FP8 / NVFP4 linears (the definitions its ONNX export emits as Q/DQ nodes), loaded from our
+    checkpoint: their dequantized weights are our quantized folder's weights, their input quantization is ours, value
+    for value."""
     run = runs[kind]
     out = tmp_path / "probe.safetensors"
     flags = ["--no-quantize-activations"] if kind == "w4a16" else []
-    proc = subprocess.run([str(edgellm_python()), str(REPO / "tests" / "support" / "edgellm_fp_probe.py"),
-                           str(run / "04_export_edgellm" / "checkpoint"), str(out), *flags], capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [
+            str(edgellm_python()),
+            str(REPO / "tests" / "support" / "edgellm_fp_probe.py"),
+            str(run / "04_export_edgellm" / "checkpoint"),
+            str(out),
+            *flags,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with safe_open(str(out), framework="pt") as probe:
         modules = json.loads(probe.metadata()["modules"])

@@ -138,8 +138,18 @@ def test_the_model_is_read_in_place_and_a_change_to_it_is_seen(capsys, tmp_path,
 def test_a_model_changed_while_the_run_goes_stops_the_run(tmp_path, user_model):
     model = shutil.copytree(user_model, tmp_path / "model")
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={model}", f"out={out}",
-               "--no-progress", *TINY_SMOKE]
+    command = [
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        "target=jetson-orin",
+        "recipe=baseline",
+        f"model={model}",
+        f"out={out}",
+        "--no-progress",
+        *TINY_SMOKE,
+    ]
     run = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 300
     while time.time() < deadline and not (out / "01_load" / "stage.json").is_file():
@@ -185,7 +195,9 @@ def test_calibration_holding_exactly_the_evaluated_part_is_refused(capsys, tmp_p
 
 # 5. Every command that reads an artifact checks it first; `compress verify` checks everything.
 
-def test_a_flipped_byte_in_a_finished_onnx_is_refused_by_show_validate_build_engine_and_verify(capsys, tmp_path, finished):
+def test_a_flipped_byte_in_a_finished_onnx_is_refused_by_show_validate_build_engine_and_verify(
+    capsys, tmp_path, finished
+):
     out = _copy(finished, tmp_path / "run")
     assert main(["verify", str(out)]) == 0
     assert "every recorded file holds what compress wrote" in capsys.readouterr().out
@@ -200,7 +212,9 @@ def test_a_flipped_byte_in_a_finished_onnx_is_refused_by_show_validate_build_eng
 
 def test_a_copied_run_directory_verifies_in_full(tmp_path, finished):
     out = tmp_path / "copied"
-    shutil.copytree(finished, out, copy_function=shutil.copyfile, ignore=shutil.ignore_patterns(LOCK_FILE))  # new time stamps
+    shutil.copytree(
+        finished, out, copy_function=shutil.copyfile, ignore=shutil.ignore_patterns(LOCK_FILE)
+    )  # new time stamps
     assert main(["verify", str(out)]) == 0
     assert main(["show", str(out)]) == 0
 
@@ -240,7 +254,9 @@ def test_a_stage_folder_that_is_a_link_is_refused(capsys, tmp_path, finished):
 # 7. --force removes only stage folders compress made, inside out=.
 
 @pytest.mark.parametrize("where", ["../victim", ".", "/tmp/victim"])
-def test_force_never_removes_what_a_manifest_points_outside_its_stage_folders(capsys, tmp_path, finished, user_model, where):
+def test_force_never_removes_what_a_manifest_points_outside_its_stage_folders(
+    capsys, tmp_path, finished, user_model, where
+):
     out = _copy(finished, tmp_path / "run")
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -249,7 +265,9 @@ def test_force_never_removes_what_a_manifest_points_outside_its_stage_folders(ca
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["stages"][1]["dir"] = where if where != "/tmp/victim" else str(victim)
     (out / "manifest.json").write_text(json.dumps(manifest))
-    code = main(["run", "target=jetson-orin", "recipe=sparse24", f"model={user_model}", f"out={out}", "--force", "--dry-run"])
+    code = main(
+        ["run", "target=jetson-orin", "recipe=sparse24", f"model={user_model}", f"out={out}", "--force", "--dry-run"]
+    )
     assert code == 2
     assert "not a compress manifest" in _last_error(capsys)
     assert (victim / "precious.txt").read_text() == "mine" and (out / "notes.txt").read_text() == "mine"
@@ -292,7 +310,9 @@ def test_a_target_field_with_a_line_break_runs_nothing_from_the_device_script(tm
     from compress.core.config import load_target
 
     target = load_target("jetson-orin")
-    evil = target.model_copy(update={"edgellm": target.edgellm.model_copy(update={"support": f"x\ntouch {tmp_path / 'owned'}\n#"})})
+    evil = target.model_copy(
+        update={"edgellm": target.edgellm.model_copy(update={"support": f"x\ntouch {tmp_path / 'owned'}\n#"})}
+    )
     profile = tools.engine_profile(evil, 1)
     script = tmp_path / "build_on_device.sh"
     script.write_text(tools.device_script(evil, profile, "../bundle/llm", "engines"))
@@ -319,7 +339,17 @@ def test_a_target_given_as_a_file_works_end_to_end_and_after_the_file_is_gone(tm
     target = tmp_path / "my-orin.yaml"
     target.write_text(yaml.safe_dump(data))
     out = tmp_path / "run"
-    code = main(["run", f"target={target}", "recipe=baseline", f"model={user_model}", f"out={out}", "--no-progress", *TINY_SMOKE])
+    code = main(
+        [
+            "run",
+            f"target={target}",
+            "recipe=baseline",
+            f"model={user_model}",
+            f"out={out}",
+            "--no-progress",
+            *TINY_SMOKE,
+        ]
+    )
     assert code in (0, 1)
     assert json.loads((out / "report.json").read_text())["target"]["name"] == "my-orin"
     assert (out / "plots" / "pareto.png").is_file()
@@ -330,14 +360,28 @@ def test_a_target_given_as_a_file_works_end_to_end_and_after_the_file_is_gone(tm
 
 # Exit codes: one line naming the input, exit 2.
 
-@pytest.mark.parametrize(("manifest", "needle"), [
-    ({"schema_version": "1.0", "status": "finished", "recipe": "baseline", "model": {"spec": "x"}, "stages": []}, "recipe"),
-    ({"schema_version": "1.0", "status": "finished", "recipe": {"name": "baseline", "stages": []}, "model": {"spec": "x"},
-      "stages": [{"name": "load", "status": "done"}]}, "stages.0.dir"),
-    ({}, "schema_version"),
-    ([1, 2], "not a compress manifest"),
-    (b"\x89PNG\r\n\x1a\n\xff\xfe", "unreadable"),
-])
+@pytest.mark.parametrize(
+    ("manifest", "needle"),
+    [
+        (
+            {"schema_version": "1.0", "status": "finished", "recipe": "baseline", "model": {"spec": "x"}, "stages": []},
+            "recipe",
+        ),
+        (
+            {
+                "schema_version": "1.0",
+                "status": "finished",
+                "recipe": {"name": "baseline", "stages": []},
+                "model": {"spec": "x"},
+                "stages": [{"name": "load", "status": "done"}],
+            },
+            "stages.0.dir",
+        ),
+        ({}, "schema_version"),
+        ([1, 2], "not a compress manifest"),
+        (b"\x89PNG\r\n\x1a\n\xff\xfe", "unreadable"),
+    ],
+)
 def test_show_validate_and_run_on_a_broken_manifest_exit_2(capsys, tmp_path, user_model, manifest, needle):
     out = tmp_path / "run"
     out.mkdir()
@@ -398,7 +442,10 @@ def test_predict_refuses_a_config_out_of_range(capsys, tmp_path, changes, needle
     ("validate.window=64.0", "validate: window"),
 ])
 def test_values_of_another_type_or_infinite_are_refused(capsys, tmp_path, user_model, override, needle):
-    assert main(["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", override, "--dry-run"]) == 2
+    assert (
+        main(["run", "target=jetson-orin", f"model={user_model}", f"out={tmp_path / 'run'}", override, "--dry-run"])
+        == 2
+    )
     assert needle in _last_error(capsys)
 
 
@@ -411,7 +458,9 @@ def test_a_safetensors_header_nested_too_deeply_exits_2(capsys, tmp_path, user_m
 
 
 def test_a_home_folder_of_no_user_exits_2(capsys, tmp_path):
-    assert main(["run", "target=jetson-orin", "model=~nosuchuser-compress/x", f"out={tmp_path / 'run'}", "--dry-run"]) == 2
+    assert (
+        main(["run", "target=jetson-orin", "model=~nosuchuser-compress/x", f"out={tmp_path / 'run'}", "--dry-run"]) == 2
+    )
     assert "model=~nosuchuser-compress/x" in _last_error(capsys)
 
 
@@ -439,8 +488,17 @@ def test_a_signal_while_a_failure_is_recorded_is_held_until_it_is_written():
 
 def test_sigterm_then_sigint_during_export_leaves_the_run_marked_failed(tmp_path, tiny_llama_deep):
     out = tmp_path / "run"
-    command = [sys.executable, "-m", "compress", "run", "target=jetson-orin", "recipe=baseline", f"model={tiny_llama_deep}",
-               f"out={out}", *TINY_SMOKE]
+    command = [
+        sys.executable,
+        "-m",
+        "compress",
+        "run",
+        "target=jetson-orin",
+        "recipe=baseline",
+        f"model={tiny_llama_deep}",
+        f"out={out}",
+        *TINY_SMOKE,
+    ]
     proc = subprocess.Popen(command, env=ENV, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None and not list(out.glob(".tmp-02_export_onnx-*")):

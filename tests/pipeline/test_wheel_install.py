@@ -23,8 +23,24 @@ from tests.conftest import REPO
 def installed(tmp_path_factory) -> Path:
     """The interpreter of a fresh venv with the compress wheel installed in it."""
     root = tmp_path_factory.mktemp("wheel")
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(root / "dist"), str(REPO)],
-                   check=True, capture_output=True, text=True, timeout=600)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(root / "dist"),
+            str(REPO),
+        ],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     wheel = next((root / "dist").glob("compress-*.whl"))
     env = root / "venv"
     venv.create(env, with_pip=False)
@@ -43,15 +59,22 @@ def _compress(python: Path, cwd: Path, *args: str) -> subprocess.CompletedProces
 
 
 def test_the_installed_wheel_is_the_one_imported(installed, tmp_path):
-    proc = subprocess.run([str(installed), "-c", "import compress; print(compress.__file__)"], cwd=tmp_path, capture_output=True,
-                          text=True, check=True)
+    proc = subprocess.run(
+        [str(installed), "-c", "import compress; print(compress.__file__)"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert not Path(proc.stdout.strip()).is_relative_to(REPO)
 
 
 def test_ls_recipes_and_targets_from_the_wheel(installed, tmp_path):
     recipes = _compress(installed, tmp_path, "ls", "recipes")
     assert recipes.returncode == 0, recipes.stderr
-    assert {"default", "smoke", "int8", "int4", "encoder-int8", "thor-fp8"} <= {line.split()[0] for line in recipes.stdout.splitlines()}
+    assert {"default", "smoke", "int8", "int4", "encoder-int8", "thor-fp8"} <= {
+        line.split()[0] for line in recipes.stdout.splitlines()
+    }
     targets = _compress(installed, tmp_path, "ls", "targets")
     assert targets.returncode == 0, targets.stderr
     assert "jetson-orin-nano-8gb" in targets.stdout and "jetson-agx-thor" in targets.stdout

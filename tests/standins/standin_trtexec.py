@@ -35,8 +35,13 @@ def main(argv: list[str]) -> int:
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED) if strongly else 0)
     trt.OnnxParser(network, None).parse_from_file(options["onnx"])
     config = builder.create_builder_config()
-    for flag, name in (("fp16", "FP16"), ("int8", "INT8"), ("int4", "INT4"), ("versionCompatible", "VERSION_COMPATIBLE"),
-                       ("sparsity", "SPARSE_WEIGHTS")):
+    for flag, name in (
+        ("fp16", "FP16"),
+        ("int8", "INT8"),
+        ("int4", "INT4"),
+        ("versionCompatible", "VERSION_COMPATIBLE"),
+        ("sparsity", "SPARSE_WEIGHTS"),
+    ):
         if flag in options:
             config.set_flag(getattr(trt.BuilderFlag, name))
     low, opt, high = (_shapes(options[f"{kind}Shapes"]) for kind in ("min", "opt", "max"))

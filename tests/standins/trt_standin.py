@@ -189,7 +189,9 @@ def _session(model_bytes: bytes):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
-    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_BASIC  # plain arithmetic, no fused integer kernels
+    options.graph_optimization_level = (
+        ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    )  # plain arithmetic, no fused integer kernels
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 
@@ -229,8 +231,14 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
     trt.MemoryPoolType = enum.IntEnum("MemoryPoolType", {"WORKSPACE": 0})
     trt.DataType = enum.IntEnum("DataType", {"FLOAT": 0, "HALF": 1, "INT8": 2, "INT32": 3, "BOOL": 4, "INT64": 8})
     trt.TensorIOMode = enum.IntEnum("TensorIOMode", {"NONE": 0, "INPUT": 1, "OUTPUT": 2})
-    to_trt = {TensorProto.FLOAT: trt.DataType.FLOAT, TensorProto.FLOAT16: trt.DataType.HALF, TensorProto.INT64: trt.DataType.INT64,
-              TensorProto.INT32: trt.DataType.INT32, TensorProto.BOOL: trt.DataType.BOOL, TensorProto.INT8: trt.DataType.INT8}
+    to_trt = {
+        TensorProto.FLOAT: trt.DataType.FLOAT,
+        TensorProto.FLOAT16: trt.DataType.HALF,
+        TensorProto.INT64: trt.DataType.INT64,
+        TensorProto.INT32: trt.DataType.INT32,
+        TensorProto.BOOL: trt.DataType.BOOL,
+        TensorProto.INT8: trt.DataType.INT8,
+    }
 
     class OnnxParser:
         def __init__(self, network: _Network, logger: Logger) -> None:
@@ -248,8 +256,15 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
             self.network.model = model
 
             def describe(values):
-                return [(v.name, v.type.tensor_type.elem_type,
-                         [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim]) for v in values]
+                return [
+                    (
+                        v.name,
+                        v.type.tensor_type.elem_type,
+                        [d.dim_value if d.HasField("dim_value") else -1 for d in v.type.tensor_type.shape.dim],
+                    )
+                    for v in values
+                ]
+
             self.network.inputs, self.network.outputs = describe(model.graph.input), describe(model.graph.output)
             return True
 
@@ -297,7 +312,9 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
     def check_build(network: _Network, config: BuilderConfig) -> str | None:
         precision_flags = {f for f in config.flags if f.name in ("FP16", "INT8", "INT4")}
         if network.strongly_typed and precision_flags:
-            return f"precision flags {sorted(f.name for f in precision_flags)} are not allowed on a strongly typed network"
+            return (
+                f"precision flags {sorted(f.name for f in precision_flags)} are not allowed on a strongly typed network"
+            )
         scales = _int4_dq_scales(network.model)
         if scales and not network.strongly_typed and "INT4" not in {f.name for f in config.flags}:
             return "INT4 weight-only quantization in a weakly typed network needs BuilderFlag.INT4"
@@ -344,11 +361,17 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
             if problem:
                 error(problem)
                 return None
-            engine = {"version": version, "sm": built_sm, "version_compatible": trt.BuilderFlag.VERSION_COMPATIBLE in config.flags,
-                      "strongly_typed": network.strongly_typed, "flags": sorted(f.name for f in config.flags),
-                      "inputs": network.inputs, "outputs": network.outputs,
-                      "profiles": [{n: [list(s) for s in shapes] for n, shapes in p.shapes.items()} for p in config.profiles],
-                      "onnx": base64.b64encode(network.model.SerializeToString()).decode()}
+            engine = {
+                "version": version,
+                "sm": built_sm,
+                "version_compatible": trt.BuilderFlag.VERSION_COMPATIBLE in config.flags,
+                "strongly_typed": network.strongly_typed,
+                "flags": sorted(f.name for f in config.flags),
+                "inputs": network.inputs,
+                "outputs": network.outputs,
+                "profiles": [{n: [list(s) for s in shapes] for n, shapes in p.shapes.items()} for p in config.profiles],
+                "onnx": base64.b64encode(network.model.SerializeToString()).decode(),
+            }
             return json.dumps(engine).encode()
 
     class ExecutionContext:
@@ -402,7 +425,9 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
                 error("execute_async_v3: every input and output needs its own non-null, 256-byte-aligned address")
                 return False
             views = {}
-            for (name, elem, _), pointer in zip(self.engine.spec["inputs"] + self.engine.spec["outputs"], pointers, strict=True):
+            for (name, elem, _), pointer in zip(
+                self.engine.spec["inputs"] + self.engine.spec["outputs"], pointers, strict=True
+            ):
                 size = int(np.prod(shapes[name], dtype=np.int64)) * np.dtype(_NUMPY[elem]).itemsize
                 views[name] = cuda.device_bytes(pointer, max(size, 1))
                 if views[name] is None:
@@ -410,8 +435,14 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
                     return False
 
             def run() -> None:
-                feeds = {name: np.frombuffer(views[name], dtype=_NUMPY[elem], count=int(np.prod(shapes[name], dtype=np.int64)))
-                         .reshape(shapes[name]).copy() for name, elem, _ in self.engine.spec["inputs"]}
+                feeds = {
+                    name: np.frombuffer(
+                        views[name], dtype=_NUMPY[elem], count=int(np.prod(shapes[name], dtype=np.int64))
+                    )
+                    .reshape(shapes[name])
+                    .copy()
+                    for name, elem, _ in self.engine.spec["inputs"]
+                }
                 values = self.engine.session.run(None, feeds)
                 for (name, elem, _), value in zip(self.engine.spec["outputs"], values, strict=True):
                     data = np.ascontiguousarray(value, dtype=_NUMPY[elem]).tobytes()
@@ -481,7 +512,9 @@ def make_tensorrt(cuda: StandInCuda, version: str = "10.3.0", sm: int | None = N
     return trt
 
 
-def install(monkeypatch, cuda: StandInCuda | None = None, version: str = "10.3.0") -> tuple[StandInCuda, types.ModuleType]:
+def install(
+    monkeypatch, cuda: StandInCuda | None = None, version: str = "10.3.0"
+) -> tuple[StandInCuda, types.ModuleType]:
     """Put the stand-ins where ``import tensorrt`` and ``from cuda.bindings import runtime`` find them."""
     cuda = cuda or StandInCuda()
     runtime = cuda.module()
@@ -491,7 +524,12 @@ def install(monkeypatch, cuda: StandInCuda | None = None, version: str = "10.3.0
     package.bindings = bindings
     package.__path__ = []
     trt = make_tensorrt(cuda, version)
-    for name, module in (("cuda", package), ("cuda.bindings", bindings), ("cuda.bindings.runtime", runtime), ("tensorrt", trt)):
+    for name, module in (
+        ("cuda", package),
+        ("cuda.bindings", bindings),
+        ("cuda.bindings.runtime", runtime),
+        ("tensorrt", trt),
+    ):
         module.__spec__ = importlib.machinery.ModuleSpec(name, None)
         monkeypatch.setitem(sys.modules, name, module)
     return cuda, trt

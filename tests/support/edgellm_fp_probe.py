@@ -38,9 +38,13 @@ def main(checkpoint: str, out: str, quantize_activations: bool) -> None:
                 x_q = ops.fp8_dequantize(ops.fp8_quantize(x, module.input_scale), module.input_scale)
                 weight = ops.fp8_dequantize(module.weight, module.weight_scale)
             elif is_nvfp4_linear(module):
-                x = _input(module.in_features, float(module.input_scale) * 6 * 448 if quantize_activations else 4.0, index)
+                x = _input(
+                    module.in_features, float(module.input_scale) * 6 * 448 if quantize_activations else 4.0, index
+                )
                 x_q = ops.nvfp4_act_qdq(x, module.input_scale) if module.quantize_activations else x.clone()
-                weight = ops.nvfp4_dequantize(module.weight, module.weight_scale, module.weight_scale_2, module.group_size)
+                weight = ops.nvfp4_dequantize(
+                    module.weight, module.weight_scale, module.weight_scale_2, module.group_size
+                )
             else:
                 continue
             dumped.update({f"{name}.x": x, f"{name}.x_q": x_q, f"{name}.weight": weight, f"{name}.y": module(x),

@@ -19,7 +19,13 @@ from safetensors.torch import save_file
 from tensorrt_edgellm import AutoModel
 from tensorrt_edgellm.checkpoint.loader import _unpack_awq_prepacked
 from tensorrt_edgellm.config import _parse_quant
-from tensorrt_edgellm.models.linear import FP8Linear, FP16Linear, INT8SQLinear, ModelOptAWQPrepackedLinear, NVFP4LinearMethod
+from tensorrt_edgellm.models.linear import (
+    FP8Linear,
+    FP16Linear,
+    INT8SQLinear,
+    ModelOptAWQPrepackedLinear,
+    NVFP4LinearMethod,
+)
 
 
 def raw_tensor(checkpoint: str, name: str) -> torch.Tensor:

@@ -42,10 +42,14 @@ def _add_tokenizer(writer, folder: Path) -> None:
 
 def _interleave_rotary_rows(weight: np.ndarray, heads: int) -> np.ndarray:
     """llama.cpp's layout of Llama's q/k rows (the inverse of what transformers applies on load)."""
-    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    return (
+        weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+    )
 
 
-def write_gguf(folder: Path, path: Path, general_name: str = "tiny", extra_tensors: dict[str, np.ndarray] | None = None) -> Path:
+def write_gguf(
+    folder: Path, path: Path, general_name: str = "tiny", extra_tensors: dict[str, np.ndarray] | None = None
+) -> Path:
     """Write the model and tokenizer in ``folder`` as a float32 GGUF file (plus ``extra_tensors`` by GGUF name)."""
     from gguf import MODEL_ARCH, MODEL_ARCH_NAMES, GGUFWriter, get_tensor_name_map
 
@@ -68,7 +72,9 @@ def write_gguf(folder: Path, path: Path, general_name: str = "tiny", extra_tenso
     rope = config.get("rope_parameters") or {}
     rope = rope.get("full_attention", rope)  # Gemma 3 keeps one per layer kind; GGUF holds the full-attention one
     writer.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0)))
+    writer.add_rope_dimension_count(
+        int(head_dim * rope.get("partial_rotary_factor", config.get("partial_rotary_factor") or 1.0))
+    )
     if config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
     writer.add_vocab_size(config["vocab_size"])

@@ -12,7 +12,19 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "compress"
 # Lowest first: a module may import from its own layer and the layers before it.
-LAYERS = ("catalog", "core", "models", "algorithms", "transforms", "backends", "eval", "report", "pipeline", "runtime", "cli")
+LAYERS = (
+    "catalog",
+    "core",
+    "models",
+    "algorithms",
+    "transforms",
+    "backends",
+    "eval",
+    "report",
+    "pipeline",
+    "runtime",
+    "cli",
+)
 LAZY_MARK = "lazy:"  # in a comment on the import or the line above it: why the import waits
 
 
@@ -35,7 +47,12 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
     top_level = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "compress" and node.level == 0:
+        if (
+            isinstance(node, ast.ImportFrom)
+            and node.module
+            and node.module.split(".")[0] == "compress"
+            and node.level == 0
+        ):
             names = [f"{node.module}.{alias.name}" for alias in node.names]
             target = next((n for n in names if _is_module(n)), node.module)
             found.append((target if _is_module(target) else node.module, node.lineno, id(node) in top_level))
@@ -48,7 +65,9 @@ def imports_of(path: Path) -> list[tuple[str, int, bool]]:
 
 def _is_module(name: str) -> bool:
     relative = Path(*name.split("."))
-    return (PACKAGE.parent / relative).with_suffix(".py").is_file() or (PACKAGE.parent / relative / "__init__.py").is_file()
+    return (PACKAGE.parent / relative).with_suffix(".py").is_file() or (
+        PACKAGE.parent / relative / "__init__.py"
+    ).is_file()
 
 
 def _type_checking_lines(path: Path) -> set[int]:
@@ -69,7 +88,9 @@ def graph() -> dict[str, set[str]]:
 
 
 def test_every_module_is_in_a_layer():
-    unplaced = [name for name in MODULES if len(name.split(".")) > 1 and name.split(".")[1] not in (*LAYERS, "__main__")]
+    unplaced = [
+        name for name in MODULES if len(name.split(".")) > 1 and name.split(".")[1] not in (*LAYERS, "__main__")
+    ]
     assert unplaced == []
 
 

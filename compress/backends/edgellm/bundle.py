@@ -76,7 +76,9 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
     return numbers
 
 
-def _linear_numbers(weight_format: str, values: torch.Tensor, quant) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _linear_numbers(
+    weight_format: str, values: torch.Tensor, quant
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """One linear's numbers split into those with a row per output channel and the per-tensor scalars."""
     scalars: dict[str, torch.Tensor] = {}
     if quant.input_scale is not None:
@@ -121,9 +123,13 @@ def run_export(checkpoint: Path, bundle: Path, log_file: Path, arguments: list[s
     log.info("exporting the Edge-LLM bundle: %s", " ".join(command))
     started = time.perf_counter()
     with open(log_file, "w", encoding="utf-8") as output:
-        code = subprocess.run(command, stdout=output, stderr=subprocess.STDOUT, timeout=EXPORT_TIMEOUT_S, check=False).returncode
+        code = subprocess.run(
+            command, stdout=output, stderr=subprocess.STDOUT, timeout=EXPORT_TIMEOUT_S, check=False
+        ).returncode
     if code != 0:
-        last = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()][-1:]
+        last = [line for line in log_file.read_text(encoding="utf-8", errors="replace").splitlines() if line.strip()][
+            -1:
+        ]
         raise StageError(f"tensorrt-edgellm-export failed (exit {code}): {last[0] if last else ''} (log: {log_file})")
     return time.perf_counter() - started
 
@@ -137,16 +143,22 @@ def check_custody(quantized_dir: Path, bundle: Path, work: Path) -> dict[str, An
                           capture_output=True, text=True, timeout=EXPORT_TIMEOUT_S, check=False)
     expected.unlink()
     if not report_path.is_file():
-        raise StageError(f"the chain-of-custody check did not run: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}")
+        raise StageError(
+            f"the chain-of-custody check did not run: {proc.stderr.strip().splitlines()[-1:] or proc.returncode}"
+        )
     report = read_json(report_path)
     if report["mismatches"]:
         first = report["mismatches"][0]
-        raise StageError(f"the Edge-LLM bundle does not hold the measured numbers: {first['tensor']}: {first['problem']} "
-                         f"({len(report['mismatches'])} mismatches; see {report_path})")
+        raise StageError(
+            f"the Edge-LLM bundle does not hold the measured numbers: {first['tensor']}: {first['problem']} "
+            f"({len(report['mismatches'])} mismatches; see {report_path})"
+        )
     misread = check_kernel_nodes(report["kernel_nodes"])
     if misread:
-        raise StageError(f"the Edge-LLM bundle holds the measured numbers in a form its kernels would misread: {misread[0]} "
-                         f"({len(misread)} problems; see {report_path})")
+        raise StageError(
+            f"the Edge-LLM bundle holds the measured numbers in a form its kernels would misread: {misread[0]} "
+            f"({len(misread)} problems; see {report_path})"
+        )
     return report
 
 
@@ -155,9 +167,13 @@ def _model_facts(config: dict[str, Any]) -> dict[str, Any]:
     rope = config.get("rope_parameters") or {}
     eos = config.get("eos_token_id")
     return {
-        "vocab_size": config["vocab_size"], "hidden_size": config["hidden_size"], "intermediate_size": config["intermediate_size"],
-        "num_hidden_layers": config["num_hidden_layers"], "num_attention_heads": config["num_attention_heads"],
-        "num_key_value_heads": shape.kv_heads, "head_dim": shape.head_dim,
+        "vocab_size": config["vocab_size"],
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "num_hidden_layers": config["num_hidden_layers"],
+        "num_attention_heads": config["num_attention_heads"],
+        "num_key_value_heads": shape.kv_heads,
+        "head_dim": shape.head_dim,
         "rope_theta": float(config.get("rope_theta") or rope.get("rope_theta") or 10000.0),
         "rope_type": rope.get("rope_type") or rope.get("type") or "default",
         "partial_rotary_factor": float(config.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
@@ -167,7 +183,8 @@ def _model_facts(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def check_bundle_config(bundle: Path, model_config: dict[str, Any]) -> dict[str, Any]:
-    """The bundle's ``llm/config.json`` describes the model it was made from; raises naming the first field that does not."""
+    """The bundle's ``llm/config.json`` describes the model it was made from; raises naming the first field that does
+    not."""
     bundled = read_json(bundle / "llm" / "config.json")
     ours = _model_facts(model_config)
     theirs = _model_facts({**bundled, "rope_parameters": bundled.get("rope_scaling") or {}})
@@ -178,9 +195,9 @@ def check_bundle_config(bundle: Path, model_config: dict[str, Any]) -> dict[str,
 
 
 def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False) -> dict[str, Any]:
-    """Checkpoint, export and check; returns the metrics the stage records. The unified checkpoint (written into ``work``
-    for the exporter) is removed once the bundle is checked unless ``keep_checkpoint``: it holds the quantized folder's
-    numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""
+    """Checkpoint, export and check; returns the metrics the stage records. The unified checkpoint (written into
+    ``work`` for the exporter) is removed once the bundle is checked unless ``keep_checkpoint``: it holds the quantized
+    folder's numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""
     checkpoint, bundle = work / "checkpoint", work / "bundle"
     meta = quantization_meta(quantized_dir) or {}
     check_mixed_plan([*(name for points in (meta.get("plan") or {}).values() for name in points.values()),
@@ -191,7 +208,9 @@ def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False
     custody = check_custody(quantized_dir, bundle, work)
     config = check_bundle_config(bundle, json.loads((Path(quantized_dir) / "config.json").read_text(encoding="utf-8")))
     if config["edgellm_version"] != EDGELLM_VERSION:
-        raise StageError(f"the bundle was written by Edge-LLM {config['edgellm_version']}, this toolkit pins {EDGELLM_VERSION}")
+        raise StageError(
+            f"the bundle was written by Edge-LLM {config['edgellm_version']}, this toolkit pins {EDGELLM_VERSION}"
+        )
     log.info("Edge-LLM bundle: %s, %d tensors compared, all equal; config.json matches the model", summary.quant_algo,
              len(custody["compared"]))
     checkpoint_bytes = path_size(checkpoint)

@@ -47,12 +47,25 @@ from compress.core.errors import UsageError
 from compress.core.versions import __version__
 from compress.models.families import Family, family_of, is_decoder_linear
 from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
-from compress.transforms.quantize.saved import MIXED, LinearQuant, kv_cache_scales, level_values, load_quantization, quantization_meta
+from compress.transforms.quantize.saved import (
+    MIXED,
+    LinearQuant,
+    kv_cache_scales,
+    level_values,
+    load_quantization,
+    quantization_meta,
+)
 
 NVFP4_WEIGHT_ONLY = PRECISIONS["nvfp4_a16"].quant_algo
 HF_QUANT_CONFIG = "hf_quant_config.json"
 MIXED_PRECISION = "MIXED_PRECISION"  # a plan's checkpoint: quantized_layers names each linear's own quant_algo
-_COPIED = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
+_COPIED = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+    "chat_template.jinja",
+)
 
 
 @dataclass(frozen=True)
@@ -76,8 +89,10 @@ def grid_values(name: str, quant: LinearQuant) -> torch.Tensor:
     """The grid values the quantize stage stored for a linear: integers (int8), E4M3 values (FP8) or E2M1 values (NVFP4,
     float32); refuses a linear whose input is rotated online (the format has no slot for it)."""
     if quant.rotation:
-        raise UsageError(f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
-                         "cannot express; quantize with quantize.hadamard_block=0")
+        raise UsageError(
+            f"{name}: its input is Hadamard-rotated online (block {quant.rotation}), which the unified checkpoint "
+            "cannot express; quantize with quantize.hadamard_block=0"
+        )
     values = level_values(quant)
     if quant.format.weight_format != "int":
         return values
@@ -89,7 +104,8 @@ def grid_values(name: str, quant: LinearQuant) -> torch.Tensor:
 
 
 def pack_int4(integers: torch.Tensor) -> torch.Tensor:
-    """``[out, in]`` int4 values in int8 -> ``[out / 2, in]`` uint8, even rows low nibble, odd rows high (two's complement)."""
+    """``[out, in]`` int4 values in int8 -> ``[out / 2, in]`` uint8, even rows low nibble, odd rows high (two's
+    complement)."""
     if integers.shape[0] % 2:
         raise UsageError(f"INT4 packing needs an even number of output channels, got {integers.shape[0]}")
     low = integers[0::2].to(torch.int16) & 0xF
@@ -112,11 +128,17 @@ def _linear_tensors(name: str, quant: LinearQuant) -> dict[str, torch.Tensor]:
     if weight_format == "fp8":
         if quant.input_scale is None:
             raise UsageError(f"{name}: FP8 needs a calibrated input scale")
-        return {f"{name}.weight": values.to(torch.float8_e4m3fn), f"{name}.weight_scale": quant.weight_scales.float().reshape(()),
-                f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32)}
+        return {
+            f"{name}.weight": values.to(torch.float8_e4m3fn),
+            f"{name}.weight_scale": quant.weight_scales.float().reshape(()),
+            f"{name}.input_scale": torch.tensor(quant.input_scale, dtype=torch.float32),
+        }
     if weight_format == "nvfp4":
-        tensors = {f"{name}.weight": pack_fp4(e2m1_codes(values)), f"{name}.weight_scale": quant.weight_scales.to(torch.float8_e4m3fn),
-                   f"{name}.weight_scale_2": torch.tensor(quant.global_scale, dtype=torch.float32)}
+        tensors = {
+            f"{name}.weight": pack_fp4(e2m1_codes(values)),
+            f"{name}.weight_scale": quant.weight_scales.to(torch.float8_e4m3fn),
+            f"{name}.weight_scale_2": torch.tensor(quant.global_scale, dtype=torch.float32),
+        }
         if quant.input_scale is not None:
             tensors[f"{name}.input_scale"] = torch.tensor(quant.input_scale, dtype=torch.float32)
         return tensors
@@ -144,9 +166,9 @@ class _Shards:
 
 
 def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummary:
-    """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``, one
-    shard per decoder block (and one for the rest) named by ``model.safetensors.index.json``: one block's tensors in memory
-    at a time."""
+    """Write the quantized folder ``quantized_dir`` (weights on their grid + scales) as a unified checkpoint in ``out``,
+    one shard per decoder block (and one for the rest) named by ``model.safetensors.index.json``: one block's tensors in
+    memory at a time."""
     quantized_dir, out = Path(quantized_dir), Path(out)
     meta = quantization_meta(quantized_dir)
     if meta is None:
@@ -164,7 +186,11 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     for number, prefix in enumerate([*prefixes, None], start=1):
         linears = load_quantization(quantized_dir, prefix)[1] if prefix else _outside_blocks(quantized_dir, outside)
         tensors = _quantized_tensors(linears, meta.get("format", "int"), shards)
-        keys = [k for k in source.names() if (k.startswith(prefix) if prefix else not any(k.startswith(p) for p in prefixes))]
+        keys = [
+            k
+            for k in source.names()
+            if (k.startswith(prefix) if prefix else not any(k.startswith(p) for p in prefixes))
+        ]
         tensors.update(_float_tensors(source.read(keys), linears, family, shards))
         if prefix and kv_scales:
             tensors[f"{prefix}self_attn.k_proj.k_scale"] = torch.tensor(kv_scales[number - 1][0], dtype=torch.float32)
@@ -185,8 +211,10 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
 def _quantized_tensors(linears: dict[str, LinearQuant], weight_format: str, shards: _Shards) -> dict[str, torch.Tensor]:
     """The checkpoint tensors of one shard's quantized linears, each linear's algorithm recorded in ``shards``."""
     if weight_format == "fp8" and any(q.weight_scales.dim() for q in linears.values()):
-        raise UsageError("per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
-                         "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor")
+        raise UsageError(
+            "per-channel FP8 weight scales have no unified-checkpoint format that Edge-LLM's FP8 linears read "
+            "(one scale per tensor); quantize with quantize.fp8_weight_scale=tensor"
+        )
     tensors: dict[str, torch.Tensor] = {}
     for name, quant in linears.items():
         grouped = quant.format.weight_format == "int" and quant.group_size
@@ -213,7 +241,9 @@ def _float_tensors(read: dict[str, torch.Tensor], linears: dict[str, LinearQuant
     return tensors
 
 
-def _quantization_block(meta: dict[str, Any], fp8_kv_cache: bool, outside: list[str], shards: _Shards) -> dict[str, Any]:
+def _quantization_block(
+    meta: dict[str, Any], fp8_kv_cache: bool, outside: list[str], shards: _Shards
+) -> dict[str, Any]:
     """The ``quantization`` block of ``hf_quant_config.json`` (and of ``config.json``'s ``quantization_config``)."""
     block = {"quant_algo": quant_algorithm(meta), "kv_cache_quant_algo": "FP8" if fp8_kv_cache else None,
              "exclude_modules": [*(["lm_head"] if "lm_head" not in outside else []), *sorted(shards.float_linears)]}

@@ -1,5 +1,5 @@
-"""What the pinned TensorRT Edge-LLM release's kernels take: the contract table, and the checks that hold plans and bundles
-to it.
+"""What the pinned TensorRT Edge-LLM release's kernels take: the contract table, and the checks that hold plans and
+bundles to it.
 
 A bundle can hold exactly our numbers and still fail to build, or build and be misread, when the
 runtime's kernels do not take its shapes or formats: Edge-LLM 0.11's exporter passes an INT4
@@ -45,73 +45,141 @@ INT4_PLUGINS = ("Int4GroupwiseGemmPluginV2", "Int4GroupwiseGemmPlugin")  # the e
 HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
 LM_HEAD_QUANTIZATIONS = ("fp8", "int4_awq", "nvfp4", "mxfp8")
-LM_HEAD_FORMATS = ("fp8", "int4", "nvfp4")  # compress's formats among them (a target runs those its GPU has: Orin INT4 only)
+LM_HEAD_FORMATS = (
+    "fp8",
+    "int4",
+    "nvfp4",
+)  # compress's formats among them (a target runs those its GPU has: Orin INT4 only)
 
-RULES: dict[str, KernelRule] = {rule.name: rule for rule in (
-    KernelRule("int4-group-size", f"INT4 weights in groups of {INT4_GROUP_SIZE} input channels only",
-               "V2: plugins/int4GroupwiseGemmPluginV2/cuteDslInt4Gemv.cpp bakes kGemvGroupSize = 128 and sizes the scale rows "
-               "ceil(K/128), and int4GroupwiseGemmPluginV2.cpp launches its GEMV and GEMM with N and K only; V1: "
-               "kernels/int4GroupwiseGemmKernels/int4WoQGemvCuda.cu throws \"Unsupported group size\" (in the 0.11.0 wheel's "
-               "libNvInfer_edgellm_plugin.so)"),
-    KernelRule("int4-alignment", f"INT4 linears with N and K multiples of {INT4_ALIGNMENT}, and K a multiple of the group size",
-               f"{EXPORTER} checkpoint/repacking.py repack_to_cutedsl_fragment refuses other shapes; "
-               "plugins/int4GroupwiseGemmPluginV2/int4GroupwiseGemmPluginV2.cpp enqueue returns -1 unless K % 64 == 0"),
-    KernelRule("int4-scale-layout", "INT4 scales as FP16 [K / group size, N] and weights in the plugin's packed layout",
-               "plugins/int4GroupwiseGemmPluginV2/int4GroupwiseGemmPluginV2.cpp supportsFormatCombination (inputs 1 and 2)"),
-    KernelRule("int4-plugin", f"INT4 linears run on {' or '.join(INT4_PLUGINS)} (the exporter's --int4-gemm-plugin-version, "
-                              "2 by default)", f"{EXPORTER} scripts/export.py, models/ops.py int4_gemm_plugin_version"),
-    KernelRule("fp8-weight-scale", "FP8 linears with one weight scale per tensor",
-               f"{EXPORTER} models/linear.py (an FP8 linear's weight_scale is one scalar), checkpoint/repacking.py "
-               "_cast_fp8_linear_scales (cast to FP16)"),
-    KernelRule("int4-kv-cache", "no FP8 KV cache read from a W4A16_AWQ checkpoint", f"{EXPORTER} config.py (kv_cache_quant_algo)"),
-    KernelRule("online-rotation", "no online input rotation: the unified checkpoint has no slot for one",
-               f"{EXPORTER} checkpoint/loader.py (the tensors a linear may have)"),
-    KernelRule("head-size", f"attention head sizes {', '.join(map(str, HEAD_DIMS))}",
-               "fmha_v2_d64/d128/d256/d512 prefill kernels in the 0.11.0 wheel's libNvInfer_edgellm_plugin.so"),
-    KernelRule("gqa", "a whole number of query heads per KV head", f"{EXPORTER} models/ops.py (AttentionPlugin's num_q_heads and "
-                                                                   "num_kv_heads)"),
-    KernelRule("one-head-count", "one num_attention_heads for every layer (the bundle's config.json holds one)",
-               f"{EXPORTER} config.py (num_attention_heads, head_dim)"),
-    KernelRule("uniform-layers", "one attention kind for every layer", f"{EXPORTER} config.py (_VALID_ATTENTION_LAYER_TYPES); "
-                                                                       "compress deploys uniform stacks only"),
-    KernelRule("sliding-window", "a sliding window no shorter than the context: compress has not checked Edge-LLM's sliding-window "
-               "attention against transformers (the portable ONNX computes each sliding layer's banded mask and is checked)",
-               f"{EXPORTER} config.py (sliding_window_size, read when use_sliding_window or a sliding layer type is set)"),
-    KernelRule("model-type", f"decoder families {', '.join(SUPPORTED_MODEL_TYPES)}",
-               f"{EXPORTER} models/default/modeling_default.py, and compress's tests of each through the exporter"),
-    KernelRule("mixed-precision", "a MIXED_PRECISION checkpoint lists each quantized linear with its quant_algo (and group_size); "
-               "W4A16_NVFP4 there is read as NVFP4 W4A4 except on Nemotron-H",
-               f"{EXPORTER} config.py _parse_mixed_precision and _algo_to_quant_type"),
-    KernelRule("mixed-nvfp4-integers", "no NVFP4 linear beside INT8 or INT4 ones in one MIXED_PRECISION checkpoint: once any linear "
-               "is NVFP4 the exporter reinterprets every int8 weight initializer as packed FP4 (an INT8 [N, K] weight becomes "
-               "FP4 [N, 2K]), so the INT8 and INT4 linears would be misread",
-               f"{EXPORTER} onnx/export.py _fix_nvfp4_weight_dtype, run when config.quant.uses_nvfp4_weights"),
-    KernelRule("lm-head", f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); a MIXED_PRECISION "
-               "checkpoint lists lm_head with its own quant_algo and tensors, and a tied head that is quantized is built from them "
-               "(not cloned from the embedding table); compress quantizes it only in quantize.method=auto",
-               f"{EXPORTER} scripts/quantize.py --lm_head_quantization; config.py module_quant_type; checkpoint/loader.py "
-               "load_weights (tie_weights only for an FP16 lm_head)"),
-)}
+RULES: dict[str, KernelRule] = {
+    rule.name: rule
+    for rule in (
+        KernelRule(
+            "int4-group-size",
+            f"INT4 weights in groups of {INT4_GROUP_SIZE} input channels only",
+            "V2: plugins/int4GroupwiseGemmPluginV2/cuteDslInt4Gemv.cpp bakes kGemvGroupSize = 128 and sizes the scale "
+            "rows ceil(K/128), and int4GroupwiseGemmPluginV2.cpp launches its GEMV and GEMM with N and K only; V1: "
+            'kernels/int4GroupwiseGemmKernels/int4WoQGemvCuda.cu throws "Unsupported group size" (in the 0.11.0 '
+            'wheel\'s '
+            "libNvInfer_edgellm_plugin.so)",
+        ),
+        KernelRule(
+            "int4-alignment",
+            f"INT4 linears with N and K multiples of {INT4_ALIGNMENT}, and K a multiple of the group size",
+            f"{EXPORTER} checkpoint/repacking.py repack_to_cutedsl_fragment refuses other shapes; "
+            "plugins/int4GroupwiseGemmPluginV2/int4GroupwiseGemmPluginV2.cpp enqueue returns -1 unless K % 64 == 0",
+        ),
+        KernelRule(
+            "int4-scale-layout",
+            "INT4 scales as FP16 [K / group size, N] and weights in the plugin's packed layout",
+            "plugins/int4GroupwiseGemmPluginV2/int4GroupwiseGemmPluginV2.cpp supportsFormatCombination (inputs 1 and "
+            "2)",
+        ),
+        KernelRule(
+            "int4-plugin",
+            f"INT4 linears run on {' or '.join(INT4_PLUGINS)} (the exporter's --int4-gemm-plugin-version, "
+            "2 by default)",
+            f"{EXPORTER} scripts/export.py, models/ops.py int4_gemm_plugin_version",
+        ),
+        KernelRule(
+            "fp8-weight-scale",
+            "FP8 linears with one weight scale per tensor",
+            f"{EXPORTER} models/linear.py (an FP8 linear's weight_scale is one scalar), checkpoint/repacking.py "
+            "_cast_fp8_linear_scales (cast to FP16)",
+        ),
+        KernelRule(
+            "int4-kv-cache",
+            "no FP8 KV cache read from a W4A16_AWQ checkpoint",
+            f"{EXPORTER} config.py (kv_cache_quant_algo)",
+        ),
+        KernelRule(
+            "online-rotation",
+            "no online input rotation: the unified checkpoint has no slot for one",
+            f"{EXPORTER} checkpoint/loader.py (the tensors a linear may have)",
+        ),
+        KernelRule(
+            "head-size",
+            f"attention head sizes {', '.join(map(str, HEAD_DIMS))}",
+            "fmha_v2_d64/d128/d256/d512 prefill kernels in the 0.11.0 wheel's libNvInfer_edgellm_plugin.so",
+        ),
+        KernelRule(
+            "gqa",
+            "a whole number of query heads per KV head",
+            f"{EXPORTER} models/ops.py (AttentionPlugin's num_q_heads and num_kv_heads)",
+        ),
+        KernelRule(
+            "one-head-count",
+            "one num_attention_heads for every layer (the bundle's config.json holds one)",
+            f"{EXPORTER} config.py (num_attention_heads, head_dim)",
+        ),
+        KernelRule(
+            "uniform-layers",
+            "one attention kind for every layer",
+            f"{EXPORTER} config.py (_VALID_ATTENTION_LAYER_TYPES); compress deploys uniform stacks only",
+        ),
+        KernelRule(
+            "sliding-window",
+            "a sliding window no shorter than the context: compress has not checked Edge-LLM's sliding-window "
+            "attention against transformers (the portable ONNX computes each sliding layer's banded mask and is "
+            "checked)",
+            f"{EXPORTER} config.py (sliding_window_size, read when use_sliding_window or a sliding layer type is set)",
+        ),
+        KernelRule(
+            "model-type",
+            f"decoder families {', '.join(SUPPORTED_MODEL_TYPES)}",
+            f"{EXPORTER} models/default/modeling_default.py, and compress's tests of each through the exporter",
+        ),
+        KernelRule(
+            "mixed-precision",
+            "a MIXED_PRECISION checkpoint lists each quantized linear with its quant_algo (and group_size); "
+            "W4A16_NVFP4 there is read as NVFP4 W4A4 except on Nemotron-H",
+            f"{EXPORTER} config.py _parse_mixed_precision and _algo_to_quant_type",
+        ),
+        KernelRule(
+            "mixed-nvfp4-integers",
+            "no NVFP4 linear beside INT8 or INT4 ones in one MIXED_PRECISION checkpoint: once any linear "
+            "is NVFP4 the exporter reinterprets every int8 weight initializer as packed FP4 (an INT8 [N, K] weight "
+            "becomes "
+            "FP4 [N, 2K]), so the INT8 and INT4 linears would be misread",
+            f"{EXPORTER} onnx/export.py _fix_nvfp4_weight_dtype, run when config.quant.uses_nvfp4_weights",
+        ),
+        KernelRule(
+            "lm-head",
+            f"lm_head quantization {', '.join(LM_HEAD_QUANTIZATIONS)} (on Orin int4_awq only); a MIXED_PRECISION "
+            "checkpoint lists lm_head with its own quant_algo and tensors, and a tied head that is quantized is built "
+            "from them "
+            "(not cloned from the embedding table); compress quantizes it only in quantize.method=auto",
+            f"{EXPORTER} scripts/quantize.py --lm_head_quantization; config.py module_quant_type; checkpoint/loader.py "
+            "load_weights (tie_weights only for an FP16 lm_head)",
+        ),
+    )
+}
 
 
 def check_model_type(model_config: dict[str, Any]) -> None:
     """Refuse a decoder family the pinned Edge-LLM does not export."""
     model_type = model_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UsageError(f"export_edgellm: model_type {model_type!r} is not supported for Edge-LLM deployment "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}): the pinned exporter takes {RULES['model-type']}; a recipe "
-                         "that ends at export_onnx (recipe=int8 or recipe=int4) gives the portable Q/DQ ONNX")
+        raise UsageError(
+            f"export_edgellm: model_type {model_type!r} is not supported for Edge-LLM deployment "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)}): the pinned exporter takes {RULES['model-type']}; a "
+            "recipe that ends at export_onnx (recipe=int8 or recipe=int4) gives the portable Q/DQ ONNX"
+        )
 
 
 def check_attention_shape(model_config: dict[str, Any]) -> None:
     """Refuse attention shapes the pinned Edge-LLM's attention plugin has no kernels for, and mixed layer types."""
     heads, kv_heads, head_dim = attention_geometry(model_config)
     if heads % kv_heads:
-        raise UsageError(f"export_edgellm: {heads} query heads cannot share {kv_heads} KV heads evenly; Edge-LLM's attention "
-                         f"plugin takes {RULES['gqa']}")
+        raise UsageError(
+            f"export_edgellm: {heads} query heads cannot share {kv_heads} KV heads evenly; Edge-LLM's attention "
+            f"plugin takes {RULES['gqa']}"
+        )
     if head_dim not in HEAD_DIMS:
-        raise UsageError(f"export_edgellm: head_dim {head_dim} has no prefill attention kernel in Edge-LLM {EDGELLM_VERSION}, "
-                         f"which takes {RULES['head-size']}; deploy through export_onnx instead")
+        raise UsageError(
+            f"export_edgellm: head_dim {head_dim} has no prefill attention kernel in Edge-LLM {EDGELLM_VERSION}, "
+            f"which takes {RULES['head-size']}; deploy through export_onnx instead"
+        )
     layer_types = model_config.get("layer_types")
     if layer_types and len(set(layer_types)) > 1:
         raise UsageError("export_edgellm: the model mixes layer types (" + ", ".join(sorted(set(layer_types))) + "); "
@@ -119,22 +187,26 @@ def check_attention_shape(model_config: dict[str, Any]) -> None:
 
 
 def check_attention_window(model_config: dict[str, Any], target: Target) -> None:
-    """Refuse a bundle of a model whose sliding window is shorter than the target's context, where the bundle's attention
-    would differ from full attention and nothing here has checked it."""
+    """Refuse a bundle of a model whose sliding window is shorter than the target's context, where the bundle's
+    attention would differ from full attention and nothing here has checked it."""
     window = attention_window(model_config)
     context = target.budgets.context_length
     if window is not None and window < context:
-        raise UsageError(f"export_edgellm: sliding_window={window} is shorter than the target's context_length {context}; a bundle "
-                         f"takes {RULES['sliding-window']}; end the recipe at export_onnx (recipe=int8 or recipe=int4), or set "
-                         f"budgets.context_length={window} or below")
+        raise UsageError(
+            f"export_edgellm: sliding_window={window} is shorter than the target's context_length {context}; a bundle "
+            f"takes {RULES['sliding-window']}; end the recipe at export_onnx (recipe=int8 or recipe=int4), or set "
+            f"budgets.context_length={window} or below"
+        )
 
 
 def check_precision_on_target(edgellm_precision: str, target: Target) -> None:
-    """Refuse a precision the pinned Edge-LLM does not run on the target (the target's ``edgellm.precisions``, from Edge-LLM's
-    support matrix)."""
+    """Refuse a precision the pinned Edge-LLM does not run on the target (the target's ``edgellm.precisions``, from
+    Edge-LLM's support matrix)."""
     if edgellm_precision not in target.edgellm.precisions:
-        raise UsageError(f"export_edgellm: Edge-LLM {target.edgellm.version} on {target.name} runs "
-                         f"{', '.join(target.edgellm.precisions)}, not {edgellm_precision}; choose another quantize.method")
+        raise UsageError(
+            f"export_edgellm: Edge-LLM {target.edgellm.version} on {target.name} runs "
+            f"{', '.join(target.edgellm.precisions)}, not {edgellm_precision}; choose another quantize.method"
+        )
 
 
 def check_no_online_rotation(quantize) -> None:
@@ -155,11 +227,16 @@ def check_quantization(quantize, model_config: dict[str, Any]) -> None:
         return
     precision = quantize.precision()
     if getattr(quantize, "fp8_weight_scale", "tensor") == "channel":
-        raise UsageError(f"export_edgellm: quantize.fp8_weight_scale=channel, and Edge-LLM takes {RULES['fp8-weight-scale']}; set "
-                         "quantize.fp8_weight_scale=tensor (per-channel FP8 stays in the portable ONNX: end the recipe at export_onnx)")
+        raise UsageError(
+            f"export_edgellm: quantize.fp8_weight_scale=channel, and Edge-LLM takes {RULES['fp8-weight-scale']}; set "
+            "quantize.fp8_weight_scale=tensor (per-channel FP8 stays in the portable ONNX: end the recipe at "
+            "export_onnx)"
+        )
     if quantize.kv_cache == "fp8" and precision == "int4":
-        raise UsageError(f"export_edgellm: quantize.kv_cache=fp8 with INT4 weights, and Edge-LLM {EDGELLM_VERSION} takes "
-                         f"{RULES['int4-kv-cache']}; drop quantize.kv_cache=fp8 or quantize with method fp8 or nvfp4")
+        raise UsageError(
+            f"export_edgellm: quantize.kv_cache=fp8 with INT4 weights, and Edge-LLM {EDGELLM_VERSION} takes "
+            f"{RULES['int4-kv-cache']}; drop quantize.kv_cache=fp8 or quantize with method fp8 or nvfp4"
+        )
     if precision == "int4":
         check_int4_shapes(quantize, model_config)
 
@@ -168,25 +245,32 @@ def check_int4_shapes(quantize, model_config: dict[str, Any]) -> None:
     """The INT4 kernels take the group size and every INT4 linear's shape; the message names the linears they do not."""
     group = quantize.scheme()[2]
     if group != INT4_GROUP_SIZE:
-        raise UsageError(f"export_edgellm: quantize.group_size={group}, and Edge-LLM {EDGELLM_VERSION} takes {RULES['int4-group-size']}; "
-                         f"set quantize.group_size={INT4_GROUP_SIZE} (other group sizes stay in the portable ONNX: end the recipe at "
-                         "export_onnx)")
+        raise UsageError(
+            f"export_edgellm: quantize.group_size={group}, and Edge-LLM {EDGELLM_VERSION} takes "
+            f"{RULES['int4-group-size']}; "
+            f"set quantize.group_size={INT4_GROUP_SIZE} (other group sizes stay in the portable ONNX: end the recipe "
+            "at export_onnx)"
+        )
     illegal = {name: shape for name, shape in linear_shapes(model_config).items()
                if not quantize.is_float(name) and not int4_shape_ok(*shape)}
     if illegal:
         shapes = ", ".join(f"{name} {n} x {k}" for name, (n, k) in illegal.items())
-        raise UsageError(f"export_edgellm: {shapes} (out x in): Edge-LLM {EDGELLM_VERSION} takes {RULES['int4-alignment']}, "
-                         f"in groups of {INT4_GROUP_SIZE}; keep those linears FP16 with "
-                         f"quantize.float_linears=[{','.join(sorted({*quantize.float_linears, *illegal}))}] or end the recipe at "
-                         "export_onnx")
+        raise UsageError(
+            f"export_edgellm: {shapes} (out x in): Edge-LLM {EDGELLM_VERSION} takes {RULES['int4-alignment']}, "
+            f"in groups of {INT4_GROUP_SIZE}; keep those linears FP16 with "
+            f"quantize.float_linears=[{','.join(sorted({*quantize.float_linears, *illegal}))}] or end the recipe at "
+            "export_onnx"
+        )
 
 
 def check_mixed_formats(formats: list[str]) -> None:
     """Refuse a candidate format a MIXED_PRECISION checkpoint would be misread in."""
     wrong = [name for name in formats if name not in MIXED_FORMATS]
     if wrong:
-        raise UsageError(f"export_edgellm: quantize.formats has {', '.join(wrong)}, and Edge-LLM {EDGELLM_VERSION} takes "
-                         f"{RULES['mixed-precision']}; choose among {', '.join(MIXED_FORMATS)}")
+        raise UsageError(
+            f"export_edgellm: quantize.formats has {', '.join(wrong)}, and Edge-LLM {EDGELLM_VERSION} takes "
+            f"{RULES['mixed-precision']}; choose among {', '.join(MIXED_FORMATS)}"
+        )
 
 
 # Formats one MIXED_PRECISION bundle cannot hold side by side (RULES["mixed-nvfp4-integers"]).
@@ -201,7 +285,9 @@ def mixed_conflict(formats: Iterable[str]) -> frozenset[str] | None:
 
 def mixed_format_sets(formats: Sequence[str]) -> list[tuple[str, ...]]:
     """The largest subsets of ``formats`` (in their order) that one bundle may hold together."""
-    subsets = [tuple(name for bit, name in enumerate(formats) if mask >> bit & 1) for mask in range(1, 1 << len(formats))]
+    subsets = [
+        tuple(name for bit, name in enumerate(formats) if mask >> bit & 1) for mask in range(1, 1 << len(formats))
+    ]
     legal = [subset for subset in subsets if mixed_conflict(subset) is None]
     return [subset for subset in legal if not any(set(subset) < set(other) for other in legal)]
 
@@ -210,8 +296,10 @@ def check_mixed_plan(formats: Iterable[str]) -> None:
     """Refuse a plan whose formats the pinned exporter cannot put in one bundle."""
     pair = mixed_conflict(formats)
     if pair is not None:
-        raise UsageError(f"export_edgellm: the plan mixes {' and '.join(sorted(pair))}, and Edge-LLM {EDGELLM_VERSION} takes "
-                         f"{RULES['mixed-nvfp4-integers']}; quantize.method=auto keeps them apart, or end the recipe at export_onnx")
+        raise UsageError(
+            f"export_edgellm: the plan mixes {' and '.join(sorted(pair))}, and Edge-LLM {EDGELLM_VERSION} takes "
+            f"{RULES['mixed-nvfp4-integers']}; quantize.method=auto keeps them apart, or end the recipe at export_onnx"
+        )
 
 
 def mixed_format_fits(name: str, shapes: list[tuple[int, int]]) -> bool:
@@ -225,7 +313,9 @@ def mixed_format_fits(name: str, shapes: list[tuple[int, int]]) -> bool:
 
 def int4_shape_ok(out_features: int, in_features: int) -> bool:
     """Whether the INT4 kernels take a linear of this shape in groups of 128."""
-    return out_features % INT4_ALIGNMENT == 0 and in_features % INT4_ALIGNMENT == 0 and in_features % INT4_GROUP_SIZE == 0
+    return (
+        out_features % INT4_ALIGNMENT == 0 and in_features % INT4_ALIGNMENT == 0 and in_features % INT4_GROUP_SIZE == 0
+    )
 
 
 def check_kernel_nodes(nodes: list[dict[str, Any]]) -> list[str]:
@@ -248,18 +338,30 @@ def check_kernel_nodes(nodes: list[dict[str, Any]]) -> list[str]:
             elif not (isinstance(n, int) and isinstance(k, int) and int4_shape_ok(n, k)):
                 problems.append(f"{label}: gemm_n={n}, gemm_k={k}; the kernels take {RULES['int4-alignment']}")
             elif shapes.get("2") not in (None, [k // INT4_GROUP_SIZE, n]):
-                problems.append(f"{label}: scales {shapes.get('2')}, not [{k // INT4_GROUP_SIZE}, {n}]; {RULES['int4-scale-layout']}")
-            elif node["op_type"] == INT4_PLUGINS[0] and shapes.get("1") not in (None, [math.ceil(n / 128) * math.ceil(k / 64) * 8, 512]):
-                problems.append(f"{label}: weights {shapes.get('1')}, not the fragment layout; {RULES['int4-scale-layout']}")
+                problems.append(
+                    f"{label}: scales {shapes.get('2')}, not [{k // INT4_GROUP_SIZE}, {n}]; "
+                    f"{RULES['int4-scale-layout']}"
+                )
+            elif node["op_type"] == INT4_PLUGINS[0] and shapes.get("1") not in (
+                None,
+                [math.ceil(n / 128) * math.ceil(k / 64) * 8, 512],
+            ):
+                problems.append(
+                    f"{label}: weights {shapes.get('1')}, not the fragment layout; {RULES['int4-scale-layout']}"
+                )
         elif node["op_type"] == "AttentionPlugin":
             head_size, q_heads, kv_heads = (attributes.get(key) for key in ("head_size", "num_q_heads", "num_kv_heads"))
             head_counts.add(q_heads)
             if head_size not in HEAD_DIMS:
                 problems.append(f"{label}): head_size={head_size}; the kernels take {RULES['head-size']}")
             elif not kv_heads or q_heads % kv_heads:
-                problems.append(f"{label}): {q_heads} query heads over {kv_heads} KV heads; the kernels take {RULES['gqa']}")
+                problems.append(
+                    f"{label}): {q_heads} query heads over {kv_heads} KV heads; the kernels take {RULES['gqa']}"
+                )
     if len(head_counts) > 1:
-        problems.append(f"attention plugins with {sorted(head_counts)} query heads; Edge-LLM takes {RULES['one-head-count']}")
+        problems.append(
+            f"attention plugins with {sorted(head_counts)} query heads; Edge-LLM takes {RULES['one-head-count']}"
+        )
     return problems
 
 

@@ -37,12 +37,14 @@ _PASS_THROUGH = {"Cast", "Transpose", "Reshape"}
 _FUSED_QKV = ("q_proj", "k_proj", "v_proj")
 _PRODUCTS = {"MatMul", "Gemm"}  # the decoder linears are MatMuls; Edge-LLM writes a quantized lm_head as a Gemm
 _QUANTIZERS = {"QuantizeLinear", "TRT_FP4DynamicQuantize"}
-# The plugin nodes whose attributes say how the runtime's kernels will read the tensors (held against compress's contract table).
+# The plugin nodes whose attributes say how the runtime's kernels will read the tensors (held against compress's
+# contract table).
 _KERNEL_OPS = {"Int4GroupwiseGemmPlugin", "Int4GroupwiseGemmPluginV2", "AttentionPlugin"}
 
 
 def _kernel_node(node, initializers: dict) -> dict:
-    """A plugin node as compress's contract check reads it: its scalar attributes and the shapes of its initializer inputs."""
+    """A plugin node as compress's contract check reads it: its scalar attributes and the shapes of its initializer
+    inputs."""
     attributes = {}
     for attribute in node.attribute:
         value = onnx.helper.get_attribute_value(attribute)
@@ -68,7 +70,9 @@ class Graph:
             for name in node.input:
                 self.consumers.setdefault(name, []).append(node)
         self.plugin_version = 2 if any(n.op_type == "Int4GroupwiseGemmPluginV2" for n in model.graph.node) else 1
-        self.kernel_nodes = [_kernel_node(node, self.initializers) for node in model.graph.node if node.op_type in _KERNEL_OPS]
+        self.kernel_nodes = [
+            _kernel_node(node, self.initializers) for node in model.graph.node if node.op_type in _KERNEL_OPS
+        ]
 
     def activation_scale(self, weight: str):
         """The name of the QuantizeLinear scale on the activation that meets ``weight`` in its MatMul, or None.
@@ -127,7 +131,9 @@ class Graph:
         chain, node = [], self.producer.get(tensor)
         while node is not None:
             chain.append(node)
-            if node.op_type not in _PASS_THROUGH and not (through_quantizers and node.op_type in _QUANTIZERS | {"DequantizeLinear"}):
+            if node.op_type not in _PASS_THROUGH and not (
+                through_quantizers and node.op_type in _QUANTIZERS | {"DequantizeLinear"}
+            ):
                 break
             node = self.producer.get(node.input[0])
         return chain
@@ -190,8 +196,12 @@ def _check_fp8(report: dict, graph: Graph, name: str, expected: dict) -> None:
     _compare(report, f"{_PREFIX}{name} weight scale (FP16)", None if scale is None else scale.reshape(()),
              expected[f"{name}.weight_scale"].astype(np.float16).reshape(()))
     scale_name = graph.activation_scale(weight)
-    _compare(report, f"{_PREFIX}{name} activation scale ({scale_name}, FP16)", inits.get(scale_name) if scale_name else None,
-             expected[f"{name}.input_scale"].astype(np.float16).reshape(()))
+    _compare(
+        report,
+        f"{_PREFIX}{name} activation scale ({scale_name}, FP16)",
+        inits.get(scale_name) if scale_name else None,
+        expected[f"{name}.input_scale"].astype(np.float16).reshape(()),
+    )
 
 
 def _check_nvfp4(report: dict, graph: Graph, name: str, expected: dict) -> None:
@@ -206,8 +216,12 @@ def _check_nvfp4(report: dict, graph: Graph, name: str, expected: dict) -> None:
     scales = graph.producer.get(dequantize.input[1]) if dequantize is not None else None
     block = inits.get(scales.input[0]) if scales is not None else None
     rows_note = f"[{rows.start}:{rows.stop}]" if fused else ""
-    _compare(report, f"{_PREFIX}{linear} block scales{rows_note} (FP8)", None if block is None else _values(block)[rows],
-             expected[f"{name}.block_scale"])
+    _compare(
+        report,
+        f"{_PREFIX}{linear} block scales{rows_note} (FP8)",
+        None if block is None else _values(block)[rows],
+        expected[f"{name}.block_scale"],
+    )
     global_scale = inits.get(scales.input[1]) if scales is not None else None
     _compare(report, f"{_PREFIX}{linear} global scale", None if global_scale is None else global_scale.reshape(()),
              expected[f"{name}.global_scale"].reshape(()))
@@ -215,13 +229,19 @@ def _check_nvfp4(report: dict, graph: Graph, name: str, expected: dict) -> None:
     if f"{name}.weight_only" in expected:
         entry = {"tensor": f"{_PREFIX}{linear} input (FP16, weight-only)", "shape": [], "dtype": "float16"}
         if quantizers:
-            entry["problem"] = f"the input is quantized ({quantizers[0].op_type}) although the checkpoint is weight-only"
+            entry["problem"] = (
+                f"the input is quantized ({quantizers[0].op_type}) although the checkpoint is weight-only"
+            )
             report["mismatches"].append(entry)
         report["compared"].append(entry)
         return
     dynamic = next((n for n in quantizers if n.op_type == "TRT_FP4DynamicQuantize"), None)
-    _compare(report, f"{_PREFIX}{linear} activation global scale", None if dynamic is None else inits.get(dynamic.input[1]).reshape(()),
-             expected[f"{name}.input_scale"].reshape(()))
+    _compare(
+        report,
+        f"{_PREFIX}{linear} activation global scale",
+        None if dynamic is None else inits.get(dynamic.input[1]).reshape(()),
+        expected[f"{name}.input_scale"].reshape(()),
+    )
 
 
 def _check_kv_cache(report: dict, attention: dict, name: str, scales: np.ndarray) -> None:
@@ -242,9 +262,13 @@ def check(bundle: str, expected_path: str) -> dict:
     expected = load_file(expected_path)
     report = {"onnx": model_path, "int4_plugin_version": graph.plugin_version, "kernel_nodes": graph.kernel_nodes,
               "compared": [], "mismatches": []}
-    _check_float_weights(report, inits, {k.rsplit(".", 1)[0]: expected.pop(k) for k in sorted(expected) if k.endswith(".float_weight")})
+    _check_float_weights(
+        report, inits, {k.rsplit(".", 1)[0]: expected.pop(k) for k in sorted(expected) if k.endswith(".float_weight")}
+    )
     names = sorted({key.rsplit(".", 1)[0] for key in expected})
-    attention = {out: node for node in graph.producer.values() if node.op_type == "AttentionPlugin" for out in node.output}
+    attention = {
+        out: node for node in graph.producer.values() if node.op_type == "AttentionPlugin" for out in node.output
+    }
     for name in names:
         if f"{name}.kv_scales" in expected:
             _check_kv_cache(report, attention, name, expected[f"{name}.kv_scales"])
@@ -263,8 +287,8 @@ def check(bundle: str, expected_path: str) -> dict:
 
 
 def _float_initializer(inits: dict, target: np.ndarray):
-    """The FP16 initializer holding ``target`` as it is or transposed (the exporter stores ``x @ W.T`` weights as ``W.T``),
-    and the array to compare it with; (None, target) when none does."""
+    """The FP16 initializer holding ``target`` as it is or transposed (the exporter stores ``x @ W.T`` weights as
+    ``W.T``), and the array to compare it with; (None, target) when none does."""
     for name, array in inits.items():
         if array.dtype != np.float16:
             continue
@@ -301,7 +325,12 @@ def _check_integers(report: dict, graph: Graph, name: str, expected: dict) -> No
     integers = expected[f"{name}.integers"]
     scale = expected[f"{name}.weight_scale"]
     if scale.ndim == 2:  # INT4 group-wise
-        _compare(report, f"{_PREFIX}{name}.weight", inits.get(f"{_PREFIX}{name}.weight"), _int4_layout(integers, graph.plugin_version))
+        _compare(
+            report,
+            f"{_PREFIX}{name}.weight",
+            inits.get(f"{_PREFIX}{name}.weight"),
+            _int4_layout(integers, graph.plugin_version),
+        )
         _compare(report, f"{_PREFIX}{name}.weight_scale", inits.get(f"{_PREFIX}{name}.weight_scale"),
                  np.ascontiguousarray(scale.T).astype(np.float16))
         return

@@ -25,6 +25,7 @@ def edgellm_python() -> Path:
     python = Path(configured) if configured else DEFAULT_VENV / "bin" / "python"
     if not python.is_file():
         raise MissingBackendError(
-            f"TensorRT Edge-LLM {EDGELLM_VERSION} is not installed ({python} not found); `bash setup.sh` creates .venv-edgellm, "
-            "or set COMPRESS_EDGELLM_PYTHON to an interpreter with tensorrt-edgellm[export]")
+            f"TensorRT Edge-LLM {EDGELLM_VERSION} is not installed ({python} not found); `bash setup.sh` creates "
+            ".venv-edgellm, or set COMPRESS_EDGELLM_PYTHON to an interpreter with tensorrt-edgellm[export]"
+        )
     return python

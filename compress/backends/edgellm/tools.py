@@ -4,7 +4,8 @@ Jetson teams build Edge-LLM's C++ examples on the device (``cmake -DEMBEDDED_TAR
 and run two programs (Edge-LLM 0.11 quick start and ``llm_inference --help``):
 
 * ``llm_build --onnxDir BUNDLE/llm --engineDir ENGINE --maxBatchSize B --maxInputLen N --maxKVCacheCapacity K``
-* ``llm_inference --engineDir ENGINE --inputFile IN.json --outputFile OUT.json --profileOutputFile PROFILE.json [--warmup W]``
+* ``llm_inference --engineDir ENGINE --inputFile IN.json --outputFile OUT.json --profileOutputFile PROFILE.json
+  [--warmup W]``
 
 The input file is Edge-LLM's request format (``batch_size``, sampling settings,
 ``max_generate_length``, ``apply_chat_template``, ``requests[].messages``); the output file holds
@@ -60,7 +61,8 @@ def engine_profile(target: Target, max_batch_size: int = 1) -> EngineProfile:
 
 
 def find_tool(name: str) -> Path | None:
-    """``llm_build`` / ``llm_inference`` from ``$COMPRESS_EDGELLM_TOOLS`` (Edge-LLM's ``build/examples/llm``) or ``PATH``."""
+    """``llm_build`` / ``llm_inference`` from ``$COMPRESS_EDGELLM_TOOLS`` (Edge-LLM's ``build/examples/llm``) or
+    ``PATH``."""
     folder = os.environ.get(TOOLS_ENV)
     if folder:
         candidate = Path(folder) / name
@@ -75,8 +77,10 @@ def require_device_tool(name: str) -> Path:
         raise MissingBackendError("not run: no CUDA device")
     tool = find_tool(name)
     if tool is None:
-        raise MissingBackendError(f"not run: {name} not found; build TensorRT Edge-LLM's C++ examples on the device and put "
-                                  f"build/examples/llm on PATH or set {TOOLS_ENV}")
+        raise MissingBackendError(
+            f"not run: {name} not found; build TensorRT Edge-LLM's C++ examples on the device and put "
+            f"build/examples/llm on PATH or set {TOOLS_ENV}"
+        )
     return tool
 
 
@@ -94,11 +98,15 @@ def inference_command(tool: str | Path, engine_dir: str | Path, input_file: str 
             "--profileOutputFile", str(profile_file), "--warmup", str(warmup)]
 
 
-def run_inference(tool: Path, engine_dir: Path, request: dict[str, Any], work_dir: Path, warmup: int = 1) -> tuple[dict, dict]:
-    """Write ``request`` as Edge-LLM's input file, run ``llm_inference`` in ``work_dir``; its responses and its profile."""
+def run_inference(
+    tool: Path, engine_dir: Path, request: dict[str, Any], work_dir: Path, warmup: int = 1
+) -> tuple[dict, dict]:
+    """Write ``request`` as Edge-LLM's input file, run ``llm_inference`` in ``work_dir``; its responses and its
+    profile."""
     atomic_write_json(work_dir / "input.json", request)
-    command = inference_command(tool, engine_dir, work_dir / "input.json", work_dir / "output.json", work_dir / "profile.json",
-                                warmup)
+    command = inference_command(
+        tool, engine_dir, work_dir / "input.json", work_dir / "output.json", work_dir / "profile.json", warmup
+    )
     result = subprocess.run(command, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         last = (result.stderr or result.stdout).strip().splitlines()
@@ -174,26 +182,31 @@ def read_power_mode() -> str | None:
 
 
 def device_script(target: Target, profile: EngineProfile, onnx_dir: str, engine_dir: str) -> str:
-    """``build_on_device.sh``: the exact build (and a smoke run) with Edge-LLM's own tools, paths relative to the stage folder."""
+    """``build_on_device.sh``: the exact build (and a smoke run) with Edge-LLM's own tools, paths relative to the stage
+    folder."""
     stack = target.edgellm
     requirement = (f"JetPack {stack.jetpack}, CUDA {stack.cuda}, TensorRT ({stack.tensorrt})" if stack.jetpack
                    else f"CUDA {stack.cuda}, TensorRT {stack.tensorrt}")
     cmake = f" -DEMBEDDED_TARGET={stack.embedded_target}" if stack.embedded_target else ""
     arguments = build_command(BUILD_TOOL, onnx_dir, engine_dir, profile)[1:]
     build = f'"${{EDGELLM_TOOLS}}/{BUILD_TOOL}" ' + " ".join(shell.quote(a) for a in arguments)
-    return "\n".join([
-        "#!/usr/bin/env bash",
-        shell.comment(f"Build the TensorRT Edge-LLM {stack.version} engine for {target.name} on the device ({requirement}; "
-                      f"Edge-LLM support: {stack.support})."),
-        shell.comment(f"Edge-LLM's C++ tools come from its source tree, built on the device (cmake ..{cmake})."),
-        "# Either, with compress installed:   compress build-engine RUN_DIR",
-        "# or with Edge-LLM alone, from this folder:",
-        "set -euo pipefail",
-        'cd "$(dirname "$0")"',
-        'EDGELLM_TOOLS="${EDGELLM_TOOLS:-$HOME/TensorRT-Edge-LLM/build/examples/llm}"',
-        build,
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            shell.comment(
+                f"Build the TensorRT Edge-LLM {stack.version} engine for {target.name} on the device ({requirement}; "
+                f"Edge-LLM support: {stack.support})."
+            ),
+            shell.comment(f"Edge-LLM's C++ tools come from its source tree, built on the device (cmake ..{cmake})."),
+            "# Either, with compress installed:   compress build-engine RUN_DIR",
+            "# or with Edge-LLM alone, from this folder:",
+            "set -euo pipefail",
+            'cd "$(dirname "$0")"',
+            'EDGELLM_TOOLS="${EDGELLM_TOOLS:-$HOME/TensorRT-Edge-LLM/build/examples/llm}"',
+            build,
+            "",
+        ]
+    )
 
 
 def edgellm_plan(target: Target, bundle: Path, folder: Path, max_batch: int) -> dict:
@@ -218,5 +231,8 @@ def build_edgellm_engine(folder: Path, plan: dict) -> dict:
     engines = sorted((folder / plan["engine_dir"]).rglob("*.engine"))
     if not engines:
         raise StageError(f"llm_build exited 0 but wrote no .engine file under {folder / plan['engine_dir']}")
-    return {"engine_files": [str(p.relative_to(folder)) for p in engines], "engine_bytes": sum(p.stat().st_size for p in engines),
-            "llm_build": str(tool)}
+    return {
+        "engine_files": [str(p.relative_to(folder)) for p in engines],
+        "engine_bytes": sum(p.stat().st_size for p in engines),
+        "llm_build": str(tool),
+    }

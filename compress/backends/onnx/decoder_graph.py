@@ -52,11 +52,16 @@ log = logging.getLogger(__name__)
 
 PARAMETER_PREFIX = "model."  # the traced wrapper's attribute: a parameter input is named "model.<state-dict name>"
 
-_ONNX_TYPES = {torch.float32: TensorProto.FLOAT, torch.float16: TensorProto.FLOAT16, torch.bfloat16: TensorProto.BFLOAT16}
+_ONNX_TYPES = {
+    torch.float32: TensorProto.FLOAT,
+    torch.float16: TensorProto.FLOAT16,
+    torch.bfloat16: TensorProto.BFLOAT16,
+}
 
 
 def skeleton_causal_lm(folder: Path, trust_remote_code: bool = False):
-    """The causal LM ``folder``'s config describes, each parameter a float32 scalar broadcast to its shape (ties kept)."""
+    """The causal LM ``folder``'s config describes, each parameter a float32 scalar broadcast to its shape (ties
+    kept)."""
     model = empty_causal_lm(folder, trust_remote_code=trust_remote_code)
     for name, parameter in list(model.named_parameters(remove_duplicate=False)):
         set_parameter(model, name, torch.zeros((), dtype=torch.float32).expand(parameter.shape))
@@ -74,8 +79,12 @@ def trace_decoder(wrapper: torch.nn.Module, layout: DecoderLayout, example: tupl
     axes = {"input_ids": {0: "batch", 1: "sequence"}, "attention_mask": {0: "batch", 1: "total"},
             "position_ids": {0: "batch", 1: "sequence"}, "logits": {0: "batch", 1: "sequence"}}
     sliding = {index for index in range(2 * layout.num_layers) if index // 2 in layout.sliding_layers}
-    axes.update({name: {0: "batch", 2: "window_past" if index in sliding else "past"} for index, name in enumerate(inputs[3:])})
-    axes.update({name: {0: "batch", 2: "window" if index in sliding else "total"} for index, name in enumerate(outputs[1:])})
+    axes.update(
+        {name: {0: "batch", 2: "window_past" if index in sliding else "past"} for index, name in enumerate(inputs[3:])}
+    )
+    axes.update(
+        {name: {0: "batch", 2: "window" if index in sliding else "total"} for index, name in enumerate(outputs[1:])}
+    )
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(_WeightsAsInputs(wrapper, list(parameters)), (*example, *parameters.values()), str(path),
@@ -96,7 +105,9 @@ class _WeightsAsInputs(torch.nn.Module):
         self.__dict__["inner"] = wrapper  # not a submodule: its parameters must not be the exporter's
         self.names = names
         canonical = {id(parameter): name for name, parameter in wrapper.named_parameters()}
-        self.aliases = [(name, canonical[id(parameter)]) for name, parameter in wrapper.named_parameters(remove_duplicate=False)]
+        self.aliases = [
+            (name, canonical[id(parameter)]) for name, parameter in wrapper.named_parameters(remove_duplicate=False)
+        ]
 
     def forward(self, *args):
         count = len(args) - len(self.names)
@@ -123,7 +134,10 @@ class _FloatTensors:
         self.reader = CheckpointReader(folder)
         self.state: dict[str, torch.Tensor] | None = None
         if any(name not in self.reader for name in names):
-            log.info("%s names its tensors otherwise than the model: reading them from the model held in its own dtype", folder)
+            log.info(
+                "%s names its tensors otherwise than the model: reading them from the model held in its own dtype",
+                folder,
+            )
             model = load_causal_lm(folder, trust_remote_code=trust_remote_code, own_dtype=True, left_out=left_out)
             self.state = {name: tensor.detach() for name, tensor in model.state_dict(keep_vars=False).items()}
 
@@ -161,7 +175,9 @@ def write_weights(graph_model: onnx.ModelProto, model, folder: Path, path: Path,
     parameters = {i.name[len(PARAMETER_PREFIX):]: i for i in graph.input if i.name.startswith(PARAMETER_PREFIX)}
     levels = _BlockLevels(folder, model)
     quantized = {f"{name}.weight": name for name in levels.names}
-    floats = _FloatTensors(folder, [n for n in parameters if n not in quantized], frozenset(quantized), trust_remote_code)
+    floats = _FloatTensors(
+        folder, [n for n in parameters if n not in quantized], frozenset(quantized), trust_remote_code
+    )
     with ExternalDataWriter(path.parent / (path.name + EXTERNAL_DATA_SUFFIX)) as writer:
         rewrite = QdqRewrite(graph_model, writer.store)
         for name, graph_input in parameters.items():
@@ -184,9 +200,17 @@ def write_weights(graph_model: onnx.ModelProto, model, folder: Path, path: Path,
 
 def _for_export(name: str, meta: dict, quant: LinearQuant) -> LinearForExport:
     weight = dequantized_weight(meta, quant)
-    return LinearForExport(name, weight.numpy(), quant.weight_scales.numpy(), quant.format.weight_bits, quant.input_scale,
-                           quant.rotation, weight_format=quant.format.weight_format, global_scale=quant.global_scale,
-                           input_format=quant.input_format)
+    return LinearForExport(
+        name,
+        weight.numpy(),
+        quant.weight_scales.numpy(),
+        quant.format.weight_bits,
+        quant.input_scale,
+        quant.rotation,
+        weight_format=quant.format.weight_format,
+        global_scale=quant.global_scale,
+        input_format=quant.input_format,
+    )
 
 
 def _lone_transpose(rewrite: QdqRewrite, name: str) -> int | None:
@@ -202,7 +226,9 @@ def _lone_transpose(rewrite: QdqRewrite, name: str) -> int | None:
 def _add_quantized(rewrite: QdqRewrite, input_name: str, linear: LinearForExport) -> None:
     position = _lone_transpose(rewrite, input_name)
     if position is None:
-        raise StageError(f"{linear.name}: the exported graph does not read its weight through one Transpose into a MatMul")
+        raise StageError(
+            f"{linear.name}: the exported graph does not read its weight through one Transpose into a MatMul"
+        )
     rewrite.remove_node(position)
     rewrite.add_linear(linear, rewrite.nodes[position].output[0])
 
@@ -228,7 +254,8 @@ def _add_float(rewrite: QdqRewrite, input_name: str, tensor: torch.Tensor) -> No
 
 
 def _moves_values_of(rewrite: QdqRewrite, position: int, name: str) -> bool:
-    """Whether the node at ``position`` only picks or moves ``name``'s values (a ``Gather`` of its rows, a ``Transpose``)."""
+    """Whether the node at ``position`` only picks or moves ``name``'s values (a ``Gather`` of its rows, a
+    ``Transpose``)."""
     node = rewrite.nodes[position]
     return node.op_type in ("Gather", "Transpose") and node.input[0] == name and list(node.input).count(name) == 1
 

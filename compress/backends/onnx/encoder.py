@@ -35,12 +35,14 @@ def encoder_input_names(model) -> list[str]:
 
 
 def is_classifier(model) -> bool:
-    return any(name.endswith("ForSequenceClassification") for name in (model.config.architectures or [type(model).__name__])) \
-        and hasattr(model, "classifier")
+    return any(
+        name.endswith("ForSequenceClassification") for name in (model.config.architectures or [type(model).__name__])
+    ) and hasattr(model, "classifier")
 
 
 def export_encoder(model, path: Path, opset: int = 18) -> str:
-    """Export an encoder with dynamic batch and sequence axes; returns its output (hidden states, or a classifier's logits).
+    """Export an encoder with dynamic batch and sequence axes; returns its output (hidden states, or a classifier's
+    logits).
 
     The dynamo exporter is used: tracing BERT's mask and position handling with the TorchScript
     exporter bakes example values into the graph. A half-precision model exports an FP16 graph.
@@ -87,8 +89,13 @@ def torch_outputs(model, tokenizer, sentences: Sequence[str], output: str, batch
     """What :class:`OnnxEncoder` returns, computed by the torch model: pooled embeddings, or a classifier's logits."""
     out = []
     for start in range(0, len(sentences), batch_size):
-        batch = tokenizer(list(sentences[start:start + batch_size]), padding="longest", truncation=True, max_length=max_length,
-                          return_tensors="pt")
+        batch = tokenizer(
+            list(sentences[start : start + batch_size]),
+            padding="longest",
+            truncation=True,
+            max_length=max_length,
+            return_tensors="pt",
+        )
         with torch.no_grad():
             values = getattr(model(**batch), output).float().numpy()
         out.append(mean_pool(values, batch["attention_mask"].numpy()) if output == HIDDEN_OUTPUT else values)
@@ -116,14 +123,22 @@ class OnnxEncoder:
         return self.session.run(None, feed)[0]
 
     def _run(self, sentences: Sequence[str], batch_size: int, max_length: int, bucket: bool, pool) -> np.ndarray:
-        order = sorted(range(len(sentences)), key=lambda i: len(sentences[i])) if bucket else list(range(len(sentences)))
+        order = (
+            sorted(range(len(sentences)), key=lambda i: len(sentences[i])) if bucket else list(range(len(sentences)))
+        )
         out = []
         for start in range(0, len(order), batch_size):
             chosen = [sentences[i] for i in order[start:start + batch_size]]
-            batch = self.tokenizer(chosen, padding="longest", truncation=True, max_length=max_length, return_tensors="np")
+            batch = self.tokenizer(
+                chosen, padding="longest", truncation=True, max_length=max_length, return_tensors="np"
+            )
             self.last_batch_width = batch["input_ids"].shape[1]
-            feed = {name: batch[name].astype(np.int64) if name in batch else np.zeros_like(batch["input_ids"], dtype=np.int64)
-                    for name in self.input_names}
+            feed = {
+                name: batch[name].astype(np.int64)
+                if name in batch
+                else np.zeros_like(batch["input_ids"], dtype=np.int64)
+                for name in self.input_names
+            }
             out.append(pool(self._forward(feed), feed["attention_mask"]))
         if not out:
             return np.zeros((0, 0), dtype=np.float32)
@@ -132,22 +147,32 @@ class OnnxEncoder:
         restored[order] = result
         return restored
 
-    def embed(self, sentences: Sequence[str], batch_size: int = 32, max_length: int = 256, bucket: bool = False) -> np.ndarray:
-        """L2-normalised mean-pooled embeddings of ``sentences``, batch by batch, each padded to its longest sentence."""
+    def embed(
+        self, sentences: Sequence[str], batch_size: int = 32, max_length: int = 256, bucket: bool = False
+    ) -> np.ndarray:
+        """L2-normalised mean-pooled embeddings of ``sentences``, batch by batch, each padded to its longest
+        sentence."""
         if self.output != HIDDEN_OUTPUT:
             raise ValueError(f"{self.folder} is a classifier; use classify()")
         return self._run(sentences, batch_size, max_length, bucket, mean_pool)
 
-    def logits(self, sentences: Sequence[str], batch_size: int = 32, max_length: int = 256, bucket: bool = False) -> np.ndarray:
+    def logits(
+        self, sentences: Sequence[str], batch_size: int = 32, max_length: int = 256, bucket: bool = False
+    ) -> np.ndarray:
         """Class logits of ``sentences`` (a classifier export)."""
         if self.output != LOGITS_OUTPUT:
             raise ValueError(f"{self.folder} has no classification head; use embed()")
         return self._run(sentences, batch_size, max_length, bucket, lambda logits, _mask: logits.astype(np.float32))
 
-    def classify(self, sentences: Sequence[str], batch_size: int = 32, max_length: int = 256, bucket: bool = True) -> list[str]:
+    def classify(
+        self, sentences: Sequence[str], batch_size: int = 32, max_length: int = 256, bucket: bool = True
+    ) -> list[str]:
         """The label of each sentence (names from the model's ``id2label``)."""
         id2label = read_json(self.folder / "config.json").get("id2label") or {}
-        return [id2label.get(str(int(i)), str(int(i))) for i in self.logits(sentences, batch_size, max_length, bucket).argmax(axis=1)]
+        return [
+            id2label.get(str(int(i)), str(int(i)))
+            for i in self.logits(sentences, batch_size, max_length, bucket).argmax(axis=1)
+        ]
 
 
 def write_encoder_qdq(model, linears: dict, path: Path) -> dict[str, int]:
@@ -162,6 +187,9 @@ def write_encoder_qdq(model, linears: dict, path: Path) -> dict[str, int]:
     return stats
 
 
-PARITY_SENTENCES = ("The robot arm picks up the red block.", "Stop.",
-                    "Navigate to the charging dock and wait for instructions from the operator.",
-                    "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best blessings of existence.")
+PARITY_SENTENCES = (
+    "The robot arm picks up the red block.",
+    "Stop.",
+    "Navigate to the charging dock and wait for instructions from the operator.",
+    "Emma Woodhouse, handsome, clever, and rich, seemed to unite some of the best blessings of existence.",
+)

@@ -56,8 +56,8 @@ class _DecoderWithCache(torch.nn.Module):
 
     A full-attention layer's cache holds every past position; a sliding layer's holds its last ``sliding_window - 1``
     (all its next token can see), so its memory stops growing at the window. With sliding layers the wrapper gives
-    transformers its own masks (:func:`attention_masks`), because transformers would take every layer's cache for as long
-    as the attention mask; without, transformers builds its causal mask from the 2-D one.
+    transformers its own masks (:func:`attention_masks`), because transformers would take every layer's cache for as
+    long as the attention mask; without, transformers builds its causal mask from the 2-D one.
     """
 
     def __init__(self, model) -> None:
@@ -87,7 +87,9 @@ class _DecoderWithCache(torch.nn.Module):
 
     def _masks(self, attention_mask, new_tokens: int, past: tuple):
         window_past = past[2 * self.sliding[0]]
-        full, sliding = attention_masks(attention_mask, new_tokens, window_past.shape[2], self.window, window_past.dtype)
+        full, sliding = attention_masks(
+            attention_mask, new_tokens, window_past.shape[2], self.window, window_past.dtype
+        )
         return sliding if self.every_layer_slides else {"full_attention": full, "sliding_attention": sliding}
 
 
@@ -106,12 +108,16 @@ def attention_masks(attention_mask: torch.Tensor, new_tokens: int, window_past, 
     queries = queries[:, None]
     keep = attention_mask.bool()
     full = keep[:, None, None, :] & (columns[None, :] <= queries)
-    sliding = keep.index_select(1, keys)[:, None, None, :] & (keys[None, :] <= queries) & (keys[None, :] > queries - window)
+    sliding = (
+        keep.index_select(1, keys)[:, None, None, :] & (keys[None, :] <= queries) & (keys[None, :] > queries - window)
+    )
     seen, hidden = torch.tensor(0.0, dtype=dtype), torch.tensor(torch.finfo(dtype).min, dtype=dtype)
     return torch.where(full, seen, hidden), torch.where(sliding, seen, hidden)
 
 
-def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = False, fp4_weights: bool = False) -> DecoderLayout:
+def decoder_layout(
+    model, eos_token_ids: list[int], int8_activations: bool = False, fp4_weights: bool = False
+) -> DecoderLayout:
     """KV-cache layout of a decoder: KV heads per layer and head size (head pruning keeps every KV head), and the layers
     whose cache keeps only their window."""
     cfg = model.config
@@ -122,12 +128,20 @@ def decoder_layout(model, eos_token_ids: list[int], int8_activations: bool = Fal
 
 
 def write_qdq(graph_model, model, linears: dict) -> dict:
-    """Turn the float export ``graph_model`` (an ONNX ModelProto) into a Q/DQ graph using the quantize stage's scales, each
-    linear in its own format."""
+    """Turn the float export ``graph_model`` (an ONNX ModelProto) into a Q/DQ graph using the quantize stage's scales,
+    each linear in its own format."""
     export = [
-        LinearForExport(name, model.get_submodule(name).weight.detach().numpy(), q.weight_scales.numpy(), q.format.weight_bits,
-                        q.input_scale, q.rotation, weight_format=q.format.weight_format, global_scale=q.global_scale,
-                        input_format=q.input_format)
+        LinearForExport(
+            name,
+            model.get_submodule(name).weight.detach().numpy(),
+            q.weight_scales.numpy(),
+            q.format.weight_bits,
+            q.input_scale,
+            q.rotation,
+            weight_format=q.format.weight_format,
+            global_scale=q.global_scale,
+            input_format=q.input_format,
+        )
         for name, q in linears.items()
     ]
     return apply_qdq(graph_model, export)
@@ -143,8 +157,9 @@ def _example_inputs(layout: DecoderLayout, batch: int = 2, seq: int = 5, past: i
 
 
 def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "torchscript", opset: int = 18) -> None:
-    """Write ``model`` as an ONNX decoder with KV cache to ``path``: with the TorchScript exporter, its parameters as graph
-    inputs (see :mod:`compress.backends.onnx.decoder_graph`); with the dynamo exporter, its weights in the graph."""
+    """Write ``model`` as an ONNX decoder with KV cache to ``path``: with the TorchScript exporter, its parameters as
+    graph inputs (see :mod:`compress.backends.onnx.decoder_graph`); with the dynamo exporter, its weights in the
+    graph."""
     wrapper = _DecoderWithCache(model).eval()
     example = _example_inputs(layout)
     if exporter != "dynamo":
@@ -154,8 +169,15 @@ def export_decoder(model, layout: DecoderLayout, path: Path, exporter: str = "to
     outputs = ["logits", *present_names(layout.num_layers)]
     batch, seq, past = torch.export.Dim("batch"), torch.export.Dim("seq"), torch.export.Dim("past")
     total, window_past = torch.export.Dim("total"), torch.export.Dim("window_past")
-    shapes = ({0: batch, 1: seq}, {0: batch, 1: total}, {0: batch, 1: seq},
-              tuple({0: batch, 2: window_past if i // 2 in layout.sliding_layers else past} for i in range(2 * layout.num_layers)))
+    shapes = (
+        {0: batch, 1: seq},
+        {0: batch, 1: total},
+        {0: batch, 1: seq},
+        tuple(
+            {0: batch, 2: window_past if i // 2 in layout.sliding_layers else past}
+            for i in range(2 * layout.num_layers)
+        ),
+    )
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(wrapper, example, str(path), input_names=inputs, output_names=outputs,
@@ -181,15 +203,18 @@ class OnnxSide:
 
 
 def onnx_side(folder: Path, prompt: list[int], new_tokens: int) -> OnnxSide:
-    """Run the exported graph in ONNX Runtime on ``prompt``: its logits, and its greedy continuation (stopping at EOS)."""
+    """Run the exported graph in ONNX Runtime on ``prompt``: its logits, and its greedy continuation (stopping at
+    EOS)."""
     decoder = OnnxDecoder(folder)
     return OnnxSide(np.asarray(decoder.logits(np.asarray([prompt])))[0], decoder.greedy(prompt, new_tokens))
 
 
-def sliced_side(decoder: SlicedDecoder, prompt: list[int], continuation: list[int], eos_token_ids: list[int]) -> OnnxSide:
-    """ONNX Runtime's side from the graph's slices over ``prompt`` and torch's greedy ``continuation``: its logits over the
-    prompt, and its argmax after each prefix up to the first that differs from torch's token (or an end-of-sequence one):
-    its own greedy decoding up to there, since the prefixes agree."""
+def sliced_side(
+    decoder: SlicedDecoder, prompt: list[int], continuation: list[int], eos_token_ids: list[int]
+) -> OnnxSide:
+    """ONNX Runtime's side from the graph's slices over ``prompt`` and torch's greedy ``continuation``: its logits over
+    the prompt, and its argmax after each prefix up to the first that differs from torch's token (or an end-of-sequence
+    one): its own greedy decoding up to there, since the prefixes agree."""
     ids = np.asarray(prompt + continuation, dtype=np.int64)
     logits = np.concatenate([chunk[0] for _, _, chunk in decoder.sequences_in_chunks([ids], len(ids))])
     tokens: list[int] = []
@@ -251,7 +276,9 @@ def rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dic
     qdq_stats = {}
     if quantized:
         meta, linears = quantized
-        log.info("writing Q/DQ nodes (%s: %s)", meta["method"], ", ".join(sorted({q.precision for q in linears.values()})))
+        log.info(
+            "writing Q/DQ nodes (%s: %s)", meta["method"], ", ".join(sorted({q.precision for q in linears.values()}))
+        )
         qdq_stats = write_qdq(graph_model, model, linears)
         scales = kv_cache_scales(meta)
         if scales:
@@ -277,8 +304,8 @@ class ExportedDecoder:
 def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript", opset: int = 18,
                           parity_prompt: str = "What is the capital of France?", parity_new_tokens: int = 16,
                           trust_remote_code: bool = False, session_limit_bytes: int | None = None) -> ExportedDecoder:
-    """Export the Hugging Face folder ``source`` (float, or quantized by the quantize stage) into ``out``: the graph, its
-    KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime.
+    """Export the Hugging Face folder ``source`` (float, or quantized by the quantize stage) into ``out``: the graph,
+    its KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime.
 
     The TorchScript exporter (the default) traces a weightless skeleton and writes the weights one tensor at a time from
     the checkpoint; torch's reference is computed block by block from the checkpoint after ONNX Runtime's session is
@@ -290,7 +317,9 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     float32."""
     tokenizer = load_tokenizer(source)
     meta = quantization_meta(source)
-    formats = [PRECISIONS[info.get("precision", meta["precision"])] for info in meta["linears"].values()] if meta else []
+    formats = (
+        [PRECISIONS[info.get("precision", meta["precision"])] for info in meta["linears"].values()] if meta else []
+    )
     out.mkdir(parents=True, exist_ok=True)
     path = out / ONNX_FILE
     export = _export_dynamo if exporter == "dynamo" else _export_streamed
@@ -326,7 +355,9 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
 
 
 def _layout(model, eos: list[int], formats: list) -> DecoderLayout:
-    return decoder_layout(model, eos, any(f.activations == "int8" for f in formats), any(f.weight_format == "nvfp4" for f in formats))
+    return decoder_layout(
+        model, eos, any(f.activations == "int8" for f in formats), any(f.weight_format == "nvfp4" for f in formats)
+    )
 
 
 def _export_streamed(source: Path, path: Path, eos: list[int], formats: list, opset: int,
@@ -356,5 +387,7 @@ def _folder_eos_ids(folder: Path, tokenizer) -> list[int]:
     """End-of-sequence ids from the folder's generation config, else the tokenizer's."""
     from transformers import GenerationConfig
 
-    generation = GenerationConfig.from_pretrained(folder) if (Path(folder) / "generation_config.json").is_file() else None
+    generation = (
+        GenerationConfig.from_pretrained(folder) if (Path(folder) / "generation_config.json").is_file() else None
+    )
     return eos_ids(SimpleNamespace(generation_config=generation or GenerationConfig()), tokenizer)

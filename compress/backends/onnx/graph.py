@@ -36,8 +36,10 @@ def share_tied_embedding(graph_model) -> bool:
             if not np.array_equal(numpy_helper.to_array(weight), table.T):
                 continue
             transposed = f"{table_name}_transposed"
-            graph.node.insert(0, helper.make_node("Transpose", [table_name], [transposed], name=f"{table_name}_Transpose",
-                                                  perm=[1, 0]))
+            graph.node.insert(
+                0,
+                helper.make_node("Transpose", [table_name], [transposed], name=f"{table_name}_Transpose", perm=[1, 0]),
+            )
             copy_name, node.input[1] = node.input[1], transposed
             if not any(copy_name in n.input for n in graph.node):
                 graph.initializer.remove(weight)

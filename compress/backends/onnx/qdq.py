@@ -75,17 +75,30 @@ def _levels(linear: LinearForExport) -> np.ndarray:
 
 
 def _weight_dq(linear: LinearForExport, weight_name: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto]]:
-    """The weight as grid values and scales, and the ``DequantizeLinear`` nodes that give it back in the MatMul layout (in, out)."""
+    """The weight as grid values and scales, and the ``DequantizeLinear`` nodes that give it back in the MatMul layout
+    (in, out)."""
     levels_t = np.ascontiguousarray(_levels(linear).T)
     q_name, s_name = f"{weight_name}_quantized", f"{weight_name}_scale"
     if linear.weight_format == "nvfp4":
         # TensorRT's NVFP4 pattern: DQ(FP8 block scales, FP32 global) -> scales; DQ(FP4 weight, scales) blockwise.
         q = numpy_helper.from_array(levels_t.astype(ml_dtypes.float4_e2m1fn), q_name)
-        block_scales = numpy_helper.from_array(np.ascontiguousarray(linear.scales.T).astype(ml_dtypes.float8_e4m3fn), f"{s_name}_fp8")
+        block_scales = numpy_helper.from_array(
+            np.ascontiguousarray(linear.scales.T).astype(ml_dtypes.float8_e4m3fn), f"{s_name}_fp8"
+        )
         global_scale = numpy_helper.from_array(np.array(linear.global_scale, dtype=np.float32), f"{s_name}_global")
-        nodes = [helper.make_node("DequantizeLinear", [block_scales.name, global_scale.name], [s_name], name=f"{weight_name}_scale_DQ"),
-                 helper.make_node("DequantizeLinear", [q.name, s_name], [weight_name], name=f"{weight_name}_DQ", axis=0,
-                                  block_size=NVFP4_BLOCK)]
+        nodes = [
+            helper.make_node(
+                "DequantizeLinear", [block_scales.name, global_scale.name], [s_name], name=f"{weight_name}_scale_DQ"
+            ),
+            helper.make_node(
+                "DequantizeLinear",
+                [q.name, s_name],
+                [weight_name],
+                name=f"{weight_name}_DQ",
+                axis=0,
+                block_size=NVFP4_BLOCK,
+            ),
+        ]
         return [q, block_scales, global_scale], nodes
     scales = numpy_helper.from_array(np.ascontiguousarray(linear.scales.T).astype(np.float32), s_name)
     if linear.weight_format == "fp8":
@@ -97,8 +110,11 @@ def _weight_dq(linear: LinearForExport, weight_name: str) -> tuple[list[onnx.Ten
     else:
         q = numpy_helper.from_array(levels_t.astype(ml_dtypes.int4), q_name)
         attributes = {"axis": 0, "block_size": levels_t.shape[0] // linear.scales.shape[1]}
-    return [q, scales], [helper.make_node("DequantizeLinear", [q.name, scales.name], [weight_name], name=f"{weight_name}_DQ",
-                                          **attributes)]
+    return [q, scales], [
+        helper.make_node(
+            "DequantizeLinear", [q.name, scales.name], [weight_name], name=f"{weight_name}_DQ", **attributes
+        )
+    ]
 
 
 def _activation_qdq(input_name: str, scale: float, tag: str, input_format: str = "int8"
@@ -115,7 +131,9 @@ def _activation_qdq(input_name: str, scale: float, tag: str, input_format: str =
     return [s, z], nodes, dequantized
 
 
-def _nvfp4_activation(input_name: str, scale: float, tag: str) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
+def _nvfp4_activation(
+    input_name: str, scale: float, tag: str
+) -> tuple[list[onnx.TensorProto], list[onnx.NodeProto], str]:
     """NVFP4 activation fake quantization in standard operators, as TensorRT's FP4 dynamic quantization computes it.
 
     Per block of 16 along the last axis: block scale ``amax / 6`` over the (power-of-two) global
@@ -124,10 +142,22 @@ def _nvfp4_activation(input_name: str, scale: float, tag: str) -> tuple[list[onn
     multiplied back. Equal, value for value, to :meth:`compress.algorithms.formats.Nvfp4Activation.fake_quantize`.
     """
     t = f"{tag}_nvfp4"
-    values = {"global": (scale, np.float32), "blocks": ([-1, NVFP4_BLOCK], np.int64), "axis": ([-1], np.int64),
-              "six": (6.0, np.float32), "one": (1.0, np.float32), "zero": (0.0, np.float32), "tiny": (1e-20, np.float32),
-              "fp8_zero": (0, ml_dtypes.float8_e4m3fn), "two": (2.0, np.float32), "four": (4.0, np.float32), "half": (0.5, np.float32)}
-    consts = [numpy_helper.from_array(np.array(value, dtype=dtype), f"{t}_{name}") for name, (value, dtype) in values.items()]
+    values = {
+        "global": (scale, np.float32),
+        "blocks": ([-1, NVFP4_BLOCK], np.int64),
+        "axis": ([-1], np.int64),
+        "six": (6.0, np.float32),
+        "one": (1.0, np.float32),
+        "zero": (0.0, np.float32),
+        "tiny": (1e-20, np.float32),
+        "fp8_zero": (0, ml_dtypes.float8_e4m3fn),
+        "two": (2.0, np.float32),
+        "four": (4.0, np.float32),
+        "half": (0.5, np.float32),
+    }
+    consts = [
+        numpy_helper.from_array(np.array(value, dtype=dtype), f"{t}_{name}") for name, (value, dtype) in values.items()
+    ]
     c = {name: f"{t}_{name}" for name in values}
 
     def node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
@@ -177,7 +207,9 @@ def _rotation(input_name: str, linear: LinearForExport, tag: str, shared: dict[s
         shared[matrix] = numpy_helper.from_array(hadamard(block).numpy().astype(np.float32), matrix)
     blocks_shape = f"hadamard_{block}_blocks_of_{width}"
     if blocks_shape not in shared:
-        shared[blocks_shape] = numpy_helper.from_array(np.array([-1, width // block, block], dtype=np.int64), blocks_shape)
+        shared[blocks_shape] = numpy_helper.from_array(
+            np.array([-1, width // block, block], dtype=np.int64), blocks_shape
+        )
     shape, blocks, rotated, out = f"{tag}_rot_shape", f"{tag}_rot_blocks", f"{tag}_rot_rotated", f"{tag}_rot"
     nodes = [helper.make_node("Shape", [input_name], [shape], name=f"{tag}_rot_Shape"),
              helper.make_node("Reshape", [input_name, blocks_shape], [blocks], name=f"{tag}_rot_split"),
@@ -194,7 +226,9 @@ class QdqRewrite:
     one's bytes to the external data file there, so the levels of a large model are never held together).
     """
 
-    def __init__(self, model: onnx.ModelProto, store: Callable[[onnx.TensorProto], onnx.TensorProto] = lambda t: t) -> None:
+    def __init__(
+        self, model: onnx.ModelProto, store: Callable[[onnx.TensorProto], onnx.TensorProto] = lambda t: t
+    ) -> None:
         self.model = model
         self.nodes = list(model.graph.node)
         self.consumers: dict[str, list[int]] = {}
@@ -248,7 +282,9 @@ class QdqRewrite:
         if linear.input_smoothing is not None:
             inverse = numpy_helper.from_array((1.0 / linear.input_smoothing).astype(np.float32), f"{tag}_smooth_inv")
             self.add_tensor(inverse)
-            before.append(helper.make_node("Mul", [source, inverse.name], [f"{tag}_smoothed"], name=f"{tag}_smooth_Mul"))
+            before.append(
+                helper.make_node("Mul", [source, inverse.name], [f"{tag}_smoothed"], name=f"{tag}_smooth_Mul")
+            )
             source = f"{tag}_smoothed"
         if linear.rotation:
             nodes, source = _rotation(source, linear, tag, self.shared)
@@ -328,7 +364,9 @@ def apply_kv_cache_qdq(model: onnx.ModelProto, scales: dict[int, tuple[float, fl
                 position = producer.get(nodes[position].input[0])
             concat = nodes[position] if position is not None else None
             if concat is None or concat.op_type != "Concat" or len(concat.input) != 2:
-                raise StageError(f"present.{layer}.{part} is not the concatenation of the past and new {part}s in the exported graph")
+                raise StageError(
+                    f"present.{layer}.{part} is not the concatenation of the past and new {part}s in the exported graph"
+                )
             tensors, qdq_nodes, quantized = _activation_qdq(concat.input[1], scale, f"kv_{layer}_{part}", "fp8")
             inits.extend(tensors)
             before.setdefault(position, []).extend(qdq_nodes)

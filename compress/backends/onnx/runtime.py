@@ -37,14 +37,28 @@ class DecoderLayout:
     @classmethod
     def load(cls, folder: Path) -> DecoderLayout:
         data = json.loads((Path(folder) / LAYOUT_FILE).read_text(encoding="utf-8"))
-        return cls(data["num_layers"], list(data["num_kv_heads"]), data["head_dim"], list(data.get("eos_token_ids", [])),
-                   bool(data.get("int8_activations", False)), bool(data.get("fp4_weights", False)),
-                   int(data.get("sliding_window", 0)), tuple(data.get("sliding_layers", ())))
+        return cls(
+            data["num_layers"],
+            list(data["num_kv_heads"]),
+            data["head_dim"],
+            list(data.get("eos_token_ids", [])),
+            bool(data.get("int8_activations", False)),
+            bool(data.get("fp4_weights", False)),
+            int(data.get("sliding_window", 0)),
+            tuple(data.get("sliding_layers", ())),
+        )
 
     def to_json(self) -> dict:
-        return {"num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
-                "eos_token_ids": self.eos_token_ids, "int8_activations": self.int8_activations, "fp4_weights": self.fp4_weights,
-                "sliding_window": self.sliding_window, "sliding_layers": list(self.sliding_layers)}
+        return {
+            "num_layers": self.num_layers,
+            "num_kv_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "eos_token_ids": self.eos_token_ids,
+            "int8_activations": self.int8_activations,
+            "fp4_weights": self.fp4_weights,
+            "sliding_window": self.sliding_window,
+            "sliding_layers": list(self.sliding_layers),
+        }
 
     def cache_length(self, layer: int, past: int) -> int:
         """How many positions ``layer``'s cache holds after ``past`` tokens: a sliding layer only its window's."""
@@ -67,7 +81,10 @@ def host_has_int8_dot_product() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8")) or platform.machine() in ("aarch64", "arm64")
+    return any(flag in flags for flag in ("avx512_vnni", "avx_vnni", "amx_int8")) or platform.machine() in (
+        "aarch64",
+        "arm64",
+    )
 
 
 def fp4_as_fp8(model_path: Path) -> bytes:
@@ -118,7 +135,9 @@ def session_options(threads: int | None = None, int8_activations: bool = False):
     return options
 
 
-def make_session(model_path: Path, threads: int | None = None, int8_activations: bool = False, fp4_weights: bool = False):
+def make_session(
+    model_path: Path, threads: int | None = None, int8_activations: bool = False, fp4_weights: bool = False
+):
     """An ONNX Runtime CPU session with :func:`session_options`; NVFP4 weights are read through :func:`fp4_as_fp8`."""
     import onnxruntime as ort
 
@@ -149,7 +168,9 @@ class OnnxDecoder:
     def __init__(self, folder: Path, threads: int | None = None) -> None:
         self.folder = Path(folder)
         self.layout = DecoderLayout.load(self.folder)
-        self.session = make_session(self.folder / ONNX_FILE, threads, self.layout.int8_activations, self.layout.fp4_weights)
+        self.session = make_session(
+            self.folder / ONNX_FILE, threads, self.layout.int8_activations, self.layout.fp4_weights
+        )
         self._past_names = past_names(self.layout.num_layers)
         types = {i.name: i.type for i in self.session.get_inputs()}
         self._past_dtype = np.float16 if types.get(self._past_names[0]) == "tensor(float16)" else np.float32
@@ -159,9 +180,11 @@ class OnnxDecoder:
         return [np.zeros((batch, self.layout.num_kv_heads[i // 2], 0, self.layout.head_dim), dtype=self._past_dtype)
                 for i in range(2 * self.layout.num_layers)]
 
-    def forward(self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
-        """One step: logits for ``input_ids`` and the grown cache. ``attention_mask`` covers past + new tokens (a sliding
-        layer's cache holds fewer)."""
+    def forward(
+        self, input_ids: np.ndarray, attention_mask: np.ndarray, past: list[np.ndarray]
+    ) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One step: logits for ``input_ids`` and the grown cache. ``attention_mask`` covers past + new tokens (a
+        sliding layer's cache holds fewer)."""
         past_len = attention_mask.shape[1] - input_ids.shape[1]
         positions = np.clip(np.cumsum(attention_mask, axis=-1) - 1, 0, None)[:, past_len:]
         feed = {"input_ids": input_ids.astype(np.int64), "attention_mask": attention_mask.astype(np.int64),
@@ -187,7 +210,8 @@ class OnnxDecoder:
             yield start, logits
 
     def sequences_in_chunks(self, sequences: list[np.ndarray], chunk: int) -> Iterator[tuple[int, int, np.ndarray]]:
-        """:meth:`logits_in_chunks` of each sequence in turn: ``(sequence, first position, logits[1, chunk, vocab])``."""
+        """:meth:`logits_in_chunks` of each sequence in turn: ``(sequence, first position, logits[1, chunk,
+        vocab])``."""
         for index, ids in enumerate(sequences):
             for start, logits in self.logits_in_chunks(ids[None, :], chunk):
                 yield index, start, logits

@@ -37,7 +37,8 @@ _SHAPE_ONLY = frozenset({"Shape", "Size"})  # outputs that depend on their input
 
 @dataclass(frozen=True)
 class GraphSlice:
-    """Blocks ``blocks`` of a decoder as a graph of their own (serialized, weights referenced in the original's folder)."""
+    """Blocks ``blocks`` of a decoder as a graph of their own (serialized, weights referenced in the original's
+    folder)."""
 
     blocks: range
     entering: str  # the tensor it reads the hidden state from ("input_ids" for the first slice)
@@ -59,7 +60,10 @@ def graph_weight_bytes(folder: Path) -> int:
     """Bytes of the weights of the graph in ``folder``, read from its file without them."""
     import onnx
 
-    return sum(tensor_bytes(init) for init in onnx.load(str(Path(folder) / ONNX_FILE), load_external_data=False).graph.initializer)
+    return sum(
+        tensor_bytes(init)
+        for init in onnx.load(str(Path(folder) / ONNX_FILE), load_external_data=False).graph.initializer
+    )
 
 
 def block_cuts(graph, num_layers: int) -> list[str]:
@@ -82,7 +86,9 @@ def block_cuts(graph, num_layers: int) -> list[str]:
         later = [*present_names(num_layers)[2 * block + 2:], "logits"]
         gap, tensor = _last_single_gap(nodes, producer, first_use, valued, later, start, stop)
         if tensor is None:
-            raise StageError(f"no single tensor carries the hidden state from block {block} to block {block + 1} in the graph")
+            raise StageError(
+                f"no single tensor carries the hidden state from block {block} to block {block + 1} in the graph"
+            )
         cuts.append(tensor)
         start = gap + 1
     return cuts
@@ -117,7 +123,8 @@ def _last_single_gap(nodes, producer: dict[str, int], first_use: dict[str, int],
 
 def plan_slices(folder: Path, layout: DecoderLayout, max_weight_bytes: int) -> list[GraphSlice]:
     """The graph in ``folder`` cut into consecutive slices of whole blocks, each holding at most ``max_weight_bytes`` of
-    weights where a block allows it (one block per slice at least); the last slice also holds the final norm and LM head.
+    weights where a block allows it (one block per slice at least); the last slice also holds the final norm and LM
+    head.
     """
     import onnx
 
@@ -128,8 +135,9 @@ def plan_slices(folder: Path, layout: DecoderLayout, max_weight_bytes: int) -> l
     cuts = block_cuts(graph, layout.num_layers)
     producers = {name: node for node in graph.node for name in node.output}
     sizes = {init.name: tensor_bytes(init) for init in graph.initializer}
-    groups = _group_blocks([_block_bytes(producers, sizes, cuts, b, layout.num_layers) for b in range(layout.num_layers)],
-                           max_weight_bytes)
+    groups = _group_blocks(
+        [_block_bytes(producers, sizes, cuts, b, layout.num_layers) for b in range(layout.num_layers)], max_weight_bytes
+    )
     inferred = onnx.shape_inference.infer_shapes(model)  # the weights' types and shapes only: none of their data
     types = {v.name: v for v in list(inferred.graph.value_info) + list(graph.input) + list(graph.output)}
     slices = []
@@ -142,8 +150,8 @@ def plan_slices(folder: Path, layout: DecoderLayout, max_weight_bytes: int) -> l
 
 
 def slices_over(folder: Path, layout: DecoderLayout, limit_bytes: int | None) -> list[GraphSlice] | None:
-    """The graph's slices of at most ``limit_bytes`` of weights, or None where it runs whole: no limit, its weights fit one
-    session, its NVFP4 weights are read through a converted copy of the whole graph, or it cannot be cut."""
+    """The graph's slices of at most ``limit_bytes`` of weights, or None where it runs whole: no limit, its weights fit
+    one session, its NVFP4 weights are read through a converted copy of the whole graph, or it cannot be cut."""
     if limit_bytes is None or layout.fp4_weights or graph_weight_bytes(folder) <= limit_bytes:
         return None
     try:
@@ -157,7 +165,9 @@ def _block_bytes(producers, sizes, cuts, block: int, num_layers: int) -> int:
     """Weight bytes the nodes between the hidden state entering ``block`` and the one leaving it read."""
     entering = "input_ids" if block == 0 else cuts[block - 1]
     leaving = "logits" if block == num_layers - 1 else cuts[block]
-    return held_bytes(_closure(producers, [leaving] + present_names(num_layers)[2 * block:2 * block + 2], {entering}), sizes)
+    return held_bytes(
+        _closure(producers, [leaving] + present_names(num_layers)[2 * block : 2 * block + 2], {entering}), sizes
+    )
 
 
 def held_bytes(nodes, sizes: dict[str, int]) -> int:
@@ -197,7 +207,9 @@ def _closure(producers: dict, outputs: list[str], stop: set[str]) -> list:
     return list(seen.values())
 
 
-def _extract(model, producers, types, entering: str, outputs: list[str], blocks: range, sizes: dict[str, int]) -> GraphSlice:
+def _extract(
+    model, producers, types, entering: str, outputs: list[str], blocks: range, sizes: dict[str, int]
+) -> GraphSlice:
     """One slice as a serialized graph: the nodes computing ``outputs`` from ``entering``, in the graph's order."""
     import onnx
 
@@ -214,8 +226,9 @@ def _extract(model, producers, types, entering: str, outputs: list[str], blocks:
         if node.op_type not in _SHAPE_ONLY and borrowed.intersection(node.input):
             borrowed.update(node.output)
     if borrowed.intersection(outputs):
-        raise StageError(f"blocks {blocks.start}-{blocks.stop - 1} compute with another block's cache; the graph is not "
-                         "cut there")
+        raise StageError(
+            f"blocks {blocks.start}-{blocks.stop - 1} compute with another block's cache; the graph is not cut there"
+        )
     missing = [name for name in outputs if name not in types or not types[name].type.tensor_type.elem_type]
     if missing:
         raise StageError(f"the type of {missing[0]!r} is unknown; the graph is not cut there")
@@ -294,4 +307,6 @@ class SlicedDecoder:
     def _empty(self, name: str, past: int, types: dict) -> np.ndarray:
         layer = int(name.split(".")[1])
         dtype = np.float16 if types.get(name) == "tensor(float16)" else np.float32
-        return np.zeros((1, self.layout.num_kv_heads[layer], self.layout.cache_length(layer, past), self.layout.head_dim), dtype)
+        return np.zeros(
+            (1, self.layout.num_kv_heads[layer], self.layout.cache_length(layer, past), self.layout.head_dim), dtype
+        )

@@ -22,7 +22,10 @@ from compress.core.files import atomic_write_bytes, cache_root
 log = logging.getLogger(__name__)
 
 # Where JetPack's apt packages put TensorRT's Python bindings.
-SYSTEM_TENSORRT_GLOBS = ("usr/lib/python3*/dist-packages/tensorrt/__init__.py", "usr/lib/python3/dist-packages/tensorrt/__init__.py")
+SYSTEM_TENSORRT_GLOBS = (
+    "usr/lib/python3*/dist-packages/tensorrt/__init__.py",
+    "usr/lib/python3/dist-packages/tensorrt/__init__.py",
+)
 
 
 @dataclass(frozen=True)
@@ -65,9 +68,11 @@ def missing_tensorrt_reason() -> str:
     """Why TensorRT cannot be imported here, with the fix."""
     hidden = system_tensorrt()
     if hidden is not None:
-        return (f"not run: TensorRT is installed system-wide ({hidden}) but this Python environment hides it; "
-                "create the environment with `python3 -m venv --system-site-packages .venv` (JetPack's TensorRT is not on PyPI "
-                "for Jetson) and reinstall compress in it")
+        return (
+            f"not run: TensorRT is installed system-wide ({hidden}) but this Python environment hides it; "
+            "create the environment with `python3 -m venv --system-site-packages .venv` (JetPack's TensorRT is not on "
+            "PyPI for Jetson) and reinstall compress in it"
+        )
     return "not run: tensorrt is not installed (JetPack ships it; on a desktop GPU pip install -e '.[gpu]')"
 
 
@@ -147,8 +152,12 @@ def build_engine(plan: BuildPlan, onnx_path: Path, engine_path: Path, timing_cac
         for shape in profile.shapes:
             shapes.set_shape(shape.name, shape.min, shape.opt, shape.max)
         config.add_optimization_profile(shapes)
-    log.info("building the TensorRT engine (%s typed, profiles %s, optimization level %d)", "strongly" if strongly_typed else "weakly",
-             ", ".join(p.name for p in plan.profiles), plan.builder_optimization_level)
+    log.info(
+        "building the TensorRT engine (%s typed, profiles %s, optimization level %d)",
+        "strongly" if strongly_typed else "weakly",
+        ", ".join(p.name for p in plan.profiles),
+        plan.builder_optimization_level,
+    )
     serialized = builder.build_serialized_network(network, config)
     if serialized is None:
         raise StageError("TensorRT failed to build the engine (see the TensorRT log above)")

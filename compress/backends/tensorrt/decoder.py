@@ -26,17 +26,21 @@ class TrtDecoder:
         self._past = past_names(layout.num_layers)
         self._present = present_names(layout.num_layers)
         self.max_batch = max(ranges["input_ids"][2][0] for ranges in self.session.profile_ranges)
-        # the longest cache a profile's largest step follows, plus that step's one token (a sliding layer's cache is shorter)
+        # the longest cache a profile's largest step follows, plus that step's one token (a sliding layer's cache is
+        # shorter)
         self.context_length = max(ranges["attention_mask"][2][1] - ranges["input_ids"][2][1] + 1
                                   for ranges in self.session.profile_ranges)
 
     def empty_past(self, batch: int) -> list[DeviceArray]:
         """An empty cache for ``batch`` sequences (each tensor still has its own device address)."""
-        return [DeviceArray((batch, self.layout.num_kv_heads[i // 2], 0, self.layout.head_dim), self.session.dtypes[name])
-                for i, name in enumerate(self._past)]
+        return [
+            DeviceArray((batch, self.layout.num_kv_heads[i // 2], 0, self.layout.head_dim), self.session.dtypes[name])
+            for i, name in enumerate(self._past)
+        ]
 
     def forward(self, input_ids, attention_mask, past: list[DeviceArray]) -> tuple[np.ndarray, list[DeviceArray]]:
-        """One step: new tokens ``(batch, seq)``, the mask over cache and new tokens; returns logits and the grown cache."""
+        """One step: new tokens ``(batch, seq)``, the mask over cache and new tokens; returns logits and the grown
+        cache."""
         input_ids = np.asarray(input_ids, dtype=np.int64)
         attention_mask = np.asarray(attention_mask, dtype=np.int64)
         past_len = attention_mask.shape[1] - input_ids.shape[1]  # a sliding layer's cache holds fewer

@@ -11,7 +11,8 @@ from compress.backends.tensorrt.session import EngineSession
 
 
 class TrtEncoder(OnnxEncoder):
-    """The same API on the run's TensorRT engine (built on the device); tokenizer and labels from the exported folder."""
+    """The same API on the run's TensorRT engine (built on the device); tokenizer and labels from the exported
+    folder."""
 
     backend = "tensorrt"
 

@@ -79,7 +79,9 @@ def _rotary_angles(graph: onnx.GraphProto) -> set[str]:
 
 def fp32_islands(graph: onnx.GraphProto) -> set[str]:
     """Names of the nodes kept in FP32 in the engine graph (with the constants only they read)."""
-    islands = _variance_chains(graph) | _rotary_angles(graph) | {n.name for n in graph.node if n.op_type in ALWAYS_FP32_OPS}
+    islands = (
+        _variance_chains(graph) | _rotary_angles(graph) | {n.name for n in graph.node if n.op_type in ALWAYS_FP32_OPS}
+    )
     users = _consumers(graph)
     return islands | {n.name for n in graph.node if n.op_type == "Constant" and users[n.output[0]]
                       and all(u.name in islands for u in users[n.output[0]])}
@@ -92,7 +94,8 @@ def _name_nodes(graph: onnx.GraphProto) -> None:
 
 
 def _fp16_tensor(tensor: onnx.TensorProto) -> onnx.TensorProto:
-    """A float32 tensor in float16: finite values beyond FP16's range clipped to it, infinities kept (masks use -inf)."""
+    """A float32 tensor in float16: finite values beyond FP16's range clipped to it, infinities kept (masks use
+    -inf)."""
     values = numpy_helper.to_array(tensor)
     clipped = np.where(np.isfinite(values), np.clip(values, -FP16_MAX, FP16_MAX), values)
     return numpy_helper.from_array(clipped.astype(np.float16), tensor.name)
@@ -165,7 +168,9 @@ def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
             to = TensorProto.FLOAT if in_island else TensorProto.FLOAT16
             if (name, to) not in casts:
                 casts[(name, to)] = f"{name}_to_{'fp32' if in_island else 'fp16'}"
-                nodes.append(helper.make_node("Cast", [name], [casts[(name, to)]], name=f"{casts[(name, to)]}_Cast", to=to))
+                nodes.append(
+                    helper.make_node("Cast", [name], [casts[(name, to)]], name=f"{casts[(name, to)]}_Cast", to=to)
+                )
             node.input[index] = casts[(name, to)]
         nodes.append(node)
     del graph.node[:]
@@ -174,8 +179,11 @@ def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     graph.initializer.extend(initializers)
     _retype_values(list(graph.input) + list(graph.output), floats, fp32)
     del graph.value_info[:]
-    log.info("engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles), %d casts", len(islands),
-             len(casts))
+    log.info(
+        "engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles), %d casts",
+        len(islands),
+        len(casts),
+    )
     return model
 
 
@@ -240,5 +248,7 @@ def write_engine_input(onnx_path: Path, engine_onnx: Path, feeds: dict[str, np.n
     log.info("engine graph (FP16) vs exported graph in ONNX Runtime: cosine %.5f, relative max difference %.4f",
              parity["cosine_min"], parity["relative_max_diff"])
     if parity["cosine_min"] < min_cosine:
-        raise StageError(f"the FP16 engine graph departs from the exported graph: cosine {parity['cosine_min']:.5f} < {min_cosine}")
+        raise StageError(
+            f"the FP16 engine graph departs from the exported graph: cosine {parity['cosine_min']:.5f} < {min_cosine}"
+        )
     return {**written, "engine_graph_parity": parity}

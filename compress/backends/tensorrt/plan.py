@@ -171,8 +171,13 @@ def decoder_single_profile(layout: DecoderLayout, target: Target, max_batch: int
 def encoder_profile(input_names: list[str], max_tokens: int, opt_batch: int, max_batch: int) -> Profile:
     """Batches of 1..max_batch sentences of 1..max_tokens tokens, tuned for the target's batch of typical sentences."""
     opt_tokens = min(ENCODER_OPT_TOKENS, max_tokens)
-    return Profile("encoder", [ShapeRange(name, (1, 1), (min(opt_batch, max_batch), opt_tokens), (max_batch, max_tokens))
-                               for name in input_names])
+    return Profile(
+        "encoder",
+        [
+            ShapeRange(name, (1, 1), (min(opt_batch, max_batch), opt_tokens), (max_batch, max_tokens))
+            for name in input_names
+        ],
+    )
 
 
 @dataclass(frozen=True)
@@ -192,7 +197,8 @@ class _Graph:
 
 def _target_plan(target: Target, graph: _Graph, workspace_fraction: float = 0.25, optimization_level: int = 3,
                  version_compatible: bool = False) -> BuildPlan:
-    """Settings every build shares: strongly typed from the FP16 engine graph, workspace a share of the target's memory."""
+    """Settings every build shares: strongly typed from the FP16 engine graph, workspace a share of the target's
+    memory."""
     workspace = int(min(target.memory_gb * workspace_fraction, target.budgets.max_memory_gb) * GB)
     return BuildPlan(
         model_kind=graph.model_kind, target=target.name, gpu_sm=target.gpu.sm, tensorrt_version=target.tensorrt_version,
@@ -204,8 +210,16 @@ def _target_plan(target: Target, graph: _Graph, workspace_fraction: float = 0.25
     )
 
 
-def make_plan(target: Target, layout: DecoderLayout, *, has_qdq: bool, sparse_24: bool, max_batch: int = 1, has_int4: bool = False,
-              **settings) -> BuildPlan:
+def make_plan(
+    target: Target,
+    layout: DecoderLayout,
+    *,
+    has_qdq: bool,
+    sparse_24: bool,
+    max_batch: int = 1,
+    has_int4: bool = False,
+    **settings,
+) -> BuildPlan:
     """The decoder build for ``target``: prefill and decode profiles (one covering both for ``trtexec``)."""
     graph = _Graph("decoder", "model.onnx", "model.engine", decoder_profiles(layout, target, max_batch),
                    decoder_single_profile(layout, target, max_batch), has_qdq, has_int4, sparse_24)
@@ -216,7 +230,9 @@ def make_encoder_plan(target: Target, input_names: list[str], max_tokens: int, *
                       **settings) -> BuildPlan:
     """The encoder build for ``target``: one profile over batch and sentence length."""
     profile = encoder_profile(input_names, max_tokens, target.budgets.encoder_batch, max_batch)
-    return _target_plan(target, _Graph("encoder", "encoder.onnx", "encoder.engine", [profile], profile, has_qdq), **settings)
+    return _target_plan(
+        target, _Graph("encoder", "encoder.onnx", "encoder.engine", [profile], profile, has_qdq), **settings
+    )
 
 
 def device_script(plan: BuildPlan) -> str:
@@ -231,25 +247,32 @@ def device_script(plan: BuildPlan) -> str:
         f'"version_compatible": {str(plan.version_compatible).lower()}, "model_kind": "{plan.model_kind}", '
         '"engine_sha256": "%s", "engine_graph_sha256": "%s"}\\n'
     )
-    return "\n".join([
-        "#!/usr/bin/env bash",
-        shell.comment(f"Build the TensorRT engine for {plan.target} (sm_{plan.gpu_sm}, TensorRT {plan.tensorrt_version}) on the device."),
-        '# With compress installed: compress build-engine "$RUN_DIR"',
-        "# With trtexec alone:      bash build_on_device.sh (it works in its own folder)",
-        "set -euo pipefail",
-        'cd "$(dirname "$0")"',
-        'TRTEXEC="${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}"',
-        f'"$TRTEXEC" {trtexec} 2>&1 | tee {TRTEXEC_LOG}',
-        f"VERSION=$(sed -n 's/.*TensorRT version: *\\([0-9.]*\\).*/\\1/p' {TRTEXEC_LOG} | head -n 1)",
-        "GPU=$({ tr -d '\\000' < /proc/device-tree/model || nvidia-smi --query-gpu=name --format=csv,noheader; } 2>/dev/null "
-        "| head -n 1 || true)",
-        f"ENGINE_SHA=$(sha256sum {shell.quote(plan.engine_file)} | cut -d' ' -f1)",
-        f"GRAPH_SHA=$(sha256sum {shell.quote(plan.engine_onnx_file)} | cut -d' ' -f1)",
-        f"printf '{manifest}' {shell.quote(plan.target)} \"${{GPU:-unknown}}\" {shell.quote(plan.gpu_sm)} \"${{VERSION:-unknown}}\" "
-        f"\"$ENGINE_SHA\" \"$GRAPH_SHA\" > {ENGINE_MANIFEST}.tmp",
-        f"mv {ENGINE_MANIFEST}.tmp {ENGINE_MANIFEST}",
-        "",
-    ])
+    return "\n".join(
+        [
+            "#!/usr/bin/env bash",
+            shell.comment(
+                f"Build the TensorRT engine for {plan.target} (sm_{plan.gpu_sm}, TensorRT {plan.tensorrt_version}) on "
+                "the device."
+            ),
+            '# With compress installed: compress build-engine "$RUN_DIR"',
+            "# With trtexec alone:      bash build_on_device.sh (it works in its own folder)",
+            "set -euo pipefail",
+            'cd "$(dirname "$0")"',
+            'TRTEXEC="${TRTEXEC:-$(command -v trtexec || echo /usr/src/tensorrt/bin/trtexec)}"',
+            f'"$TRTEXEC" {trtexec} 2>&1 | tee {TRTEXEC_LOG}',
+            f"VERSION=$(sed -n 's/.*TensorRT version: *\\([0-9.]*\\).*/\\1/p' {TRTEXEC_LOG} | head -n 1)",
+            "GPU=$({ tr -d '\\000' < /proc/device-tree/model || nvidia-smi --query-gpu=name --format=csv,noheader; } "
+            "2>/dev/null "
+            "| head -n 1 || true)",
+            f"ENGINE_SHA=$(sha256sum {shell.quote(plan.engine_file)} | cut -d' ' -f1)",
+            f"GRAPH_SHA=$(sha256sum {shell.quote(plan.engine_onnx_file)} | cut -d' ' -f1)",
+            f'printf \'{manifest}\' {shell.quote(plan.target)} "${{GPU:-unknown}}" {shell.quote(plan.gpu_sm)} '
+            f'"${{VERSION:-unknown}}" '
+            f'"$ENGINE_SHA" "$GRAPH_SHA" > {ENGINE_MANIFEST}.tmp',
+            f"mv {ENGINE_MANIFEST}.tmp {ENGINE_MANIFEST}",
+            "",
+        ]
+    )
 
 
 def write_plan(folder: Path, plan: BuildPlan) -> None:
@@ -266,13 +289,16 @@ def encoder_max_tokens(folder: Path) -> int:
     if config.get("model_type") in ("roberta", "xlm-roberta"):
         positions -= 2  # RoBERTa's positions start after the padding index
     tokenizer_config = folder / "tokenizer_config.json"
-    limit = int(read_json(tokenizer_config).get("model_max_length", positions)) if tokenizer_config.is_file() else positions
+    limit = (
+        int(read_json(tokenizer_config).get("model_max_length", positions)) if tokenizer_config.is_file() else positions
+    )
     return max(1, min(positions, limit, ENCODER_MAX_TOKENS))
 
 
 def plan_for_export(onnx_dir: Path, model_kind: str, target: Target, max_batch: int, *, sparse_24: bool = False,
                     **settings) -> tuple[BuildPlan, GraphFacts]:
-    """The build of an exported folder's graph for ``target``, after the static check of that graph against the target."""
+    """The build of an exported folder's graph for ``target``, after the static check of that graph against the
+    target."""
     onnx_path = onnx_dir / (ENCODER_FILE if model_kind == "encoder" else ONNX_FILE)
     facts = check_onnx_file(onnx_path, target, max_batch)
     if model_kind == "encoder":

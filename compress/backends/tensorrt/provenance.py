@@ -19,7 +19,9 @@ from compress.core.files import read_json, sha256_file
 from compress.core.rundir import BUILD_PLAN, ENGINE_MANIFEST
 
 
-def engine_manifest(plan: BuildPlan, engine_dir: Path, onnx_dir: Path, gpu: str, built: dict[str, Any]) -> dict[str, Any]:
+def engine_manifest(
+    plan: BuildPlan, engine_dir: Path, onnx_dir: Path, gpu: str, built: dict[str, Any]
+) -> dict[str, Any]:
     """What :func:`check_engine_provenance` and the runtime read: who built the engine, for what, from which graph."""
     return {"target": plan.target, "gpu": gpu, "sm": plan.gpu_sm, "tensorrt_version": built["tensorrt_version"],
             "builder": built["builder"], "version_compatible": plan.version_compatible, "model_kind": plan.model_kind,
@@ -53,9 +55,14 @@ def check_engine_provenance(engine_dir: Path) -> dict[str, Any]:
         runs_here = _version_tuple(here) == _version_tuple(built)
         needed = f"TensorRT {built}"
     if not runs_here or device[1] != manifest["sm"]:
-        raise UsageError(f"engine built with TensorRT {built} for sm_{manifest['sm']} ({manifest['gpu']}) needs {needed} on "
-                         f"sm_{manifest['sm']}; this machine has TensorRT {here} on sm_{device[1]} ({device[0]}): "
-                         "rebuild it here with `compress build-engine RUN_DIR`")
+        raise UsageError(
+            f"engine built with TensorRT {built} for sm_{manifest['sm']} ({manifest['gpu']}) needs {needed} on "
+            f"sm_{manifest['sm']}; this machine has TensorRT {here} on sm_{device[1]} ({device[0]}): "
+            "rebuild it here with `compress build-engine RUN_DIR`"
+        )
     if sha256_file(engine_dir / read_json(engine_dir / BUILD_PLAN)["engine_file"]) != manifest["engine_sha256"]:
-        raise UsageError(f"the engine in {engine_dir} does not match its manifest's hash; rebuild it with `compress build-engine RUN_DIR`")
+        raise UsageError(
+            f"the engine in {engine_dir} does not match its manifest's hash; rebuild it with `compress build-engine "
+            "RUN_DIR`"
+        )
     return manifest

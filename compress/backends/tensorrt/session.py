@@ -42,7 +42,9 @@ class EngineSession:
             self._runtime.engine_host_code_allowed = True
         self.engine = self._runtime.deserialize_cuda_engine(Path(engine_path).read_bytes())
         if self.engine is None:
-            raise MissingBackendError(f"TensorRT could not load {engine_path}: rebuild it on this device (compress build-engine)")
+            raise MissingBackendError(
+                f"TensorRT could not load {engine_path}: rebuild it on this device (compress build-engine)"
+            )
         self.stream = Stream()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
         self.inputs = [n for n in names if self.engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
@@ -84,7 +86,9 @@ class EngineSession:
                     raise UsageError(f"{name}: device array is {value.dtype}, the engine takes {self.dtypes[name]}")
                 device[name] = value
             else:
-                device[name] = DeviceArray.from_host(np.asarray(value).astype(self.dtypes[name], copy=False), self.stream)
+                device[name] = DeviceArray.from_host(
+                    np.asarray(value).astype(self.dtypes[name], copy=False), self.stream
+                )
             if not context.set_input_shape(name, shapes[name]):
                 raise StageError(f"TensorRT refused the shape {shapes[name]} for {name}")
             context.set_tensor_address(name, device[name].ptr)

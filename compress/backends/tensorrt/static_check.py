@@ -57,11 +57,15 @@ def check_onnx_for_target(model: onnx.ModelProto, target: Target, max_batch: int
     major = target.tensorrt_version.split(".")[0]
     opset = max((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), default=0)
     if opset > MAX_OPSET.get(major, 21):
-        raise UsageError(f"ONNX opset {opset} is newer than TensorRT {target.tensorrt_version} takes ({MAX_OPSET.get(major, 21)})")
+        raise UsageError(
+            f"ONNX opset {opset} is newer than TensorRT {target.tensorrt_version} takes ({MAX_OPSET.get(major, 21)})"
+        )
     graph = model.graph
     for node in graph.node:
         if node.domain not in ("", "ai.onnx"):
-            raise UsageError(f"node {node.name or node.op_type}: custom-domain operator {node.domain}::{node.op_type} needs a plugin")
+            raise UsageError(
+                f"node {node.name or node.op_type}: custom-domain operator {node.domain}::{node.op_type} needs a plugin"
+            )
         if node.op_type not in TRT10_OPS:
             raise UsageError(f"node {node.name or node.op_type}: operator {node.op_type} is not supported "
                              f"by TensorRT {target.tensorrt_version}")
@@ -71,17 +75,25 @@ def check_onnx_for_target(model: onnx.ModelProto, target: Target, max_batch: int
     for tensor in list(graph.initializer) + [vi for vi in graph.value_info] + list(graph.input) + list(graph.output):
         data_type = tensor.data_type if isinstance(tensor, onnx.TensorProto) else tensor.type.tensor_type.elem_type
         if data_type in FP8_TYPES and not allowed_fp8:
-            raise UsageError(f"tensor {tensor.name}: {_type_name(data_type)} is not supported on sm_{target.gpu.sm} ({target.name})")
+            raise UsageError(
+                f"tensor {tensor.name}: {_type_name(data_type)} is not supported on sm_{target.gpu.sm} ({target.name})"
+            )
         if data_type in FP4_TYPES and not allowed_fp4:
-            raise UsageError(f"tensor {tensor.name}: {_type_name(data_type)} is not supported on sm_{target.gpu.sm} ({target.name})")
+            raise UsageError(
+                f"tensor {tensor.name}: {_type_name(data_type)} is not supported on sm_{target.gpu.sm} ({target.name})"
+            )
     has_int4 = False
     for node in graph.node:
         if node.op_type == "QuantizeLinear" and len(node.input) > 2 and node.input[2] in initializers:
             zero_type = initializers[node.input[2]].data_type
             if zero_type in INT4_TYPES:
-                raise UsageError(f"node {node.name}: INT4 activations are not supported; INT4 is weight-only on {target.name}")
+                raise UsageError(
+                    f"node {node.name}: INT4 activations are not supported; INT4 is weight-only on {target.name}"
+                )
             if zero_type in FP8_TYPES and not allowed_fp8:
-                raise UsageError(f"node {node.name}: FP8 quantization is not supported on sm_{target.gpu.sm} ({target.name})")
+                raise UsageError(
+                    f"node {node.name}: FP8 quantization is not supported on sm_{target.gpu.sm} ({target.name})"
+                )
         is_weight_dq = node.op_type == "DequantizeLinear" and node.input[0] in initializers
         if is_weight_dq and initializers[node.input[0]].data_type in INT4_TYPES:
             has_int4 = True
@@ -92,7 +104,9 @@ def check_onnx_for_target(model: onnx.ModelProto, target: Target, max_batch: int
             continue
         dims = graph_input.type.tensor_type.shape.dim
         if dims and dims[0].HasField("dim_value") and dims[0].dim_value > max_batch:
-            raise UsageError(f"input {graph_input.name}: fixed batch {dims[0].dim_value} exceeds the profile's maximum {max_batch}")
+            raise UsageError(
+                f"input {graph_input.name}: fixed batch {dims[0].dim_value} exceeds the profile's maximum {max_batch}"
+            )
     has_qdq = any(n.op_type in ("QuantizeLinear", "DequantizeLinear") for n in graph.node)
     return GraphFacts(opset, has_qdq, has_int4, len(graph.node))
 
@@ -107,6 +121,9 @@ def check_parses_fp4(target: Target) -> None:
     """Refuse a generic TensorRT build of an NVFP4 graph where the target's ONNX parser cannot read FP4 tensors."""
     major = target.tensorrt_version.split(".")[0]
     if MAX_OPSET.get(major, 21) < FP4_OPSET:
-        raise UsageError(f"build_engine: an NVFP4 graph stores FP4 weights (FLOAT4E2M1, ONNX opset {FP4_OPSET}), and the ONNX parser "
-                         f"of TensorRT {target.tensorrt_version} on {target.name} reads opset {MAX_OPSET.get(major, 21)} at most; "
-                         "deploy NVFP4 through export_edgellm (recipe=thor-nvfp4), or end the recipe at export_onnx")
+        raise UsageError(
+            f"build_engine: an NVFP4 graph stores FP4 weights (FLOAT4E2M1, ONNX opset {FP4_OPSET}), and the ONNX "
+            "parser "
+            f"of TensorRT {target.tensorrt_version} on {target.name} reads opset {MAX_OPSET.get(major, 21)} at most; "
+            "deploy NVFP4 through export_edgellm (recipe=thor-nvfp4), or end the recipe at export_onnx"
+        )

@@ -24,7 +24,8 @@ def find_trtexec() -> Path | None:
 
 
 def build_with_trtexec(plan: BuildPlan, engine_dir: Path, trtexec: Path) -> dict[str, Any]:
-    """Build with ``trtexec`` (one profile, see :attr:`BuildPlan.trtexec_profile`) where TensorRT's Python API is absent."""
+    """Build with ``trtexec`` (one profile, see :attr:`BuildPlan.trtexec_profile`) where TensorRT's Python API is
+    absent."""
     command = [str(trtexec), *plan.trtexec_args()[1:]]
     log_path = engine_dir / TRTEXEC_LOG
     with log_path.open("w") as out:

@@ -52,9 +52,16 @@ def run_edgellm_build(source: Artifact, config: BuildEngineConfig, ctx: RunConte
     plan = edgellm_tools.edgellm_plan(ctx.target, Path(source.path), out, config.max_batch)
     atomic_write_json(out / EDGELLM_BUILD_PLAN, plan)
     profile = edgellm_tools.EngineProfile(**plan["profile"])
-    atomic_write_text(out / DEVICE_SCRIPT, edgellm_tools.device_script(ctx.target, profile, plan["onnx_dir"], plan["engine_dir"]))
+    atomic_write_text(
+        out / DEVICE_SCRIPT, edgellm_tools.device_script(ctx.target, profile, plan["onnx_dir"], plan["engine_dir"])
+    )
     (out / DEVICE_SCRIPT).chmod(0o755)
-    meta = {"runtime": "edgellm", "bundle": str(source.path), "profile": plan["profile"], "precision": source.meta.get("precision")}
+    meta = {
+        "runtime": "edgellm",
+        "bundle": str(source.path),
+        "profile": plan["profile"],
+        "precision": source.meta.get("precision"),
+    }
     line = (f"Edge-LLM engine profile: batch {profile.max_batch_size}, input {profile.max_input_len}, "
             f"KV capacity {profile.max_kv_cache_capacity}")
     try:
@@ -63,10 +70,14 @@ def run_edgellm_build(source: Artifact, config: BuildEngineConfig, ctx: RunConte
         built = edgellm_tools.build_edgellm_engine(out, plan)
     except MissingBackendError as exc:
         log.info("Edge-LLM engine build deferred: %s; commands written to %s", exc, DEVICE_SCRIPT)
-        meta.update(deferred=True, metrics={"status": "deferred", "reason": str(exc), "runtime": "edgellm", **plan["profile"]})
+        meta.update(
+            deferred=True, metrics={"status": "deferred", "reason": str(exc), "runtime": "edgellm", **plan["profile"]}
+        )
         later = (f"engine/{plan['engine_dir']}/", f"engine/{ENGINE_MANIFEST}", "engine/llm_build.log")
         return StageResult(Artifact(ENGINE, out, meta), f"{line}; {DEFERRED.format(reason=exc)}", device_files=later)
-    meta.update(engine_file=plan["engine_dir"], metrics={"status": "built", "runtime": "edgellm", **plan["profile"], **built})
+    meta.update(
+        engine_file=plan["engine_dir"], metrics={"status": "built", "runtime": "edgellm", **plan["profile"], **built}
+    )
     return StageResult(Artifact(ENGINE, out, meta), line)
 
 
@@ -75,13 +86,24 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
         return run_edgellm_build(source, config, ctx)
     target = ctx.target
     onnx_dir = Path(source.path)
-    plan, facts = plan_for_export(onnx_dir, source.meta.get("model_kind", DECODER), target, config.max_batch,
-                                  sparse_24=bool(source.meta.get("sparse_24", False)), workspace_fraction=config.workspace_fraction,
-                                  optimization_level=config.optimization_level, version_compatible=config.version_compatible)
+    plan, facts = plan_for_export(
+        onnx_dir,
+        source.meta.get("model_kind", DECODER),
+        target,
+        config.max_batch,
+        sparse_24=bool(source.meta.get("sparse_24", False)),
+        workspace_fraction=config.workspace_fraction,
+        optimization_level=config.optimization_level,
+        version_compatible=config.version_compatible,
+    )
     out = ctx.stage_dir / "engine"
     out.mkdir()
-    engine_input = write_engine_input(onnx_dir / plan.onnx_file, out / plan.engine_onnx_file, parity_feeds(onnx_dir, plan.model_kind),
-                                      config.min_engine_graph_cosine)
+    engine_input = write_engine_input(
+        onnx_dir / plan.onnx_file,
+        out / plan.engine_onnx_file,
+        parity_feeds(onnx_dir, plan.model_kind),
+        config.min_engine_graph_cosine,
+    )
     write_plan(out, plan)
     support = local_build_support(target.gpu.sm)
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "onnx": str(source.path),
@@ -89,9 +111,19 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
     if config.build == "defer" or not support.can_build:
         reason = "deferred by configuration" if config.build == "defer" else support.reason
         log.info("engine build deferred: %s; plan written to %s", reason, BUILD_PLAN)
-        meta.update(deferred=True, metrics={"status": "deferred", "reason": reason, "trtexec": plan.trtexec_command(),
-                                            "graph_nodes": facts.num_nodes, "qdq": facts.has_qdq, "int4": facts.has_int4,
-                                            "profiles": [p.name for p in plan.profiles], **engine_input})
+        meta.update(
+            deferred=True,
+            metrics={
+                "status": "deferred",
+                "reason": reason,
+                "trtexec": plan.trtexec_command(),
+                "graph_nodes": facts.num_nodes,
+                "qdq": facts.has_qdq,
+                "int4": facts.has_int4,
+                "profiles": [p.name for p in plan.profiles],
+                **engine_input,
+            },
+        )
         later = tuple(f"engine/{name}" for name in (plan.engine_file, ENGINE_MANIFEST, TRTEXEC_LOG))
         return StageResult(Artifact(ENGINE, out, meta), DEFERRED.format(reason=reason), device_files=later)
     cache = timing_cache_path(target.name, support.tensorrt_version or "unknown")
@@ -99,7 +131,9 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
     built = build_engine(plan, out / plan.engine_onnx_file, out / plan.engine_file, cache)
     meta.update(engine_file=plan.engine_file, device=support.device, tensorrt_version=built["tensorrt_version"],
                 metrics={"status": "built", "device": support.device, **built, **engine_input})
-    return StageResult(Artifact(ENGINE, out, meta), f"TensorRT {built['tensorrt_version']} engine built on {support.device}")
+    return StageResult(
+        Artifact(ENGINE, out, meta), f"TensorRT {built['tensorrt_version']} engine built on {support.device}"
+    )
 
 
 def check_plan(config: BuildEngineConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
@@ -111,11 +145,14 @@ def check_plan(config: BuildEngineConfig, earlier: dict, target: Target, model_c
 
 
 _VARIANT = StageVariant(BuildEngineConfig, run_build_engine, check_plan=check_plan)
-STAGE = register(StageDef(
-    name="build_engine",
-    summary="build the TensorRT engine (Edge-LLM's llm_build for a bundle, TensorRT for our ONNX), or defer with the commands",
-    input_kind=(EDGELLM_BUNDLE, ONNX),
-    output_kind=ENGINE,
-    variants={DECODER: _VARIANT, ENCODER: _VARIANT},
-    uses_target=True,
-))
+STAGE = register(
+    StageDef(
+        name="build_engine",
+        summary="build the TensorRT engine (Edge-LLM's llm_build for a bundle, TensorRT for our ONNX), or defer with "
+            "the commands",
+        input_kind=(EDGELLM_BUNDLE, ONNX),
+        output_kind=ENGINE,
+        variants={DECODER: _VARIANT, ENCODER: _VARIANT},
+        uses_target=True,
+    )
+)

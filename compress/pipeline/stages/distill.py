@@ -45,9 +45,16 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
     student_params, teacher_params = count_parameters(student), count_parameters(teacher)
     before = seen_and_unseen_perplexity(student, evaluation, unseen)()
     teacher_figures = seen_and_unseen_perplexity(teacher, evaluation, unseen)()
-    log.info("student: %s parameters (teacher %s); perplexity before training %.2f seen / %s unseen domains (teacher %.2f / %s)",
-             f"{student_params:,}", f"{teacher_params:,}", before["perplexity"], _fmt(before.get("perplexity_unseen")),
-             teacher_figures["perplexity"], _fmt(teacher_figures.get("perplexity_unseen")))
+    log.info(
+        "student: %s parameters (teacher %s); perplexity before training %.2f seen / %s unseen domains (teacher %.2f / "
+        "%s)",
+        f"{student_params:,}",
+        f"{teacher_params:,}",
+        before["perplexity"],
+        _fmt(before.get("perplexity_unseen")),
+        teacher_figures["perplexity"],
+        _fmt(teacher_figures.get("perplexity_unseen")),
+    )
     checkpoints = ctx.run_dir / CHECKPOINTS_DIR / f"{ctx.stage_name}-{ctx.fingerprint[:16]}"
     out = ctx.stage_dir / "model"
     started = time.perf_counter()
@@ -56,39 +63,74 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
     student, history, stopped_early_at = _train(student, teacher, training, config, ctx, source)
     seconds = time.perf_counter() - started
     after = seen_and_unseen_perplexity(student, evaluation, unseen)()
-    log.info("student after training: perplexity %.2f seen / %s unseen domains", after["perplexity"], _fmt(after.get("perplexity_unseen")))
+    log.info(
+        "student after training: perplexity %.2f seen / %s unseen domains",
+        after["perplexity"],
+        _fmt(after.get("perplexity_unseen")),
+    )
     shutil.rmtree(checkpoints, ignore_errors=True)
     with contextlib.suppress(OSError):
         checkpoints.parent.rmdir()  # only when no other stage keeps checkpoints there
     tokens = config.steps * config.batch_size * config.seq_len
-    metrics = {"parameters": student_params, "teacher_parameters": teacher_params, "student_shape": shape,
-               "kept_layers": built["kept_layers"], "layer_influence": built["layer_influence"], "loss": config.loss,
-               "steps": config.steps, "tokens_trained": tokens, "train_seconds": round(seconds, 1),
-               "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), "perplexity_teacher": teacher_figures["perplexity"],
-               "perplexity_before": before["perplexity"], "perplexity_after": after["perplexity"],
-               "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
-               "perplexity_before_unseen": before.get("perplexity_unseen"), "perplexity_after_unseen": after.get("perplexity_unseen"),
-               "eval_tokens": int(evaluation.numel()), "curve": history, "unseen_domains": ctx.unseen_domains,
-               "stopped_early_at": stopped_early_at, "teacher_generations": 0 if generated is None else int(generated.shape[0]),
-               "train_data": [str(spec) for spec in ctx.train_data] or "the calibration text", "train_windows": int(train.shape[0])}
+    metrics = {
+        "parameters": student_params,
+        "teacher_parameters": teacher_params,
+        "student_shape": shape,
+        "kept_layers": built["kept_layers"],
+        "layer_influence": built["layer_influence"],
+        "loss": config.loss,
+        "steps": config.steps,
+        "tokens_trained": tokens,
+        "train_seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "perplexity_teacher": teacher_figures["perplexity"],
+        "perplexity_before": before["perplexity"],
+        "perplexity_after": after["perplexity"],
+        "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
+        "perplexity_before_unseen": before.get("perplexity_unseen"),
+        "perplexity_after_unseen": after.get("perplexity_unseen"),
+        "eval_tokens": int(evaluation.numel()),
+        "curve": history,
+        "unseen_domains": ctx.unseen_domains,
+        "stopped_early_at": stopped_early_at,
+        "teacher_generations": 0 if generated is None else int(generated.shape[0]),
+        "train_data": [str(spec) for spec in ctx.train_data] or "the calibration text",
+        "train_windows": int(train.shape[0]),
+    }
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "metrics": metrics}
-    line = (f"{student_params:,} parameters; student {shape}, ppl {before['perplexity']:.1f} → {after['perplexity']:.1f} after "
-            f"{config.steps} {config.loss} steps (teacher {teacher_figures['perplexity']:.1f})")
-    curve = {"loss": config.loss, "before": before["perplexity"], "teacher": teacher_figures["perplexity"],
-             "before_unseen": before.get("perplexity_unseen"), "teacher_unseen": teacher_figures.get("perplexity_unseen"),
-             "stopped_early_at": stopped_early_at, "points": history}
+    line = (
+        f"{student_params:,} parameters; student {shape}, ppl {before['perplexity']:.1f} → {after['perplexity']:.1f} "
+        f"after {config.steps} {config.loss} steps (teacher {teacher_figures['perplexity']:.1f})"
+    )
+    curve = {
+        "loss": config.loss,
+        "before": before["perplexity"],
+        "teacher": teacher_figures["perplexity"],
+        "before_unseen": before.get("perplexity_unseen"),
+        "teacher_unseen": teacher_figures.get("perplexity_unseen"),
+        "stopped_early_at": stopped_early_at,
+        "points": history,
+    }
     return StageResult(Artifact(HF_MODEL, out, meta), line, {TRAINING_CURVE: curve})
 
 
-def _training_windows(tokenizer, teacher, config: DistillConfig, ctx: RunContext) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _training_windows(
+    tokenizer, teacher, config: DistillConfig, ctx: RunContext
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The training windows (packed from ``train_data=``, else the calibration text) with the teacher's generations
     appended, and those generations alone (None when the config asks for none)."""
     if ctx.train_data:
-        log.info("training windows: the first %d windows of %d tokens packed from %s", config.train_windows, config.seq_len,
-                 ", ".join(map(str, ctx.train_data)))
+        log.info(
+            "training windows: the first %d windows of %d tokens packed from %s",
+            config.train_windows,
+            config.seq_len,
+            ", ".join(map(str, ctx.train_data)),
+        )
         train = packed_windows(tokenizer, ctx.train_data, config.seq_len, config.train_windows)
     else:
-        train = calibration_windows(tokenizer, ctx.calibration, config.seq_len, config.train_windows, at_least=config.batch_size)
+        train = calibration_windows(
+            tokenizer, ctx.calibration, config.seq_len, config.train_windows, at_least=config.batch_size
+        )
         if train.shape[0] < config.train_windows:
             log.info("training windows: %d of %d tokens, all the calibration text holds (distill.train_windows=%d)",
                      train.shape[0], config.seq_len, config.train_windows)
@@ -100,7 +142,9 @@ def _evaluation_windows(tokenizer, config: DistillConfig, ctx: RunContext) -> tu
     """Windows of the seen evaluation domains and of the unseen ones (all of them as "seen" where every domain is
     unseen)."""
     unseen_names = set(ctx.unseen_domains)
-    evaluation = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain not in unseen_names], config.eval_windows)
+    evaluation = domain_windows(
+        tokenizer, [s for s in ctx.evaluation if s.domain not in unseen_names], config.eval_windows
+    )
     unseen = domain_windows(tokenizer, [s for s in ctx.evaluation if s.domain in unseen_names], config.eval_windows)
     return (unseen, None) if evaluation is None else (evaluation, unseen)
 

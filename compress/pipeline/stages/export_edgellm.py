@@ -29,18 +29,29 @@ log = logging.getLogger(__name__)
 class ExportEdgeLLMConfig(StrictModel):
     """Options of the Edge-LLM export (the pinned exporter's defaults otherwise)."""
 
-    keep_checkpoint: bool = False  # keep the unified checkpoint the bundle is exported from (the quantized numbers again)
+    keep_checkpoint: bool = (
+        False  # keep the unified checkpoint the bundle is exported from (the quantized numbers again)
+    )
 
 
-def check_plan(config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None) -> None:
-    """Refuse, before any work, what the pinned Edge-LLM cannot express; each message names the limit and the way out."""
+def check_plan(
+    config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None
+) -> None:
+    """Refuse, before any work, what the pinned Edge-LLM cannot express; each message names the limit and the way
+    out."""
     if "sparsify" in earlier:
-        raise UsageError("export_edgellm: Edge-LLM builds engines without sparse weights, and 2:4 sparsity does not speed up "
-                         "bandwidth-bound decode; drop the sparsify stage (or end the recipe at export_onnx for a generic TensorRT build)")
+        raise UsageError(
+            "export_edgellm: Edge-LLM builds engines without sparse weights, and 2:4 sparsity does not speed up "
+            "bandwidth-bound decode; drop the sparsify stage (or end the recipe at export_onnx for a generic TensorRT "
+            "build)"
+        )
     if "prune_heads" in earlier and earlier["prune_heads"].mode != "uniform":
-        raise UsageError("export_edgellm: prune_heads.mode=per_layer keeps a different set of heads in each layer, which the "
-                         "portable ONNX takes; an Edge-LLM bundle is made from the uniform mode (the same heads kept in every layer, "
-                         f"{contracts.RULES['one-head-count']}): set prune_heads.mode=uniform, or end the recipe at export_onnx")
+        raise UsageError(
+            "export_edgellm: prune_heads.mode=per_layer keeps a different set of heads in each layer, which the "
+            "portable ONNX takes; an Edge-LLM bundle is made from the uniform mode (the same heads kept in every "
+            "layer, "
+            f"{contracts.RULES['one-head-count']}): set prune_heads.mode=uniform, or end the recipe at export_onnx"
+        )
     quantize = earlier.get("quantize")
     if quantize is not None:
         contracts.check_no_online_rotation(quantize)
@@ -65,15 +76,23 @@ def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx: RunCo
     meta = {"precision": source.meta.get("precision", "fp16"), "quant_algo": metrics["checkpoint"]["quant_algo"],
             "metrics": metrics}
     custody = metrics["custody"]
-    line = (f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "
-            f"the quantized model, {custody['mismatches']} mismatches")
+    line = (
+        f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "
+        f"the quantized model, {custody['mismatches']} mismatches"
+    )
     return StageResult(Artifact(EDGELLM_BUNDLE, bundle, meta), line)
 
 
-STAGE = register(StageDef(
-    name="export_edgellm",
-    summary=f"unified quantized checkpoint -> TensorRT Edge-LLM {EDGELLM_VERSION} bundle, with a chain-of-custody check",
-    input_kind=(ONNX, HF_MODEL),  # after the portable ONNX, or straight from the quantized checkpoint (export_onnx=off)
-    output_kind=EDGELLM_BUNDLE,
-    variants={DECODER: StageVariant(ExportEdgeLLMConfig, run_export_edgellm, check_plan=check_plan)},
-))
+STAGE = register(
+    StageDef(
+        name="export_edgellm",
+        summary=f"unified quantized checkpoint -> TensorRT Edge-LLM {EDGELLM_VERSION} bundle, with a chain-of-custody "
+            "check",
+        input_kind=(
+            ONNX,
+            HF_MODEL,
+        ),  # after the portable ONNX, or straight from the quantized checkpoint (export_onnx=off)
+        output_kind=EDGELLM_BUNDLE,
+        variants={DECODER: StageVariant(ExportEdgeLLMConfig, run_export_edgellm, check_plan=check_plan)},
+    )
+)

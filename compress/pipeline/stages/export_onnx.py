@@ -1,5 +1,5 @@
-"""``export_onnx``: a decoder with an explicit KV cache as ONNX (Q/DQ where quantized), or an encoder as ONNX (FP16, FP32
-or Q/DQ INT8; ``export_encoder``), each checked against torch in ONNX Runtime before the stage finishes."""
+"""``export_onnx``: a decoder with an explicit KV cache as ONNX (Q/DQ where quantized), or an encoder as ONNX (FP16,
+FP32 or Q/DQ INT8; ``export_encoder``), each checked against torch in ONNX Runtime before the stage finishes."""
 
 from __future__ import annotations
 
@@ -62,21 +62,32 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> S
     tolerance = config.max_logit_diff_quantized if exported.quantized else config.max_logit_diff
     if parity["max_abs_logit_diff"] > tolerance:
         raise StageError(f"ONNX logits differ from torch by {parity['max_abs_logit_diff']:.3g} (> {tolerance})")
-    must_match = config.require_greedy_match == "always" or (config.require_greedy_match == "float-only" and not exported.quantized)
+    must_match = config.require_greedy_match == "always" or (
+        config.require_greedy_match == "float-only" and not exported.quantized
+    )
     if must_match and not parity["greedy_match"]:
-        raise StageError(f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}")
+        raise StageError(
+            f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}"
+        )
     qdq_stats = dict(exported.qdq)
     if source.meta.get("sparse_24"):
         vocab = int(read_json(out / "config.json")["vocab_size"])
         qdq_stats["onnx_pattern_24_fraction"] = onnx_24_fraction(out / ONNX_FILE, skip_output_dim=vocab)
-        log.info("2:4 pattern holds for %.4f%% of the exported linear weights", 100 * qdq_stats["onnx_pattern_24_fraction"])
+        log.info(
+            "2:4 pattern holds for %.4f%% of the exported linear weights", 100 * qdq_stats["onnx_pattern_24_fraction"]
+        )
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
-        "sparse_24": bool(source.meta.get("sparse_24")) and qdq_stats.get("onnx_pattern_24_fraction", 0) >= PATTERN_COMPLETE,
+        "sparse_24": bool(source.meta.get("sparse_24"))
+        and qdq_stats.get("onnx_pattern_24_fraction", 0) >= PATTERN_COMPLETE,
         "layout": exported.layout.to_json(),
         "opset": config.opset,
-        "metrics": {"onnx_size_bytes": exported.onnx_size_bytes, "parity": parity, **qdq_stats,
-                    "phase_peak_rss_mb": exported.phase_peak_rss_mb},
+        "metrics": {
+            "onnx_size_bytes": exported.onnx_size_bytes,
+            "parity": parity,
+            **qdq_stats,
+            "phase_peak_rss_mb": exported.phase_peak_rss_mb,
+        },
     }
     line = (f"ONNX {exported.onnx_size_bytes / 1e6:.1f} MB; max logit diff {parity['max_abs_logit_diff']:.2e}, "
             f"greedy {'identical' if parity['greedy_match'] else 'DIFFERENT'}")
@@ -86,9 +97,13 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> S
 class ExportEncoderConfig(StrictModel):
     """Options of the encoder export."""
 
-    precision: Literal["fp16", "fp32"] = "fp16"  # of a float model; a quantized one exports Q/DQ INT8 with FP32 activations
+    precision: Literal["fp16", "fp32"] = (
+        "fp16"  # of a float model; a quantized one exports Q/DQ INT8 with FP32 activations
+    )
     opset: int = 18
-    min_parity_cosine: float = Field(0.999, gt=0.0, le=1.0)  # ONNX Runtime vs torch, per sentence (embeddings or logits)
+    min_parity_cosine: float = Field(
+        0.999, gt=0.0, le=1.0
+    )  # ONNX Runtime vs torch, per sentence (embeddings or logits)
 
 
 def run_export_encoder(source: Artifact, config: ExportEncoderConfig, ctx: RunContext) -> StageResult:
@@ -116,18 +131,31 @@ def run_export_encoder(source: Artifact, config: ExportEncoderConfig, ctx: RunCo
     if cosine < config.min_parity_cosine:
         raise StageError(f"ONNX Runtime and torch disagree: minimum cosine {cosine:.6f} < {config.min_parity_cosine}")
     size = path_size(path)
-    metrics = {"precision": precision, "output": output, "onnx_size_bytes": size, "parity_min_cosine": round(cosine, 6), **qdq}
+    metrics = {
+        "precision": precision,
+        "output": output,
+        "onnx_size_bytes": size,
+        "parity_min_cosine": round(cosine, 6),
+        **qdq,
+    }
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "precision": precision, "model_kind": "encoder",
             "metrics": metrics}
     line = f"ONNX {size / 1e6:.1f} MB; {precision}, parity minimum cosine {cosine:.6f}"
     return StageResult(Artifact(ONNX, out, meta), line, {SIZE_MB: size / 1e6})
 
 
-STAGE = register(StageDef(
-    name="export_onnx",
-    summary="export a decoder with KV cache (Q/DQ where quantized) or an encoder to ONNX and check it in ONNX Runtime",
-    input_kind=HF_MODEL,
-    output_kind=ONNX,
-    optional=True,  # the portable artifact: a recipe whose Edge-LLM bundle ships may leave it out (export_onnx=off)
-    variants={DECODER: StageVariant(ExportOnnxConfig, run_export), ENCODER: StageVariant(ExportEncoderConfig, run_export_encoder)},
-), aliases={"export_encoder": ENCODER})
+STAGE = register(
+    StageDef(
+        name="export_onnx",
+        summary="export a decoder with KV cache (Q/DQ where quantized) or an encoder to ONNX and check it in ONNX "
+            "Runtime",
+        input_kind=HF_MODEL,
+        output_kind=ONNX,
+        optional=True,  # the portable artifact: a recipe whose Edge-LLM bundle ships may leave it out (export_onnx=off)
+        variants={
+            DECODER: StageVariant(ExportOnnxConfig, run_export),
+            ENCODER: StageVariant(ExportEncoderConfig, run_export_encoder),
+        },
+    ),
+    aliases={"export_encoder": ENCODER},
+)

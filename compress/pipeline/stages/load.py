@@ -27,7 +27,9 @@ class LoadConfig(StrictModel):
     """Options of the load stage."""
 
     smoke_test_prompt: str = "What is the capital of France?"
-    copy_model: bool = False  # copy the model into the run directory (one more checkpoint on disk) instead of reading it in place
+    copy_model: bool = (
+        False  # copy the model into the run directory (one more checkpoint on disk) instead of reading it in place
+    )
 
 
 def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResult:
@@ -45,12 +47,19 @@ def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResu
     if kind == ENCODER:
         model = load_encoder(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}")
     else:  # read in its own dtype: the stage only checks and counts it
-        model = load_causal_lm(out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}", own_dtype=True)
+        model = load_causal_lm(
+            out, trust_remote_code=ctx.trust_remote_code, name=f"model={ctx.model_spec}", own_dtype=True
+        )
     cfg = model.config
-    rows, tokens = model.get_input_embeddings().num_embeddings, len(load_tokenizer(out, trust_remote_code=ctx.trust_remote_code))
+    rows, tokens = (
+        model.get_input_embeddings().num_embeddings,
+        len(load_tokenizer(out, trust_remote_code=ctx.trust_remote_code)),
+    )
     if tokens > rows:
-        raise UsageError(f"model={ctx.model_spec}: the tokenizer makes {tokens:,} token ids but the embedding has {rows:,} rows; "
-                         "the model cannot read its own tokens")
+        raise UsageError(
+            f"model={ctx.model_spec}: the tokenizer makes {tokens:,} token ids but the embedding has {rows:,} rows; "
+            "the model cannot read its own tokens"
+        )
     parameters = count_parameters(model)
     meta = {
         "architecture": (cfg.architectures or [type(model).__name__])[0],
@@ -69,14 +78,19 @@ def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResu
         },
     }
     log.info("loaded %s: %s parameters", meta["architecture"], f"{parameters:,}")
-    return StageResult(Artifact(HF_MODEL, out, meta, sha256), f"{parameters:,} parameters", {SIZE_MB: parameters * 4 / 1e6 or None})
+    return StageResult(
+        Artifact(HF_MODEL, out, meta, sha256), f"{parameters:,} parameters", {SIZE_MB: parameters * 4 / 1e6 or None}
+    )
 
 
 _VARIANT = StageVariant(LoadConfig, run_load)
-STAGE = register(StageDef(
-    name="load",
-    summary="check the teacher (built-in package, HF folder or GGUF) as safetensors, read in place; a decoder LLM or an encoder",
-    input_kind=SOURCE,
-    output_kind=HF_MODEL,
-    variants={DECODER: _VARIANT, ENCODER: _VARIANT},
-))
+STAGE = register(
+    StageDef(
+        name="load",
+        summary="check the teacher (built-in package, HF folder or GGUF) as safetensors, read in place; a decoder LLM "
+            "or an encoder",
+        input_kind=SOURCE,
+        output_kind=HF_MODEL,
+        variants={DECODER: _VARIANT, ENCODER: _VARIANT},
+    )
+)

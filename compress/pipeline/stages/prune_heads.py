@@ -56,22 +56,31 @@ def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx: RunContext)
     return StageResult(Artifact(HF_MODEL, out, meta), f"{after:,} parameters; heads {heads} → {kv * keep} per layer")
 
 
-def check_encoder_plan(config: PruneEncoderHeadsConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
+def check_encoder_plan(
+    config: PruneEncoderHeadsConfig, earlier: dict, target: Target, model_config: dict | None
+) -> None:
     """Pruned encoders are saved in BERT's layout, without a task head."""
     if model_config is None:
         return
     heads = any(a.endswith("ForSequenceClassification") for a in model_config.get("architectures") or [])
     if model_config.get("model_type") != "bert" or heads:
-        raise UsageError(f"prune_encoder_heads: prunes BERT sentence encoders (model_type bert, no task head); "
-                         f"the model is {model_config.get('model_type')!r}{' with a classification head' if heads else ''}")
+        raise UsageError(
+            f"prune_encoder_heads: prunes BERT sentence encoders (model_type bert, no task head); "
+            f"the model is {model_config.get('model_type')!r}{' with a classification head' if heads else ''}"
+        )
 
 
 def run_prune_encoder_heads(source: Artifact, config: PruneEncoderHeadsConfig, ctx: RunContext) -> StageResult:
-    from compress.models.pruned_bert import prune_encoder_heads, save_pruned_encoder  # lazy: BERT's modelling code, never needed to plan
+    from compress.models.pruned_bert import (
+        prune_encoder_heads,
+        save_pruned_encoder,
+    )  # lazy: BERT's modelling code, never needed to plan
 
     tokenizer = load_tokenizer(source.path)
     model = load_encoder(source.path)
-    batches = calibration_batches(tokenizer, ctx.calibration, config.calib_sentences, config.batch_size, config.max_length)
+    batches = calibration_batches(
+        tokenizer, ctx.calibration, config.calib_sentences, config.batch_size, config.max_length
+    )
     before = count_parameters(model)
     plan = plan_encoder_heads(encoder_head_importance(model, batches), config.fraction)
     heads_before = model.config.num_attention_heads
@@ -79,11 +88,15 @@ def run_prune_encoder_heads(source: Artifact, config: PruneEncoderHeadsConfig, c
     out = ctx.stage_dir / "model"
     save_pruned_encoder(model, tokenizer, plan, out)
     after = count_parameters(model)
-    log.info("kept %d of %d heads per layer: %s -> %s parameters", len(plan[0]), heads_before, f"{before:,}", f"{after:,}")
+    log.info(
+        "kept %d of %d heads per layer: %s -> %s parameters", len(plan[0]), heads_before, f"{before:,}", f"{after:,}"
+    )
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"},
             "metrics": {"heads_before": heads_before, "heads_after": len(plan[0]), "heads_kept_per_layer": plan,
                         "parameters_before": before, "parameters": after}}
-    return StageResult(Artifact(HF_MODEL, out, meta), f"{after:,} parameters; heads {heads_before} → {len(plan[0])} per layer")
+    return StageResult(
+        Artifact(HF_MODEL, out, meta), f"{after:,} parameters; heads {heads_before} → {len(plan[0])} per layer"
+    )
 
 
 STAGE = register(StageDef(

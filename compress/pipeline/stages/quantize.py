@@ -23,7 +23,12 @@ from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, Stag
 from compress.report.figures import LAYER_SQNR, PRECISION_SEARCH, QUANTIZATION
 from compress.transforms.quantize.config import METHODS, QUANTIZE_CONFIG, AutoConfig, QuantizeConfig
 from compress.transforms.quantize.decoder import check_group_size, quantize_folder
-from compress.transforms.quantize.encoder import EncoderQuantizeConfig, quantize_encoder, save_encoder_quantization, summary
+from compress.transforms.quantize.encoder import (
+    EncoderQuantizeConfig,
+    quantize_encoder,
+    save_encoder_quantization,
+    summary,
+)
 from compress.transforms.quantize.mixed import FLOAT
 from compress.transforms.quantize.saved import MIXED
 
@@ -42,12 +47,21 @@ def check_target(config: QuantizeConfig, target: Target) -> None:
         return
     precision = config.precision()
     if config.kv_cache == "fp8" and "fp8" not in target.gpu.precisions:
-        raise UsageError(f"quantize.kv_cache=fp8: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no FP8; its precisions "
-                         f"are {', '.join(target.gpu.precisions)} (an FP8 KV cache needs FP8, such as target=jetson-agx-thor)")
+        raise UsageError(
+            f"quantize.kv_cache=fp8: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no FP8; its "
+            "precisions "
+            f"are {', '.join(target.gpu.precisions)} (an FP8 KV cache needs FP8, such as target=jetson-agx-thor)"
+        )
     if precision.gpu_format not in target.gpu.precisions:
-        hint = " (FP8 and NVFP4 need a Blackwell GPU, such as target=jetson-agx-thor)" if precision.gpu_format in ("fp8", "fp4") else ""
-        raise UsageError(f"quantize.method={config.method}: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no "
-                         f"{precision.name} tensor cores; its precisions are {', '.join(target.gpu.precisions)}{hint}")
+        hint = (
+            " (FP8 and NVFP4 need a Blackwell GPU, such as target=jetson-agx-thor)"
+            if precision.gpu_format in ("fp8", "fp4")
+            else ""
+        )
+        raise UsageError(
+            f"quantize.method={config.method}: target {target.name} ({target.gpu.arch} sm_{target.gpu.sm}) has no "
+            f"{precision.name} tensor cores; its precisions are {', '.join(target.gpu.precisions)}{hint}"
+        )
 
 
 def check_plan(config: QuantizeConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
@@ -63,7 +77,9 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     windows = calibration_windows(tokenizer, ctx.calibration, config.calib_window, config.calib_windows,
                                   min_tokens=config.min_calib_tokens)
     if windows.numel() < config.min_calib_tokens:
-        raise UsageError(f"too little calibration text: {windows.numel()} tokens, need at least {config.min_calib_tokens}")
+        raise UsageError(
+            f"too little calibration text: {windows.numel()} tokens, need at least {config.min_calib_tokens}"
+        )
     if config.rotation_limit() and source.meta.get("sparse_24"):
         log.warning("hadamard_block ignored: rotating down_proj inputs would break the model's 2:4 sparsity")
         config = config.model_copy(update={"hadamard_block": 0})
@@ -79,11 +95,19 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     precision = config.precision()
     sqnr = [q.sqnr_db for q in result.linears.values()]
     metrics = {
-        "method": config.method, "scheme": config.describe(), "algorithm": config.algorithm_name(), "weight_bits": bits,
-        "group_size": group, "calibration_tokens": result.calibration_tokens, "calibration_seconds": round(result.seconds, 2),
-        "quantized_linears": len(result.linears), "min_sqnr_db": round(min(sqnr), 2),
-        "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2), "layer_sqnr_db": result.layer_errors(),
-        "outlier_layers": result.outliers(), "float_input_linears": result.float_input_linears(),
+        "method": config.method,
+        "scheme": config.describe(),
+        "algorithm": config.algorithm_name(),
+        "weight_bits": bits,
+        "group_size": group,
+        "calibration_tokens": result.calibration_tokens,
+        "calibration_seconds": round(result.seconds, 2),
+        "quantized_linears": len(result.linears),
+        "min_sqnr_db": round(min(sqnr), 2),
+        "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2),
+        "layer_sqnr_db": result.layer_errors(),
+        "outlier_layers": result.outliers(),
+        "float_input_linears": result.float_input_linears(),
         "rotated_linears": result.rotated_linears(),
         "kv_cache_scales": {str(i): list(scales) for i, scales in result.kv_scales.items()} or None,
     }
@@ -91,8 +115,14 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "precision": precision.name,
         "float_linear_fraction": linear_parameter_fraction(model_config, config.float_linears),
-        "quantization": {"method": config.method, "format": config.weight_format(), "weight_bits": bits, "group_size": group,
-                         "activations": activation.name if activation else "float", "kv_cache": config.kv_cache},
+        "quantization": {
+            "method": config.method,
+            "format": config.weight_format(),
+            "weight_bits": bits,
+            "group_size": group,
+            "activations": activation.name if activation else "float",
+            "kv_cache": config.kv_cache,
+        },
         "metrics": metrics,
     }
     parts = [f"{metrics['scheme']} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
@@ -108,7 +138,8 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
 
 
 def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResult:
-    """``method: auto``: the fastest mixed-precision plan the target's budgets allow (:mod:`compress.pipeline.auto_precision`)."""
+    """``method: auto``: the fastest mixed-precision plan the target's budgets allow
+    (:mod:`compress.pipeline.auto_precision`)."""
     tokenizer = load_tokenizer(source.path)
     windows = calibration_windows(tokenizer, ctx.calibration, config.calib_window, config.calib_windows,
                                   min_tokens=config.min_calib_tokens)
@@ -121,28 +152,50 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
     sqnr = [q.sqnr_db for q in result.linears.values()]
     counts = result.plan.counts()
     metrics = {
-        "method": config.method, "scheme": config.describe(), "algorithm": config.algorithm_name(),
-        "formats_chosen": counts, "mix": found["mix"], "search": found, "calibration_tokens": result.calibration_tokens,
-        "calibration_seconds": round(result.seconds, 2), "quantized_linears": len(result.linears),
-        "min_sqnr_db": round(min(sqnr), 2) if sqnr else None, "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2) if sqnr else None,
-        "layer_sqnr_db": result.layer_errors(), "outlier_layers": result.outliers(),
-        "float_input_linears": result.float_input_linears(), "rotated_linears": [], "kv_cache_scales": None,
+        "method": config.method,
+        "scheme": config.describe(),
+        "algorithm": config.algorithm_name(),
+        "formats_chosen": counts,
+        "mix": found["mix"],
+        "search": found,
+        "calibration_tokens": result.calibration_tokens,
+        "calibration_seconds": round(result.seconds, 2),
+        "quantized_linears": len(result.linears),
+        "min_sqnr_db": round(min(sqnr), 2) if sqnr else None,
+        "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2) if sqnr else None,
+        "layer_sqnr_db": result.layer_errors(),
+        "outlier_layers": result.outliers(),
+        "float_input_linears": result.float_input_linears(),
+        "rotated_linears": [],
+        "kv_cache_scales": None,
     }
     meta = {
         **{k: v for k, v in source.meta.items() if k != "metrics"},
         "precision": MIXED,
         "float_linear_fraction": found["mix"].get(FLOAT, 0.0),
-        "quantization": {"method": config.method, "format": MIXED, "weight_bits": None, "group_size": 128, "activations": "per linear",
-                         "kv_cache": "fp16", "mix": found["mix"], "lm_head": found["lm_head"]},
+        "quantization": {
+            "method": config.method,
+            "format": MIXED,
+            "weight_bits": None,
+            "group_size": 128,
+            "activations": "per linear",
+            "kv_cache": "fp16",
+            "mix": found["mix"],
+            "lm_head": found["lm_head"],
+        },
         "metrics": metrics,
     }
     chosen = next(c for c in found["candidates"] if c["chosen"])
     line = (f"a format per group: {', '.join(f'{count} {name}' for name, count in counts.items())}; predicted "
             f"{chosen['predicted_tokens_per_s']:.1f} tok/s; held-out worst domain {chosen['measured']['worst_domain']} "
             f"{chosen['measured']['worst_increase_pct']:+.2f}% after {len(found['candidates'])} measured plans")
-    figures = {LAYER_SQNR: {"method": config.method, "linears": metrics["layer_sqnr_db"]}, PRECISION_SEARCH: found,
-               QUANTIZATION: f"auto (mixed precision: {', '.join(f'{count} groups {name}' for name, count in counts.items())}); "
-                             f"calibrated on {result.calibration_tokens:,} tokens"}
+    figures = {
+        LAYER_SQNR: {"method": config.method, "linears": metrics["layer_sqnr_db"]},
+        PRECISION_SEARCH: found,
+        QUANTIZATION: "auto (mixed precision: "
+            f"{', '.join(f'{count} groups {name}' for name, count in counts.items())}); "
+        f"calibrated on {result.calibration_tokens:,} tokens",
+    }
     log.info("auto precision: %s", line)
     return StageResult(Artifact(HF_MODEL, out, meta), line, figures)
 
@@ -158,8 +211,12 @@ def _log_findings(result, config: QuantizeConfig, layers: int) -> None:
         log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(float_inputs))
     if config.rotation_limit():
         blocks = sorted({q.rotation for q in result.linears.values() if q.rotation})
-        log.info("%d of %d down_proj inputs quantized after a Hadamard rotation (block %s)", len(result.rotated_linears()), layers,
-                 "/".join(map(str, blocks)) or "-")
+        log.info(
+            "%d of %d down_proj inputs quantized after a Hadamard rotation (block %s)",
+            len(result.rotated_linears()),
+            layers,
+            "/".join(map(str, blocks)) or "-",
+        )
 
 
 def check_encoder_target(config: EncoderQuantizeConfig, target: Target) -> None:
@@ -170,20 +227,31 @@ def check_encoder_target(config: EncoderQuantizeConfig, target: Target) -> None:
 def run_quantize_encoder(source: Artifact, config: EncoderQuantizeConfig, ctx: RunContext) -> StageResult:
     tokenizer = load_tokenizer(source.path)
     model = load_encoder(source.path)
-    batches = calibration_batches(tokenizer, ctx.calibration, config.calib_sentences, config.batch_size, config.max_length)
-    log.info("quantizing the encoder (W8A8, SmoothQuant) on %d calibration sentences", sum(len(b["input_ids"]) for b in batches))
+    batches = calibration_batches(
+        tokenizer, ctx.calibration, config.calib_sentences, config.batch_size, config.max_length
+    )
+    log.info(
+        "quantizing the encoder (W8A8, SmoothQuant) on %d calibration sentences",
+        sum(len(b["input_ids"]) for b in batches),
+    )
     linears = quantize_encoder(model, batches, config)
     out = ctx.stage_dir / "model"
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     save_encoder_quantization(linears, config, out)
-    metrics = {"method": config.method, "algorithm": "smoothquant (online for LayerNorm outputs, value rows for attention)",
-               "weight_bits": 8, **summary(linears)}
+    metrics = {
+        "method": config.method,
+        "algorithm": "smoothquant (online for LayerNorm outputs, value rows for attention)",
+        "weight_bits": 8,
+        **summary(linears),
+    }
     if metrics["float_input_linears"]:
         log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(metrics["float_input_linears"]))
     meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "precision": "int8", "metrics": metrics}
-    line = (f"INT8 weights and static INT8 activations ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
-            f"{len(metrics['float_input_linears'])} linears with float inputs")
+    line = (
+        f"INT8 weights and static INT8 activations ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} "
+        f"dB, {len(metrics['float_input_linears'])} linears with float inputs"
+    )
     return StageResult(Artifact(HF_MODEL, out, meta), line,
                        {QUANTIZATION: f"{config.method} ({metrics['algorithm']}), 8-bit weights, per output channel"})
 

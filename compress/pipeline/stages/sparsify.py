@@ -1,8 +1,8 @@
 """``sparsify``: 2:4 semi-structured or unstructured sparsity (magnitude, Wanda, SparseGPT).
 
 The model is held in its checkpoint's own dtype (each block computed in float32 while the walker
-visits it) and saved in it. The output model stores the zeros; its metadata says whether the 2:4 pattern holds so the engine
-build asks TensorRT for sparse weights.
+visits it) and saved in it. The output model stores the zeros; its metadata says whether the 2:4 pattern holds so the
+engine build asks TensorRT for sparse weights.
 """
 
 from __future__ import annotations

@@ -32,7 +32,9 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     model_dir = Path(exported_from.path)
     onnx_dir = Path(onnx.path) if onnx is not None else None
     tokenizer = load_tokenizer(model_dir)
-    cases, _ = resolve_prompts(ctx.prompts, tokenizer)  # checked before any pass: a prompt the device cannot take is refused
+    cases, _ = resolve_prompts(
+        ctx.prompts, tokenizer
+    )  # checked before any pass: a prompt the device cannot take is refused
     check_prompt_lengths(cases, tokenizer, config.prompt_new_tokens, ctx.target.budgets.context_length)
     files = decoder.DeployedFiles(model_dir, Path(teacher.path) if teacher else None, onnx_dir)
     metrics = decoder.measure(files, ctx.evaluation, config, ctx.progress, ctx.unseen_domains, ctx.prompts, ctx.device)
@@ -58,22 +60,32 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
         log.info("worst domain %s: %+.2f%%; mixed text: top-1 agreement %.1f%%, KL %.4f", metrics["worst_domain"],
                  metrics["perplexity_increase_pct"], 100 * metrics["top1_agreement"], metrics["mean_kl"])
     log.info("gate: %s", gate["verdict"])
-    measured = {ctx.stage_of(teacher): metrics.get("perplexity_teacher"), ctx.stage_of(exported_from): metrics.get("perplexity_model")}
+    measured = {
+        ctx.stage_of(teacher): metrics.get("perplexity_teacher"),
+        ctx.stage_of(exported_from): metrics.get("perplexity_model"),
+    }
     line = f"ppl {metrics['perplexity_model']:.3f} (teacher {_fmt(metrics.get('perplexity_teacher'))})"
     if metrics.get("onnx_parity"):
-        line += f"; ONNX Runtime within {metrics['onnx_parity']['difference_pct']:.3f}% on {metrics['onnx_parity']['windows']} windows"
+        parity = metrics["onnx_parity"]
+        line += f"; ONNX Runtime within {parity['difference_pct']:.3f}% on {parity['windows']} windows"
     lat = metrics["host_latency"]
     if lat:
         line += f"; host decode p50 {lat['decode']['p50_ms']:.1f} ms, TTFT {lat['ttft_ms']:.0f} ms"
-    figures = {PERPLEXITY_BY_STAGE: {name: value for name, value in measured.items() if name is not None and value is not None}}
+    figures = {
+        PERPLEXITY_BY_STAGE: {name: value for name, value in measured.items() if name is not None and value is not None}
+    }
     if metrics.get("prompts"):
         figures[PROMPT_ANSWERS] = metrics["prompts"]
         log.info("app prompts: %d, identical answers %.0f%%, answer prefix agreement %.0f%%, first token %.0f%%",
                  metrics["prompts"]["prompts"], 100 * metrics["prompts"]["identical_answers"],
                  100 * metrics["prompts"]["answer_prefix_agreement"], 100 * metrics["prompts"]["first_token_agreement"])
     if metrics.get("domains"):
-        figures[DOMAIN_QUALITY] = {key: metrics.get(key) for key in ("domains", "mixed", "worst_domain", "unseen_domains", "window_prefix")}
-    return StageResult(Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate}), line, figures)
+        figures[DOMAIN_QUALITY] = {
+            key: metrics.get(key) for key in ("domains", "mixed", "worst_domain", "unseen_domains", "window_prefix")
+        }
+    return StageResult(
+        Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate}), line, figures
+    )
 
 
 def _deployed_size(ctx: RunContext, onnx_dir: Path | None, model_dir: Path) -> int:
@@ -83,10 +95,14 @@ def _deployed_size(ctx: RunContext, onnx_dir: Path | None, model_dir: Path) -> i
 
 
 def _write_device_reference(ctx: RunContext, config: decoder.ValidateConfig, model_dir: Path, metrics: dict) -> None:
-    """The host's greedy answers that ``validate --on-device`` compares the device's with: the deployed numbers in torch."""
+    """The host's greedy answers that ``validate --on-device`` compares the device's with: the deployed numbers in
+    torch."""
     tokenizer = load_tokenizer(model_dir)
-    log.info("host greedy reference for the on-device check: %d domains and the app prompts, %d new tokens", len(ctx.evaluation),
-             config.device_new_tokens)
+    log.info(
+        "host greedy reference for the on-device check: %d domains and the app prompts, %d new tokens",
+        len(ctx.evaluation),
+        config.device_new_tokens,
+    )
     eos = decoder.model_eos_ids(model_dir, tokenizer)
     with decoder.deployed_generator(model_dir, eos, decoder.pad_id_of(tokenizer, eos), ctx.device) as generate:
         reference = decoder.device_reference(generate, tokenizer, ctx.evaluation, config, metrics.get("prompts"),
@@ -108,13 +124,29 @@ def run_validate_encoder(source: Artifact, config: encoder.ValidateEncoderConfig
     predicted = encoder.predictions(shape, precision, ctx.target, ctx.power_mode, metrics["median_tokens"])
     gate = gate_json(encoder.gate_checks(metrics, predicted, ctx.target, ctx.require_measured))
     out = ctx.stage_dir / VALIDATION
-    atomic_write_json(out, {"model_kind": ENCODER, "metrics": metrics, "predictions": predicted, "gate": gate, "shape": shape,
-                            "precision": precision})
+    atomic_write_json(
+        out,
+        {
+            "model_kind": ENCODER,
+            "metrics": metrics,
+            "predictions": predicted,
+            "gate": gate,
+            "shape": shape,
+            "precision": precision,
+        },
+    )
     for domain, row in metrics["domains"].items():
-        log.info("%-12s %s", domain, ", ".join(f"{key} {value:.4f}" for key, value in row.items() if key != "sentences"))
+        log.info(
+            "%-12s %s", domain, ", ".join(f"{key} {value:.4f}" for key, value in row.items() if key != "sentences")
+        )
     for row in metrics["host_latency"]:
-        log.info("host batch %2d: p50 %.1f ms, p90 %.1f ms, %.0f sentences/s", row["batch"], row["p50_ms"], row["p90_ms"],
-                 row["sentences_per_s"])
+        log.info(
+            "host batch %2d: p50 %.1f ms, p90 %.1f ms, %.0f sentences/s",
+            row["batch"],
+            row["p50_ms"],
+            row["p90_ms"],
+            row["sentences_per_s"],
+        )
     log.info("gate: %s", gate["verdict"])
     if "embedding_cosine_mean" in metrics:
         line = (f"{metrics['sentences']} sentences: cosine mean {metrics['embedding_cosine_mean']:.4f}, worst "
@@ -125,14 +157,20 @@ def run_validate_encoder(source: Artifact, config: encoder.ValidateEncoderConfig
     return StageResult(Artifact(REPORT, out, {"metrics": metrics, "predictions": predicted, "gate": gate}), line)
 
 
-STAGE = register(StageDef(
-    name="validate",
-    summary="measure quality (per domain, or embeddings/labels for an encoder), latency and memory; gate them against the budgets",
-    # A decoder's figures are taken in torch from the checkpoint (the ONNX only adds its parity and host latency), so a
-    # decoder recipe may validate the quantized checkpoint itself; an encoder is measured in ONNX Runtime.
-    input_kind=(ONNX, ENGINE, EDGELLM_BUNDLE, HF_MODEL),
-    output_kind=REPORT,
-    variants={DECODER: StageVariant(decoder.ValidateConfig, run_validate),
-              ENCODER: StageVariant(encoder.ValidateEncoderConfig, run_validate_encoder, input_kind=(ONNX, ENGINE))},
-    uses_target=True,
-), aliases={"validate_encoder": ENCODER})
+STAGE = register(
+    StageDef(
+        name="validate",
+        summary="measure quality (per domain, or embeddings/labels for an encoder), latency and memory; gate them "
+            "against the budgets",
+        # A decoder's figures are taken in torch from the checkpoint (the ONNX only adds its parity and host latency),
+        # so a decoder recipe may validate the quantized checkpoint itself; an encoder is measured in ONNX Runtime.
+        input_kind=(ONNX, ENGINE, EDGELLM_BUNDLE, HF_MODEL),
+        output_kind=REPORT,
+        variants={
+            DECODER: StageVariant(decoder.ValidateConfig, run_validate),
+            ENCODER: StageVariant(encoder.ValidateEncoderConfig, run_validate_encoder, input_kind=(ONNX, ENGINE)),
+        },
+        uses_target=True,
+    ),
+    aliases={"validate_encoder": ENCODER},
+)

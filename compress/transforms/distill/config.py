@@ -53,9 +53,13 @@ class DistillConfig(StrictModel):
         if goals > 1 or (goals and explicit):
             raise ValueError("give one of target_parameters, target_fraction, or explicit shapes")
         if not goals and not explicit:
-            raise ValueError("give target_parameters, target_fraction, or explicit shapes (num_layers, intermediate_size, ...)")
+            raise ValueError(
+                "give target_parameters, target_fraction, or explicit shapes (num_layers, intermediate_size, ...)"
+            )
         if self.batch_size % self.processes:
             raise ValueError(f"batch_size {self.batch_size} must be a multiple of processes {self.processes}")
         if self.teacher_generations and self.generation_prompt_tokens >= self.seq_len:
-            raise ValueError(f"generation_prompt_tokens {self.generation_prompt_tokens} must be below seq_len {self.seq_len}")
+            raise ValueError(
+                f"generation_prompt_tokens {self.generation_prompt_tokens} must be below seq_len {self.seq_len}"
+            )
         return self

@@ -40,8 +40,11 @@ def student_shape(cfg: dict[str, Any], config: DistillConfig) -> dict[str, int]:
     n_heads, kv, _ = attention_geometry(cfg)
     if config.target_parameters is None and config.target_fraction is None:
         heads = kv * config.heads_per_group if config.heads_per_group else n_heads
-        shape = {"num_layers": config.num_layers or cfg["num_hidden_layers"],
-                 "intermediate_size": config.intermediate_size or cfg["intermediate_size"], "num_attention_heads": heads}
+        shape = {
+            "num_layers": config.num_layers or cfg["num_hidden_layers"],
+            "intermediate_size": config.intermediate_size or cfg["intermediate_size"],
+            "num_attention_heads": heads,
+        }
         _check_not_larger(shape, cfg)
         return shape
     target = config.target_parameters or config.target_fraction * decoder_parameters(cfg)
@@ -52,8 +55,14 @@ def student_shape(cfg: dict[str, Any], config: DistillConfig) -> dict[str, int]:
         rest = decoder_parameters(cfg, layers, 1) - per_channel
         width = _round64_down((target - rest) / per_channel) if target > rest else 0
         if width >= floor:
-            return {"num_layers": layers, "intermediate_size": min(width, cfg["intermediate_size"]), "num_attention_heads": n_heads}
-    raise UsageError(f"target of {target:,.0f} parameters is below what one layer at {config.min_width_fraction:.0%} MLP width gives")
+            return {
+                "num_layers": layers,
+                "intermediate_size": min(width, cfg["intermediate_size"]),
+                "num_attention_heads": n_heads,
+            }
+    raise UsageError(
+        f"target of {target:,.0f} parameters is below what one layer at {config.min_width_fraction:.0%} MLP width gives"
+    )
 
 
 def _check_not_larger(shape: dict[str, int], cfg: dict[str, Any]) -> None:
@@ -79,7 +88,10 @@ class _BlockInfluence(BlockVisitor):
         self.scores: list[float] = []
 
     def after(self, index: int, block, inputs: BlockInputs, outputs: list[torch.Tensor]) -> None:
-        cos = [F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1).mean() for a, b in zip(inputs.hidden, outputs, strict=True)]
+        cos = [
+            F.cosine_similarity(a.flatten(0, 1), b.flatten(0, 1), dim=-1).mean()
+            for a, b in zip(inputs.hidden, outputs, strict=True)
+        ]
         self.scores.append(float(1 - torch.stack(cos).mean()))
 
 
@@ -93,7 +105,9 @@ def layer_influence(model, windows: torch.Tensor, device: torch.device | str | N
 def mlp_channel_importance(model, windows: torch.Tensor) -> list[torch.Tensor]:
     """Per layer, mean ``|act(gate(x)) * up(x)|`` of every intermediate channel (the MLP output projection's input)."""
     output = family_of(model.config).mlp_output
-    sums = [torch.zeros(block.get_submodule(output).in_features, dtype=torch.float64) for block in decoder_blocks(model)]
+    sums = [
+        torch.zeros(block.get_submodule(output).in_features, dtype=torch.float64) for block in decoder_blocks(model)
+    ]
     handles = []
     for index, block in enumerate(decoder_blocks(model)):
         def hook(_module, args, index=index):
@@ -109,7 +123,9 @@ def mlp_channel_importance(model, windows: torch.Tensor) -> list[torch.Tensor]:
     return sums
 
 
-def build_student(model, windows: torch.Tensor, shape: dict[str, int], device: torch.device | str | None = None) -> dict[str, Any]:
+def build_student(
+    model, windows: torch.Tensor, shape: dict[str, int], device: torch.device | str | None = None
+) -> dict[str, Any]:
     """Prune ``model`` in place to ``shape`` (the layers scored on ``device``); returns what was kept and the scores."""
     influence = layer_influence(model, windows, device)
     order = sorted(range(len(influence)), key=lambda i: -influence[i])
@@ -127,8 +143,9 @@ def build_student(model, windows: torch.Tensor, shape: dict[str, int], device: t
     return {"kept_layers": kept_layers, "layer_influence": [round(v, 5) for v in influence], "heads_kept": head_plan}
 
 
-def plan_from_config(cfg: dict[str, Any], config: DistillConfig, gpus: int | None = None, gpu_memory_gb: float | None = None
-                     ) -> dict[str, Any]:
+def plan_from_config(
+    cfg: dict[str, Any], config: DistillConfig, gpus: int | None = None, gpu_memory_gb: float | None = None
+) -> dict[str, Any]:
     """Student shape, parameter counts, memory per GPU under FSDP, and the launch command, from a config alone."""
     shape = student_shape(cfg, config)
     with torch.device("meta"):
@@ -147,7 +164,13 @@ def plan_from_config(cfg: dict[str, Any], config: DistillConfig, gpus: int | Non
     # two fp32 Adam moments; the frozen teacher holds weights only. FSDP shards all of it across GPUs.
     student_bytes = student_params * (2 * bytes_param + (4 if config.precision == "bf16" else 0) + 8)
     teacher_bytes = teacher_params * bytes_param
-    activations = config.seq_len * cfg["hidden_size"] * shape["num_layers"] * bytes_param * (2 if config.activation_checkpointing else 34)
+    activations = (
+        config.seq_len
+        * cfg["hidden_size"]
+        * shape["num_layers"]
+        * bytes_param
+        * (2 if config.activation_checkpointing else 34)
+    )
     logits = 3 * config.seq_len * cfg["vocab_size"] * 4  # student, teacher and softmax buffers, fp32
     micro_batch = max(1, config.batch_size // gpus // config.grad_accumulation)
     per_gpu = (student_bytes + teacher_bytes) / gpus + micro_batch * (activations + logits)

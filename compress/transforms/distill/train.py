@@ -55,8 +55,18 @@ def batch_indices(step: int, config: DistillConfig, n_windows: int) -> torch.Ten
 class Distiller:
     """One training job: student, teacher, data, optimizer, checkpoints."""
 
-    def __init__(self, student, teacher, windows: torch.Tensor, config: DistillConfig, checkpoint_dir: Path,
-                 kept_layers: list[int] | None = None, rank: int = 0, world: int = 1, wrap: Callable | None = None) -> None:
+    def __init__(
+        self,
+        student,
+        teacher,
+        windows: torch.Tensor,
+        config: DistillConfig,
+        checkpoint_dir: Path,
+        kept_layers: list[int] | None = None,
+        rank: int = 0,
+        world: int = 1,
+        wrap: Callable | None = None,
+    ) -> None:
         self.config = config
         self.student = student
         self.teacher = teacher.eval() if teacher is not None else None
@@ -97,7 +107,9 @@ class Distiller:
 
     def _micro_loss(self, index: int) -> torch.Tensor:
         ids = self.windows[index][None, : self.config.seq_len]
-        autocast = torch.autocast("cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16, enabled=self.config.precision == "bf16")
+        autocast = torch.autocast(
+            "cuda" if ids.is_cuda else "cpu", dtype=torch.bfloat16, enabled=self.config.precision == "bf16"
+        )
         with autocast:
             out = self.model(ids, output_hidden_states=self.config.hidden_weight > 0, use_cache=False,
                              labels=ids if self.config.loss == "ce" else None)
@@ -105,8 +117,13 @@ class Distiller:
             return out.loss
         loss = kd_loss(out.logits[:, :-1], self._teacher_logits(index, ids)[:, :-1], self.config.temperature)
         if self.config.hidden_weight > 0 and self._teacher_hidden is not None and self.kept_layers is not None:
-            pairs = [(out.hidden_states[i + 1], self._teacher_hidden[layer + 1]) for i, layer in enumerate(self.kept_layers)]
-            loss = loss + self.config.hidden_weight * torch.stack([F.mse_loss(s.float(), t.float()) for s, t in pairs]).mean()
+            pairs = [
+                (out.hidden_states[i + 1], self._teacher_hidden[layer + 1]) for i, layer in enumerate(self.kept_layers)
+            ]
+            loss = (
+                loss
+                + self.config.hidden_weight * torch.stack([F.mse_loss(s.float(), t.float()) for s, t in pairs]).mean()
+            )
         return loss
 
     def train_step(self) -> float:
@@ -173,7 +190,11 @@ class Distiller:
             bar.update(1)
             bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{rate:.0f}")
             point: dict[str, float] = {"step": self.step, "loss": loss, "tokens_per_s": rate}
-            if evaluate is not None and self.rank == 0 and (self.step % config.eval_every == 0 or self.step == config.steps):
+            if (
+                evaluate is not None
+                and self.rank == 0
+                and (self.step % config.eval_every == 0 or self.step == config.steps)
+            ):
                 self.student.eval()
                 point.update(evaluate())
                 self.student.train()
@@ -198,8 +219,14 @@ class Distiller:
         if unseen <= self._best_unseen[0] * (1 + limit / 100):
             return False
         best, weights = self._best_unseen
-        log.warning("step %d: unseen-domain perplexity %.2f is %.1f%% above its best %.2f; stopping and keeping the best weights",
-                    self.step, unseen, 100 * (unseen / best - 1), best)
+        log.warning(
+            "step %d: unseen-domain perplexity %.2f is %.1f%% above its best %.2f; stopping and keeping the best "
+            "weights",
+            self.step,
+            unseen,
+            100 * (unseen / best - 1),
+            best,
+        )
         self.student.load_state_dict(weights)
         self.stopped_early_at = self.step
         return True
@@ -213,8 +240,11 @@ def read_job(path: Path) -> dict[str, Any]:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def teacher_generations(teacher, tokenizer, calibration: list[TextSource], config: DistillConfig) -> torch.Tensor | None:
-    """``teacher_generations`` windows of ``seq_len`` tokens: calibration openings continued by the teacher, sampled at T=1."""
+def teacher_generations(
+    teacher, tokenizer, calibration: list[TextSource], config: DistillConfig
+) -> torch.Tensor | None:
+    """``teacher_generations`` windows of ``seq_len`` tokens: calibration openings continued by the teacher, sampled at
+    T=1."""
     if not config.teacher_generations:
         return None
     prompts = calibration_windows(tokenizer, calibration, config.generation_prompt_tokens, config.teacher_generations)
@@ -224,11 +254,24 @@ def teacher_generations(teacher, tokenizer, calibration: list[TextSource], confi
     started = time.perf_counter()
     for batch in prompts.split(16):
         with torch.no_grad():
-            out = teacher.generate(batch, attention_mask=torch.ones_like(batch), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                                   max_new_tokens=config.seq_len - batch.shape[1], min_new_tokens=config.seq_len - batch.shape[1],
-                                   pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+            out = teacher.generate(
+                batch,
+                attention_mask=torch.ones_like(batch),
+                do_sample=True,
+                temperature=1.0,
+                top_k=0,
+                top_p=1.0,
+                max_new_tokens=config.seq_len - batch.shape[1],
+                min_new_tokens=config.seq_len - batch.shape[1],
+                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+            )
         rows.append(out[:, : config.seq_len])
     torch.random.set_rng_state(generator_state)
     generated = torch.cat(rows)
-    log.info("teacher generated %d windows of %d tokens in %.1fs", generated.shape[0], config.seq_len, time.perf_counter() - started)
+    log.info(
+        "teacher generated %d windows of %d tokens in %.1fs",
+        generated.shape[0],
+        config.seq_len,
+        time.perf_counter() - started,
+    )
     return generated

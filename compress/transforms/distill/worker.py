@@ -39,7 +39,10 @@ def _wrap(config: DistillConfig):
             return model
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(model, device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None)
+        return DistributedDataParallel(
+            model, device_ids=[torch.cuda.current_device()] if torch.cuda.is_available() else None
+        )
+
     return wrap
 
 
@@ -52,8 +55,17 @@ def run_job(job: dict) -> None:
     student = load_causal_lm(Path(job["student"]))
     teacher = load_causal_lm(Path(job["teacher"])) if config.loss == "kd" else None
     windows = torch.load(job["windows"], weights_only=True)
-    distiller = Distiller(student, teacher, windows, config, Path(job["checkpoints"]), job.get("kept_layers"), rank, world,
-                          _wrap(config) if world > 1 else None)
+    distiller = Distiller(
+        student,
+        teacher,
+        windows,
+        config,
+        Path(job["checkpoints"]),
+        job.get("kept_layers"),
+        rank,
+        world,
+        _wrap(config) if world > 1 else None,
+    )
     history = distiller.run(progress=rank == 0)
     if rank == 0:
         out = Path(job["out"])
@@ -64,9 +76,18 @@ def run_job(job: dict) -> None:
         dist.destroy_process_group()
 
 
-def train_distributed(student_dir: Path, teacher_dir: Path, windows: torch.Tensor, config: DistillConfig, checkpoints: Path,
-                      out: Path, kept_layers: list[int], work: Path) -> list[dict]:
-    """Train under ``torchrun`` with ``config.processes`` ranks (this worker module, one job file); returns the history."""
+def train_distributed(
+    student_dir: Path,
+    teacher_dir: Path,
+    windows: torch.Tensor,
+    config: DistillConfig,
+    checkpoints: Path,
+    out: Path,
+    kept_layers: list[int],
+    work: Path,
+) -> list[dict]:
+    """Train under ``torchrun`` with ``config.processes`` ranks (this worker module, one job file); returns the
+    history."""
     torch.save(windows, work / "windows.pt")
     job = work / "job.json"
     write_job(job, {"student": str(student_dir), "teacher": str(teacher_dir), "windows": str(work / "windows.pt"),

@@ -31,8 +31,9 @@ class PruneHeadsConfig(StrictModel):
     fraction: float | None = Field(0.25, gt=0.0, lt=1.0)
     target_parameters: PositiveInt | None = None
     importance: Literal["taylor", "output_norm"] = "taylor"
-    # "per_layer": each layer keeps its own most important heads; "uniform": every layer keeps the same heads, those of the
-    # largest importance summed over the layers (what a runtime with one set of attention weights per layer index reads alike).
+    # "per_layer": each layer keeps its own most important heads; "uniform": every layer keeps the same heads, those of
+    # the largest importance summed over the layers (what a runtime with one set of attention weights per layer index
+    # reads alike).
     mode: Literal["per_layer", "uniform"] = "per_layer"
     calib_windows: PositiveInt = 8
     calib_window: PositiveInt = 512
@@ -116,7 +117,8 @@ def plan_heads(scores: torch.Tensor, kv_heads: int, keep_per_group: int) -> list
 
 
 def plan_heads_uniform(scores: torch.Tensor, kv_heads: int, keep_per_group: int) -> list[list[int]]:
-    """The same query heads kept in every layer: in each KV group, the ``keep_per_group`` of largest summed importance."""
+    """The same query heads kept in every layer: in each KV group, the ``keep_per_group`` of largest summed
+    importance."""
     kept = plan_heads(scores.sum(dim=0, keepdim=True), kv_heads, keep_per_group)[0]
     return [list(kept) for _ in range(scores.shape[0])]
 

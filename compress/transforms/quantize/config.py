@@ -27,7 +27,9 @@ from compress.algorithms.formats import (
 from compress.core.config import StrictModel
 
 # A block linear by its short name; Phi-3's are fused (qkv_proj, gate_up_proj).
-LinearName = Literal["q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"]
+LinearName = Literal[
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"
+]
 DEFAULT_METHOD = "int8"
 
 
@@ -142,7 +144,9 @@ class QuantizeConfig(StrictModel):
     def describe(self) -> str:
         """The number formats of weights, activations and KV cache, in words a report can show."""
         bits, _, group = self.scheme()
-        return _with_inputs(self, f"INT{bits} weights ({f'group {group}' if group else 'one scale per output channel'})")
+        return _with_inputs(
+            self, f"INT{bits} weights ({f'group {group}' if group else 'one scale per output channel'})"
+        )
 
     def algorithm_name(self) -> str:
         """How the weights were chosen, in words a report can show."""
@@ -179,7 +183,9 @@ class _W8A8(_ActivationOptions, _GptqOptions, QuantizeConfig):
     @model_validator(mode="after")
     def _rotation_or_float(self) -> _W8A8:
         if self.hadamard_block and "down_proj" in self.float_linears:
-            raise ValueError("hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them")
+            raise ValueError(
+                "hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them"
+            )
         return self
 
     def is_w8a8(self) -> bool:
@@ -294,7 +300,9 @@ class RtnConfig(_ActivationOptions, QuantizeConfig):
         if self.hadamard_block and self.bits != 8:
             raise ValueError("hadamard_block applies to W8A8 (method int8 or fp8, or rtn with bits 8) only")
         if self.hadamard_block and "down_proj" in self.float_linears:
-            raise ValueError("hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them")
+            raise ValueError(
+                "hadamard_block rotates the down_proj input, which float_linears leaves unquantized; use one of them"
+            )
         return self
 
     def is_w8a8(self) -> bool:
@@ -314,9 +322,10 @@ CandidateFormat = Literal["int8", "int4", "fp8", "nvfp4", "nvfp4_a16"]
 
 
 class AutoConfig(QuantizeConfig):
-    """``method: auto``: a format for each group of linears (q/k/v, o, gate/up, down of each block), chosen for the fastest
-    decode the target's latency model predicts while the accuracy predicted from measured sensitivities stays inside the
-    gate's budgets with a margin; then measured on held-out calibration windows and backed off until it holds (see
+    """``method: auto``: a format for each group of linears (q/k/v, o, gate/up, down of each block), chosen for the
+    fastest decode the target's latency model predicts while the accuracy predicted from measured sensitivities stays
+    inside the gate's budgets with a margin; then measured on held-out calibration windows and backed off until it holds
+    (see
     :mod:`compress.transforms.quantize.mixed`). Each format is quantized by its own method with its defaults."""
 
     method: Literal["auto"] = "auto"
@@ -325,13 +334,17 @@ class AutoConfig(QuantizeConfig):
     fisher_windows: PositiveInt = 4  # windows of the Fisher pass (the sensitivity's weights)
     selection_windows: PositiveInt = 8  # held-out calibration windows each candidate plan is measured on
     selection_prompts: NonNegativeInt = 60  # chat calibration prompts whose answers each plan is measured on (0: none)
-    # Held-out prompts with an expected answer (neither the gate's nor calibration's) each plan's answers must keep passing.
+    # Held-out prompts with an expected answer (neither the gate's nor calibration's) each plan's answers must keep
+    # passing.
     expect_prompts: NonNegativeInt = 32
     answer_tokens: PositiveInt = 32  # the teacher's greedy answer length to each of them
     max_rounds: PositiveInt = 5  # plans measured before the search gives up on quantizing anything
-    # Plans measured after a back-off, between the accepted budget and the last failed one, for a faster plan that holds.
+    # Plans measured after a back-off, between the accepted budget and the last failed one, for a faster plan that
+    # holds.
     refine_rounds: NonNegativeInt = 2
-    lm_head: bool = True  # the LM head is a group too, in the formats the runtime quantizes it in (False: it stays FP16)
+    lm_head: bool = (
+        True  # the LM head is a group too, in the formats the runtime quantizes it in (False: it stays FP16)
+    )
 
     def precision(self) -> Precision:
         raise ValueError("method auto has no single precision: each linear has its own (see the quantization's plan)")
@@ -341,7 +354,9 @@ class AutoConfig(QuantizeConfig):
 
     def shared_options(self) -> dict[str, Any]:
         """The calibration options every candidate format's method takes from this config."""
-        return {key: getattr(self, key) for key in ("calib_windows", "calib_window", "min_calib_tokens", "sample_tokens")}
+        return {
+            key: getattr(self, key) for key in ("calib_windows", "calib_window", "min_calib_tokens", "sample_tokens")
+        }
 
     def is_mixed(self) -> bool:
         return True
@@ -359,8 +374,10 @@ class AutoConfig(QuantizeConfig):
         return "sensitivity search; smoothquant+gptq (8-bit), awq+gptq (4-bit)"
 
 
-METHODS: dict[str, type[QuantizeConfig]] = {cls.model_fields["method"].default: cls
-                                             for cls in (Int8Config, Fp8Config, Int4Config, Nvfp4Config, RtnConfig, AutoConfig)}
+METHODS: dict[str, type[QuantizeConfig]] = {
+    cls.model_fields["method"].default: cls
+    for cls in (Int8Config, Fp8Config, Int4Config, Nvfp4Config, RtnConfig, AutoConfig)
+}
 
 
 def method_class(method: str) -> type[QuantizeConfig]:
@@ -405,7 +422,8 @@ def _with_inputs(config: QuantizeConfig, weights: str) -> str:
     return f"{weights}, {inputs}" + (", FP8 KV cache" if config.kv_cache == "fp8" else "")
 
 
-# Each candidate format of a mixed plan: its method and options (the shared calibration options are added by the caller).
+# Each candidate format of a mixed plan: its method and options (the shared calibration options are added by the
+# caller).
 CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
     "int8": {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0},
     "int4": {"method": "int4", "group_size": 128, "algorithm": "awq+gptq"},

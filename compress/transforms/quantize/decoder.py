@@ -38,7 +38,14 @@ from pathlib import Path
 import torch
 
 from compress.algorithms import kv_cache
-from compress.algorithms.formats import ROWS_AT_A_TIME, ActivationFormat, Nvfp4Grid, WeightGrid, expand_scales, quantize_dequantize
+from compress.algorithms.formats import (
+    ROWS_AT_A_TIME,
+    ActivationFormat,
+    Nvfp4Grid,
+    WeightGrid,
+    expand_scales,
+    quantize_dequantize,
+)
 from compress.algorithms.quant import (
     activation_scale,
     awq_search_clip,
@@ -72,7 +79,14 @@ from compress.transforms.quantize.saved import (
     attach_activation_quant,
     grid_levels,
 )
-from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, collect_input_stats, walk_blocks
+from compress.transforms.walk import (
+    BlockInputs,
+    BlockVisitor,
+    HeldBlocks,
+    StreamedBlocks,
+    collect_input_stats,
+    walk_blocks,
+)
 
 log = logging.getLogger(__name__)
 
@@ -88,8 +102,10 @@ def check_group_size(config: QuantizeConfig, shapes: dict[str, tuple[int, int]])
     group = config.scheme()[2]
     for name, (_, in_features) in shapes.items():
         if group and not config.is_float(name) and in_features % group:
-            raise UsageError(f"quantize.group_size={group} does not divide {name}'s input width {in_features}; choose a group "
-                             f"that does, or keep {name} float with quantize.float_linears")
+            raise UsageError(
+                f"quantize.group_size={group} does not divide {name}'s input width {in_features}; choose a group "
+                f"that does, or keep {name} float with quantize.float_linears"
+            )
 
 
 def rotation_block(width: int, limit: int) -> int:
@@ -147,7 +163,9 @@ GPTQ_ALPHA_GRID = (*ALPHA_GRID, 1.0)
 ALPHA_REFINE_STEPS = 2
 
 
-def _smoothing(stats: InputStats, weights: list[torch.Tensor], alpha: float, reduce: torch.Tensor | None) -> torch.Tensor:
+def _smoothing(
+    stats: InputStats, weights: list[torch.Tensor], alpha: float, reduce: torch.Tensor | None
+) -> torch.Tensor:
     """SmoothQuant scales; with ``reduce``, equal inside each group (GQA value channels)."""
     if reduce is None:
         return smoothquant_scales(stats.absmax, weights, alpha)
@@ -181,7 +199,9 @@ def _w8a8_candidate(samples: torch.Tensor, weights: list[torch.Tensor], scales: 
     error, kept = 0.0, []
     for w in weights:
         if scaled_hessian is not None:
-            w_q, w_scales = gptq_quantize(w * scales, scaled_hessian, grid, damp=config.gptq_damp, act_order=config.gptq_act_order)
+            w_q, w_scales = gptq_quantize(
+                w * scales, scaled_hessian, grid, damp=config.gptq_damp, act_order=config.gptq_act_order
+            )
             kept.append((w_q, w_scales))
         else:
             w_q, _ = quantize_dequantize(w * scales, grid)
@@ -201,7 +221,9 @@ def _search_alpha(config: QuantizeConfig, stats: InputStats, weights: list[torch
     samples = stats.sample_matrix(config.sample_tokens)
 
     def candidate(alpha: float, hessian: torch.Tensor | None = None) -> _Candidate:
-        return _w8a8_candidate(samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, config, hessian)
+        return _w8a8_candidate(
+            samples, weights, _smoothing(stats, weights, alpha, reduce), stats.absmax, config, hessian
+        )
 
     scored = {alpha: candidate(alpha) for alpha in ALPHA_GRID}
     best = min(scored, key=lambda alpha: scored[alpha].error)
@@ -240,8 +262,14 @@ def _smoothquant(config: QuantizeConfig, stats: InputStats, weights: list[torch.
         alpha, smoothed = _search_alpha(config, stats, weights, reduce)
     elif stats.rotation:
         alpha = config.alpha
-        smoothed = _w8a8_candidate(stats.sample_matrix(config.sample_tokens), weights, _smoothing(stats, weights, alpha, reduce),
-                                   stats.absmax, config, _gptq_hessian(config, stats))
+        smoothed = _w8a8_candidate(
+            stats.sample_matrix(config.sample_tokens),
+            weights,
+            _smoothing(stats, weights, alpha, reduce),
+            stats.absmax,
+            config,
+            _gptq_hessian(config, stats),
+        )
     else:
         return Migration(_smoothing(stats, weights, config.alpha, reduce), config.alpha)
     if stats.rotation:
@@ -265,8 +293,15 @@ def _migration(config: QuantizeConfig, point: str, stats: InputStats, weights: l
     if config.smooths_activations():
         return _smoothquant(config, stats, weights, reduce)
     if config.uses_awq():
-        return Migration(*awq_search_scales(stats.sample_matrix(config.sample_tokens), weights, config.weight_grid(), reduce=reduce,
-                                            activation=_dynamic_fake_quantize(config.activation_format())))
+        return Migration(
+            *awq_search_scales(
+                stats.sample_matrix(config.sample_tokens),
+                weights,
+                config.weight_grid(),
+                reduce=reduce,
+                activation=_dynamic_fake_quantize(config.activation_format()),
+            )
+        )
     if stats.rotation:
         samples = stats.sample_matrix(config.sample_tokens)
         plain = _w8a8_candidate(samples, weights, torch.ones_like(stats.absmax), stats.absmax, config).error
@@ -332,19 +367,22 @@ def _quantize_weight(config: QuantizeConfig, weight: torch.Tensor, stats: InputS
         clip = awq_search_clip(stats.sample_matrix(CLIP_SEARCH_TOKENS), weight, grid, hessian=hessian)
     if config.uses_gptq():
         act_order = config.gptq_act_order and grid.group_size is None
-        return gptq_quantize(weight, stats.mean_hessian(), grid, damp=config.gptq_damp, clip_ratio=clip, act_order=act_order)
+        return gptq_quantize(
+            weight, stats.mean_hessian(), grid, damp=config.gptq_damp, clip_ratio=clip, act_order=act_order
+        )
     return quantize_dequantize(weight, grid, clip)
 
 
 def _wants_hessian(config: QuantizeConfig) -> bool:
-    """Whether the format's weight search reads its input's Hessian (GPTQ, NVFP4's scale search, AWQ's clip on all tokens)."""
+    """Whether the format's weight search reads its input's Hessian (GPTQ, NVFP4's scale search, AWQ's clip on all
+    tokens)."""
     return config.uses_gptq() or config.searches_global_scale() or config.clip_on_all_tokens()
 
 
 def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_config, prefix: str,
                    points: Collection[str] | None = None) -> dict[str, LinearQuant]:
-    """Quantize one decoder block in place (``points``: only the linears reading these inputs, by activation point name);
-    returns per-linear scales and errors."""
+    """Quantize one decoder block in place (``points``: only the linears reading these inputs, by activation point
+    name); returns per-linear scales and errors."""
     activation = config.activation_format()
     family = family_of(model_config)
     active = [p for p in family.points if not all(config.is_float(name) for name in p.consumers)
@@ -372,14 +410,22 @@ def quantize_block(block, inputs: BlockInputs, config: QuantizeConfig, model_con
             # As in AWQ, weights computing queries and keys are not clipped: attention scores are too sensitive.
             search_clip = not {"q", "k"} & set(family.parts(name))
             shared = _SharedInput(stats[point.name], samples, migrations[point.name])
-            result[f"{prefix}.{name}"] = _quantize_linear(config, linears[name], shared, input_scale, index, grids[name],
-                                                          search_clip)
+            result[f"{prefix}.{name}"] = _quantize_linear(
+                config, linears[name], shared, input_scale, index, grids[name], search_clip
+            )
     return result
 
 
-def _prepare_inputs(block, points: list[ActivationPoint], linears: dict[str, torch.nn.Linear], stats: dict[str, InputStats],
-                    config: QuantizeConfig, model_config) -> dict[str, Migration]:
-    """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated view."""
+def _prepare_inputs(
+    block,
+    points: list[ActivationPoint],
+    linears: dict[str, torch.nn.Linear],
+    stats: dict[str, InputStats],
+    config: QuantizeConfig,
+    model_config,
+) -> dict[str, Migration]:
+    """Choose each input's migration and apply it: fold scales into the block, or switch ``stats`` to the rotated
+    view."""
     kv_groups = _kv_groups(block, model_config)
     migrations: dict[str, Migration] = {}
     for point in points:
@@ -417,8 +463,8 @@ class _SharedInput:
 
 def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, shared: _SharedInput, input_scale: float | None,
                      index: int, grid: WeightGrid, search_clip: bool) -> LinearQuant:
-    """Quantize one linear in place (the ``index``-th consumer of its input) on its bound ``grid`` and measure its SQNR on
-    the input's samples."""
+    """Quantize one linear in place (the ``index``-th consumer of its input) on its bound ``grid`` and measure its SQNR
+    on the input's samples."""
     stats, samples, migration = shared.stats, shared.samples, shared.migration
     weight = _input_basis(linear.weight.detach().clone(), migration)
     if migration.gptq_weights:
@@ -438,16 +484,25 @@ def _quantize_linear(config: QuantizeConfig, linear: torch.nn.Linear, shared: _S
     with torch.no_grad():
         # A rotated weight is stored rotated back: x W^T == (x R)(W R)^T, so the float model is exact.
         linear.weight.copy_(rotate(dequantized, migration.rotation) if migration.rotation else dequantized)
-    return LinearQuant(weight_scales.cpu(), input_scale, error, migration.ratio, migration.rotation,
-                       global_scale=getattr(grid, "global_scale", None), input_format=activation.name if activation else "int8",
-                       levels=levels.cpu(), precision=config.precision().name, group_size=config.scheme()[2],
-                       output_mse=(output - reference).pow(2).mean(0).cpu())
+    return LinearQuant(
+        weight_scales.cpu(),
+        input_scale,
+        error,
+        migration.ratio,
+        migration.rotation,
+        global_scale=getattr(grid, "global_scale", None),
+        input_format=activation.name if activation else "int8",
+        levels=levels.cpu(),
+        precision=config.precision().name,
+        group_size=config.scheme()[2],
+        output_mse=(output - reference).pow(2).mean(0).cpu(),
+    )
 
 
 @dataclass
 class LmHead:
-    """What quantizing the LM head needs: the final norm its input comes out of, its weight as stored (a tied head's is the
-    embedding table, which is read, never changed) and its name."""
+    """What quantizing the LM head needs: the final norm its input comes out of, its weight as stored (a tied head's is
+    the embedding table, which is read, never changed) and its name."""
 
     norm: torch.nn.Module
     weight: torch.Tensor
@@ -455,8 +510,8 @@ class LmHead:
 
 
 def lm_head_of(model, reader: CheckpointReader | None = None) -> LmHead:
-    """``model``'s LM head and final norm; ``reader``: a model built empty, whose norm and head are read from its checkpoint
-    (a tied head from its embedding table, already read)."""
+    """``model``'s LM head and final norm; ``reader``: a model built empty, whose norm and head are read from its
+    checkpoint (a tied head from its embedding table, already read)."""
     norm, head = final_norm(model), model.get_output_embeddings()
     name = module_prefix(model, head)
     weight = head.weight.detach()
@@ -472,9 +527,9 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
 
     No migration: the only producer to fold scales into is the final norm, and a quantized head is shipped as a linear
     of its own (untied), so its weight is simply taken to its grid with the format's weight search and its input scale
-    calibrated as any linear's. A slice of rows at a time (``ROWS_AT_A_TIME``): once the input's statistics and the grid's
-    per-tensor scale are fixed, every weight search treats rows independently, so a 150k-word head never has a float32
-    copy whole."""
+    calibrated as any linear's. A slice of rows at a time (``ROWS_AT_A_TIME``): once the input's statistics and the
+    grid's per-tensor scale are fixed, every weight search treats rows independently, so a 150k-word head never has a
+    float32 copy whole."""
     device = outputs[0].device
     norm = copy.deepcopy(head.norm).to(device=device, dtype=torch.float32)
     stats = InputStats()
@@ -485,7 +540,9 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
             stats.add(norm(hidden), _wants_hessian(config), per_window, generator)
     samples = stats.sample_matrix(config.sample_tokens)
     activation = config.activation_format()
-    input_scale = activation_scale(samples, float(stats.absmax.max()), config.act_scale, activation) if activation else None
+    input_scale = (
+        activation_scale(samples, float(stats.absmax.max()), config.act_scale, activation) if activation else None
+    )
     grid = _consumer_grids(config, [head.weight], stats)[0].bind([head.weight])
     x_q = activation.fake_quantize(samples, input_scale) if input_scale else samples
     fallback = input_scale is not None and config.float_activations_below_db is not None
@@ -505,9 +562,17 @@ def quantize_head(head: LmHead, outputs: list[torch.Tensor], config: QuantizeCon
     if fallback and error.sqnr_db() < config.float_activations_below_db:
         input_scale, error = None, float_error  # as any linear: quantized weights, float inputs
     weight_scales = scales[0] if scales[0].dim() == 0 else torch.cat(scales)  # one per-tensor scale, or one per row
-    return LinearQuant(weight_scales, input_scale, error.sqnr_db(), global_scale=getattr(grid, "global_scale", None),
-                       input_format=activation.name if activation else "int8", levels=levels, precision=config.precision().name,
-                       group_size=config.scheme()[2], output_mse=torch.cat(error.mse))
+    return LinearQuant(
+        weight_scales,
+        input_scale,
+        error.sqnr_db(),
+        global_scale=getattr(grid, "global_scale", None),
+        input_format=activation.name if activation else "int8",
+        levels=levels,
+        precision=config.precision().name,
+        group_size=config.scheme()[2],
+        output_mse=torch.cat(error.mse),
+    )
 
 
 @dataclass
@@ -531,8 +596,15 @@ class _OutputError:
 class _Quantizer(BlockVisitor):
     """The walker's visitor that quantizes each block in place and records its scales."""
 
-    def __init__(self, model, config: QuantizeConfig, result: QuantResult, writer: QuantizedCheckpointWriter | None = None,
-                 plan: MixedPlan | None = None, head: LmHead | None = None) -> None:
+    def __init__(
+        self,
+        model,
+        config: QuantizeConfig,
+        result: QuantResult,
+        writer: QuantizedCheckpointWriter | None = None,
+        plan: MixedPlan | None = None,
+        head: LmHead | None = None,
+    ) -> None:
         self.model_config = model.config
         self.last = len(decoder_blocks(model)) - 1
         self.head = head
@@ -554,7 +626,9 @@ class _Quantizer(BlockVisitor):
             quantized = {}
             order = [point.name for point in family_of(self.model_config).points]
             for name, points in self.plan.block_runs(index, order):
-                quantized.update(quantize_block(block, inputs, self.plan.configs[name], self.model_config, prefix, points=points))
+                quantized.update(
+                    quantize_block(block, inputs, self.plan.configs[name], self.model_config, prefix, points=points)
+                )
         if amax is not None:
             kv_cache.stop_recording(block)
             self.result.kv_scales[index] = (kv_cache.kv_scale(amax[0]), kv_cache.kv_scale(amax[1]))
@@ -585,9 +659,10 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
                    writer: QuantizedCheckpointWriter | None = None, plan: MixedPlan | None = None,
                    head: LmHead | None = None) -> QuantResult:
     """Quantize every decoder block of ``model`` in place, block by block through the shared walker (``blocks``: where
-    they come from; ``writer``: where each goes once quantized, its levels then let go; ``plan``: each point's own format,
-    ``config`` then giving only the calibration and KV-cache options, and the LM head's, quantized on the last block's
-    outputs (``head``: where it comes from, by default the model's own); the model's head itself is left as it is).
+    they come from; ``writer``: where each goes once quantized, its levels then let go; ``plan``: each point's own
+    format, ``config`` then giving only the calibration and KV-cache options, and the LM head's, quantized on the last
+    block's outputs (``head``: where it comes from, by default the model's own); the model's head itself is left as it
+    is).
 
     With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
     are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
@@ -602,8 +677,15 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
     if plan is not None and plan.head != FLOAT and head is None:
         head = lm_head_of(model)
     try:
-        walk_blocks(model, windows, [_Quantizer(model, config, result, writer, plan, head)], device=device, progress=progress,
-                    desc=f"quantize {config.method}", blocks=blocks)
+        walk_blocks(
+            model,
+            windows,
+            [_Quantizer(model, config, result, writer, plan, head)],
+            device=device,
+            progress=progress,
+            desc=f"quantize {config.method}",
+            blocks=blocks,
+        )
     finally:
         if fp8_cache:
             kv_cache.restore_attention(model)
@@ -614,8 +696,8 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
 def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
                     device: torch.device | str | None = None, trust_remote_code: bool = False,
                     plan: MixedPlan | None = None) -> QuantResult:
-    """Quantize the Hugging Face checkpoint ``source`` into the quantized checkpoint ``out`` (its tensors and config; the
-    caller adds the tokenizer), one decoder block in memory at a time.
+    """Quantize the Hugging Face checkpoint ``source`` into the quantized checkpoint ``out`` (its tensors and config;
+    the caller adds the tokenizer), one decoder block in memory at a time.
 
     The model is built empty; its embeddings are read to capture the calibration windows' hidden states,
     then each block is read from ``source``, quantized on ``device`` in float32, written to ``out`` in the
@@ -629,12 +711,25 @@ def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: Quan
     materialize(embeddings, module_prefix(model, embeddings), reader)
     writer = QuantizedCheckpointWriter(out, len(decoder_blocks(model)), embeddings.weight.dtype)
     head = lm_head_of(model, reader) if plan is not None and plan.head != FLOAT else None
-    result = quantize_model(model, windows, config, progress, device, blocks=StreamedBlocks(model, reader), writer=writer,
-                            plan=plan, head=head)
+    result = quantize_model(
+        model,
+        windows,
+        config,
+        progress,
+        device,
+        blocks=StreamedBlocks(model, reader),
+        writer=writer,
+        plan=plan,
+        head=head,
+    )
     in_blocks = module_prefix(model, decoder_blocks(model)) + "."
     head_weight = f"{head.name}.weight" if head is not None else None
-    writer.finish(reader.read(name for name in reader.names() if not name.startswith(in_blocks) and name != head_weight), result)
+    writer.finish(
+        reader.read(name for name in reader.names() if not name.startswith(in_blocks) and name != head_weight), result
+    )
     if head is not None:
-        model.config.tie_word_embeddings = False  # the quantized head is a linear of its own; the embedding stays as stored
+        model.config.tie_word_embeddings = (
+            False  # the quantized head is a linear of its own; the embedding stays as stored
+        )
     model.config.save_pretrained(out)
     return result

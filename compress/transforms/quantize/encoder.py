@@ -61,7 +61,8 @@ class EncoderQuantizeConfig(StrictModel):
 
 @dataclass
 class EncoderLinearQuant:
-    """One quantized encoder linear: INT8 weight scales, a static input scale (None: float input), an online smoothing."""
+    """One quantized encoder linear: INT8 weight scales, a static input scale (None: float input), an online
+    smoothing."""
 
     weight_scales: torch.Tensor
     input_scale: float | None
@@ -90,7 +91,8 @@ class _InputStats:
 
 
 def collect_stats(model, batches: list[dict[str, torch.Tensor]], limit: int) -> dict[str, _InputStats]:
-    """Input statistics of every linear the family lists, by full module name, over the unpadded tokens of ``batches``."""
+    """Input statistics of every linear the family lists, by full module name, over the unpadded tokens of
+    ``batches``."""
     family = encoder_family_of(model.config)
     stats: dict[str, _InputStats] = {}
     mask: list[torch.Tensor] = []
@@ -129,7 +131,9 @@ def _smoothing(stats: _InputStats, weights: list[torch.Tensor], alpha: float | s
     return smoothquant_scales(stats.absmax, weights, best)
 
 
-def quantize_encoder(model, batches: list[dict[str, torch.Tensor]], config: EncoderQuantizeConfig) -> dict[str, EncoderLinearQuant]:
+def quantize_encoder(
+    model, batches: list[dict[str, torch.Tensor]], config: EncoderQuantizeConfig
+) -> dict[str, EncoderLinearQuant]:
     """Quantize ``model`` in place (weights onto their INT8 grid, value rows smoothed); returns each linear's scales."""
     family = encoder_family_of(model.config)
     stats = collect_stats(model, batches, config.sample_tokens)
@@ -137,18 +141,28 @@ def quantize_encoder(model, batches: list[dict[str, torch.Tensor]], config: Enco
     with torch.no_grad():
         for index, layer in enumerate(encoder_layers(model)):
             # The attention output first: its scale goes into the value rows before those are quantized with q and k.
-            for paths, smoothing in (((family.attn_out,), "value"), (family.attn_in, "online"), ((family.ffn_in,), "online"),
-                                     ((family.ffn_out,), None)):
+            for paths, smoothing in (
+                ((family.attn_out,), "value"),
+                (family.attn_in, "online"),
+                ((family.ffn_in,), "online"),
+                ((family.ffn_out,), None),
+            ):
                 point = stats[_name(family, index, paths[0])]
                 linears = [layer.get_submodule(p) for p in paths]
-                scales = _smoothing(point, [lin.weight.detach().float() for lin in linears], config.alpha) if smoothing else None
+                scales = (
+                    _smoothing(point, [lin.weight.detach().float() for lin in linears], config.alpha)
+                    if smoothing
+                    else None
+                )
                 if smoothing == "value":
                     _divide_rows(layer.get_submodule(family.value), scales)
                 samples = point.samples() / scales if scales is not None else point.samples()
                 input_scale = activation_scale(samples, float(samples.abs().max()), config.act_scale, Int8Activation())
                 online = scales if smoothing == "online" else None
                 for path, linear in zip(paths, linears, strict=True):
-                    result[_name(family, index, path)] = _quantize_linear(linear, samples, scales, input_scale, online, config)
+                    result[_name(family, index, path)] = _quantize_linear(
+                        linear, samples, scales, input_scale, online, config
+                    )
     return result
 
 
@@ -186,9 +200,13 @@ def attach_encoder_quant(model, linears: dict[str, EncoderLinearQuant]) -> list:
     return handles
 
 
-def save_encoder_quantization(linears: dict[str, EncoderLinearQuant], config: EncoderQuantizeConfig, folder: Path) -> None:
+def save_encoder_quantization(
+    linears: dict[str, EncoderLinearQuant], config: EncoderQuantizeConfig, folder: Path
+) -> None:
     tensors = {f"{name}.weight_scale": q.weight_scales.float().clone() for name, q in linears.items()}
-    tensors.update({f"{name}.smoothing": q.smoothing.float().clone() for name, q in linears.items() if q.smoothing is not None})
+    tensors.update(
+        {f"{name}.smoothing": q.smoothing.float().clone() for name, q in linears.items() if q.smoothing is not None}
+    )
     save_file(tensors, str(Path(folder) / ENCODER_QUANT_TENSORS))
     atomic_write_json(Path(folder) / ENCODER_QUANT_FILE, {
         "method": config.method, "config": config.model_dump(mode="json"), "weight_bits": 8,
@@ -211,6 +229,10 @@ def load_encoder_quantization(folder: Path) -> dict[str, EncoderLinearQuant] | N
 def summary(linears: dict[str, EncoderLinearQuant]) -> dict[str, Any]:
     """Metrics the stage records."""
     values = [q.sqnr_db for q in linears.values()]
-    return {"quantized_linears": len(linears), "median_sqnr_db": round(statistics.median(values), 2),
-            "min_sqnr_db": min(values), "float_input_linears": sorted(n for n, q in linears.items() if q.input_scale is None),
-            "online_smoothed_linears": sum(q.smoothing is not None for q in linears.values())}
+    return {
+        "quantized_linears": len(linears),
+        "median_sqnr_db": round(statistics.median(values), 2),
+        "min_sqnr_db": min(values),
+        "float_input_linears": sorted(n for n, q in linears.items() if q.input_scale is None),
+        "online_smoothed_linears": sum(q.smoothing is not None for q in linears.values()),
+    }

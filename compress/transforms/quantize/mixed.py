@@ -40,7 +40,17 @@ from compress.transforms.quantize.decoder import LmHead, lm_head_of, quantize_bl
 from compress.transforms.quantize.plan import FLOAT, HEAD, HEAD_INDEX, MixedPlan
 from compress.transforms.walk import BlockInputs, BlockVisitor, HeldBlocks, StreamedBlocks, walk_blocks
 
-__all__ = ["FLOAT", "HEAD", "HEAD_INDEX", "MixedPlan", "SensitivityJob", "SensitivityTable", "choices_from", "output_fisher", "sensitivity"]
+__all__ = [
+    "FLOAT",
+    "HEAD",
+    "HEAD_INDEX",
+    "MixedPlan",
+    "SensitivityJob",
+    "SensitivityTable",
+    "choices_from",
+    "output_fisher",
+    "sensitivity",
+]
 
 
 @dataclass
@@ -64,8 +74,8 @@ def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt:
     One forward and backward pass per window of ``model`` (held in its own dtype, computed in float32
     part by part), the loss being the log-likelihood of next tokens sampled from the model's own
     distribution, so its squared gradient is an unbiased estimate of the Fisher information. The backward pass computes
-    each block again from its inputs when it reaches it: it holds one block's activations, whatever the depth. It computes
-    on the model's device; the labels are drawn on the CPU, so every device draws the same ones.
+    each block again from its inputs when it reaches it: it holds one block's activations, whatever the depth. It
+    computes on the model's device; the labels are drawn on the CPU, so every device draws the same ones.
     """
     device = next(model.parameters()).device
     generator = torch.Generator().manual_seed(seed)
@@ -79,7 +89,9 @@ def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt:
 
     def keep(name: str) -> Callable:
         def hook(_module, _args, output):
-            if output.requires_grad:  # summed as the backward pass reaches it, never held (a recomputed block's copy is not)
+            if (
+                output.requires_grad
+            ):  # summed as the backward pass reaches it, never held (a recomputed block's copy is not)
                 output.register_hook(lambda grad: add_squared(name, grad))
         return hook
 
@@ -142,7 +154,9 @@ class _Sensitivity(BlockVisitor):
             if not points:
                 continue
             trial = copy.deepcopy(block)
-            quantized = quantize_block(trial, inputs, config, self.model_config, f"{self.prefix}.{index}", points=points)
+            quantized = quantize_block(
+                trial, inputs, config, self.model_config, f"{self.prefix}.{index}", points=points
+            )
             del trial
             for point in points:
                 kl = 0.0
@@ -165,9 +179,9 @@ class _Sensitivity(BlockVisitor):
 
 def sensitivity(model, windows: torch.Tensor, job: SensitivityJob, device: torch.device | str | None = None,
                 progress: bool = False, blocks: HeldBlocks | StreamedBlocks | None = None) -> SensitivityTable:
-    """The predicted KL of every (block, point, candidate format) that ``job.allowed`` admits (see the module docstring),
-    and of the LM head, as ``(HEAD_INDEX, HEAD)``, in each format it admits for it (``job.fisher`` must then hold its
-    output's)."""
+    """The predicted KL of every (block, point, candidate format) that ``job.allowed`` admits (see the module
+    docstring), and of the LM head, as ``(HEAD_INDEX, HEAD)``, in each format it admits for it (``job.fisher`` must then
+    hold its output's)."""
     table = SensitivityTable()
     for index, _ in enumerate(decoder_blocks(model)):
         for point in family_of(model.config).points:
@@ -181,7 +195,9 @@ def sensitivity(model, windows: torch.Tensor, job: SensitivityJob, device: torch
     return table
 
 
-def choices_from(table: SensitivityTable, cost: Callable[[int, str, str], float]) -> dict[tuple[int, str], list[Choice]]:
+def choices_from(
+    table: SensitivityTable, cost: Callable[[int, str, str], float]
+) -> dict[tuple[int, str], list[Choice]]:
     """Every group's options: each measured format with its predicted KL and its cost."""
     return {group: [Choice(name, kl, cost(group[0], group[1], name)) for name, kl in values.items()]
             for group, values in table.kl.items()}

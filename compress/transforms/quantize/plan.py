@@ -1,4 +1,5 @@
-"""A mixed-precision plan: the format each activation point of each block ships in, and the LM head's (see :mod:`.mixed`)."""
+"""A mixed-precision plan: the format each activation point of each block ships in, and the LM head's (see
+:mod:`.mixed`)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from dataclasses import dataclass
 from compress.transforms.quantize.config import QuantizeConfig
 
 FLOAT = "fp16"
-HEAD = "lm_head"  # the LM head's group: its point name, at block index HEAD_INDEX, in a sensitivity table and a solution
+HEAD = (
+    "lm_head"  # the LM head's group: its point name, at block index HEAD_INDEX, in a sensitivity table and a solution
+)
 HEAD_INDEX = -1
 
 

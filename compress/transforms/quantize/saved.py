@@ -55,7 +55,8 @@ from compress.transforms.quantize.config import QuantizeConfig
 QUANT_CONFIG_FILE = "quantization.json"
 QUANT_WEIGHTS_FILE = "quantized_weights.safetensors"
 QUANT_WEIGHTS_INDEX = "quantized_weights.safetensors.index.json"
-# The compact dtype each weight format's grid values are stored in (exact: int8 holds INT8/INT4, E4M3 holds E4M3 and E2M1).
+# The compact dtype each weight format's grid values are stored in (exact: int8 holds INT8/INT4, E4M3 holds E4M3 and
+# E2M1).
 LEVEL_DTYPES = {"int": torch.int8, "fp8": torch.float8_e4m3fn, "nvfp4": torch.float8_e4m3fn}
 ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-per-tensor",
                            "nvfp4": "nvfp4-dynamic-block16-static-global"}
@@ -72,7 +73,9 @@ class LinearQuant:
     sqnr_db: float
     migration_ratio: float | None = None
     rotation: int = 0  # Hadamard block size applied to the input before quantization; 0 = none
-    global_scale: float | None = None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
+    global_scale: float | None = (
+        None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
+    )
     input_format: str = "int8"  # how input_scale quantizes the input (a key of ACTIVATION_FORMATS)
     levels: torch.Tensor | None = None  # the weight's grid values (in the input's basis), as LEVEL_DTYPES stores them
     precision: str = "int8"  # how this linear ships (a name of PRECISIONS): in a mixed-precision model, each its own
@@ -93,19 +96,24 @@ class QuantResult:
     linears: dict[str, LinearQuant] = field(default_factory=dict)
     calibration_tokens: int = 0
     seconds: float = 0.0
-    kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)  # per layer (k_scale, v_scale) of an FP8 KV cache
+    kv_scales: dict[int, tuple[float, float]] = field(
+        default_factory=dict
+    )  # per layer (k_scale, v_scale) of an FP8 KV cache
     plan: Any = None  # a MixedPlan: each point's own format (its linears say theirs)
 
     def layer_errors(self) -> list[dict[str, Any]]:
-        return [{"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
-                for name, q in self.linears.items()]
+        return [
+            {"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
+            for name, q in self.linears.items()
+        ]
 
     def rotated_linears(self) -> list[str]:
         """Linears whose input is Hadamard-rotated."""
         return [name for name, q in self.linears.items() if q.rotation]
 
     def float_input_linears(self) -> list[str]:
-        """Linears of a format that quantizes activations that keep float inputs (``float_activations``, the SQNR fallback)."""
+        """Linears of a format that quantizes activations that keep float inputs (``float_activations``, the SQNR
+        fallback)."""
         return [name for name, q in self.linears.items() if q.input_scale is None and q.format.activations]
 
     def outliers(self) -> list[dict[str, Any]]:
@@ -122,7 +130,11 @@ def input_quantizer(quant: LinearQuant) -> Callable[[torch.Tensor], torch.Tensor
     rotated back, for a rotated input), or None for a float input."""
     if quant.input_scale is None:
         return None
-    scale, block, fake_quantize = quant.input_scale, quant.rotation, ACTIVATION_FORMATS[quant.input_format].fake_quantize
+    scale, block, fake_quantize = (
+        quant.input_scale,
+        quant.rotation,
+        ACTIVATION_FORMATS[quant.input_format].fake_quantize,
+    )
     if block:
         # Quantized in the rotated basis, rotated back for the stored (rotated-back) weight.
         return lambda x: rotate(fake_quantize(rotate(x, block), scale), block)
@@ -209,22 +221,45 @@ def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _quantization_json(result: QuantResult) -> dict[str, Any]:
     if result.plan is not None:
-        uniform = {"precision": MIXED, "format": MIXED, "weight_bits": None, "group_size": None, "activations": "per linear",
-                   "plan": result.plan.to_json(), "lm_head": result.plan.head}
+        uniform = {
+            "precision": MIXED,
+            "format": MIXED,
+            "weight_bits": None,
+            "group_size": None,
+            "activations": "per linear",
+            "plan": result.plan.to_json(),
+            "lm_head": result.plan.head,
+        }
     else:
         bits, _, group = result.config.scheme()
         activation = result.config.activation_format()
-        uniform = {"precision": result.config.precision().name, "format": result.config.weight_format(), "weight_bits": bits,
-                   "group_size": group, "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float"}
+        uniform = {
+            "precision": result.config.precision().name,
+            "format": result.config.weight_format(),
+            "weight_bits": bits,
+            "group_size": group,
+            "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float",
+        }
     return {
         "method": result.config.method,
         "config": result.config.model_dump(mode="json"),
         **uniform,
-        "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}} if result.kv_scales else None,
-        "linears": {name: {"input_scale": q.input_scale, "input_format": q.input_format, "sqnr_db": q.sqnr_db,
-                           "migration_ratio": q.migration_ratio, "rotation": q.rotation, "global_scale": q.global_scale,
-                           "precision": q.precision, "group_size": q.group_size}
-                    for name, q in result.linears.items()},
+        "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}}
+        if result.kv_scales
+        else None,
+        "linears": {
+            name: {
+                "input_scale": q.input_scale,
+                "input_format": q.input_format,
+                "sqnr_db": q.sqnr_db,
+                "migration_ratio": q.migration_ratio,
+                "rotation": q.rotation,
+                "global_scale": q.global_scale,
+                "precision": q.precision,
+                "group_size": q.group_size,
+            }
+            for name, q in result.linears.items()
+        },
     }
 
 
@@ -235,8 +270,8 @@ def quantization_meta(folder: Path) -> dict[str, Any] | None:
 
 
 def load_quantization(folder: Path, prefix: str | None = None) -> tuple[dict[str, Any], dict[str, LinearQuant]] | None:
-    """Read what :class:`QuantizedCheckpointWriter` wrote (``prefix``: only the linears under it, e.g. one block's), or None
-    for a float model."""
+    """Read what :class:`QuantizedCheckpointWriter` wrote (``prefix``: only the linears under it, e.g. one block's), or
+    None for a float model."""
     folder = Path(folder)
     meta = quantization_meta(folder)
     if meta is None:
@@ -248,19 +283,33 @@ def load_quantization(folder: Path, prefix: str | None = None) -> tuple[dict[str
         raise UsageError(f"{folder} holds quantization.json but no levels ({exc}); rerun the quantize stage") from exc
     missing = [name for name in names if f"{name}.weight_levels" not in reader]
     if missing:
-        raise UsageError(f"{folder} holds no levels for {', '.join(missing[:3])}; it was written by another version of compress: "
-                         "rerun the quantize stage")
+        raise UsageError(
+            f"{folder} holds no levels for {', '.join(missing[:3])}; it was written by another version of compress: "
+            "rerun the quantize stage"
+        )
     stored = reader.read(key for name in names for key in (f"{name}.weight_scale", f"{name}.weight_levels"))
-    linears = {name: LinearQuant(stored[f"{name}.weight_scale"], info["input_scale"], info["sqnr_db"], info.get("migration_ratio"),
-                                 info.get("rotation", 0), info.get("global_scale"), info.get("input_format", "int8"),
-                                 stored[f"{name}.weight_levels"], info.get("precision", meta["precision"]),
-                                 info.get("group_size", meta.get("group_size")))
-               for name, info in meta["linears"].items() if name in set(names)}
+    linears = {
+        name: LinearQuant(
+            stored[f"{name}.weight_scale"],
+            info["input_scale"],
+            info["sqnr_db"],
+            info.get("migration_ratio"),
+            info.get("rotation", 0),
+            info.get("global_scale"),
+            info.get("input_format", "int8"),
+            stored[f"{name}.weight_levels"],
+            info.get("precision", meta["precision"]),
+            info.get("group_size", meta.get("group_size")),
+        )
+        for name, info in meta["linears"].items()
+        if name in set(names)
+    }
     return meta, linears
 
 
 def grid_levels(weight: torch.Tensor, grid: WeightGrid, scales: torch.Tensor, weight_format: str) -> torch.Tensor:
-    """The stored form of an on-grid weight's levels (``weight`` in its input's basis); raises ValueError off the grid."""
+    """The stored form of an on-grid weight's levels (``weight`` in its input's basis); raises ValueError off the
+    grid."""
     return levels_on_grid(weight, grid, scales, tolerance=1e-5).to(LEVEL_DTYPES[weight_format])
 
 
@@ -283,7 +332,8 @@ def _weight_names(linears: dict[str, LinearQuant]) -> frozenset[str]:
 
 
 def model_state_without_quantized(model, linears: dict[str, LinearQuant]) -> dict[str, torch.Tensor]:
-    """``model``'s state dict without the weights its quantized linears store as levels (what ``model.safetensors`` holds)."""
+    """``model``'s state dict without the weights its quantized linears store as levels (what ``model.safetensors``
+    holds)."""
     left_out = _weight_names(linears)
     return {key: value for key, value in model.state_dict().items() if key not in left_out}
 
@@ -291,9 +341,10 @@ def model_state_without_quantized(model, linears: dict[str, LinearQuant]) -> dic
 def held_quantized_causal_lm(folder: Path, trust_remote_code: bool = False,
                              loaded: tuple[dict[str, Any], dict[str, LinearQuant]] | None = None
                              ) -> tuple[Any, dict[str, Callable[[], torch.Tensor]]]:
-    """A quantized folder's model held compactly, for computing with :func:`~compress.models.compute.computed_in_float32`:
-    every float tensor as the checkpoint stores it, each quantized weight kept only as its levels and scales, with the
-    function that rebuilds it in float32 (by parameter name) while its block computes.
+    """A quantized folder's model held compactly, for computing with
+    :func:`~compress.models.compute.computed_in_float32`: every float tensor as the checkpoint stores it, each quantized
+    weight kept only as its levels and scales, with the function that rebuilds it in float32 (by parameter name) while
+    its block computes.
 
     The model is built empty and given the checkpoint's tensors (no initialisation, no float copy of a quantized
     weight is ever made); its generation settings are the folder's. ``loaded``: what :func:`load_quantization` read, if
@@ -332,7 +383,9 @@ def held_deployed_causal_lm(folder: Path, trust_remote_code: bool = False, devic
     loaded = load_quantization(folder)
     if loaded is None:
         model = load_causal_lm(folder, trust_remote_code=trust_remote_code, own_dtype=True)
-        return model.to(holding_device(device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model))), None
+        return model.to(
+            holding_device(device, tensor_bytes(model.parameters()), largest_part_float32_bytes(model))
+        ), None
     model, rebuilt = held_quantized_causal_lm(folder, trust_remote_code, loaded)
     attach_quantization(model, *loaded)
     linears = loaded[1].values()
@@ -374,8 +427,8 @@ def attach_quantization(model, meta: dict[str, Any], linears: dict[str, LinearQu
 
 
 def stored_grid(meta: dict[str, Any], quant: LinearQuant) -> WeightGrid:
-    """The bound grid a saved linear's weight lies on (each linear its own precision; ``meta`` as :func:`load_quantization`
-    returns it)."""
+    """The bound grid a saved linear's weight lies on (each linear its own precision; ``meta`` as
+    :func:`load_quantization` returns it)."""
     weight_format = quant.format.weight_format
     if weight_format == "nvfp4":
         return Nvfp4Grid(quant.global_scale)

@@ -43,7 +43,9 @@ def test_levels_are_on_the_grid_and_zeros_stay_zero():
     weight[:, ::4] = 0
     for bits, group in ((8, None), (4, 32)):
         dq, scales = quantize_dequantize_weight(weight, bits, group)
-        expanded = scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], 1)
+        expanded = (
+            scales[:, None] if scales.dim() == 1 else scales.repeat_interleave(weight.shape[1] // scales.shape[1], 1)
+        )
         levels = dq / expanded
         assert torch.allclose(levels, levels.round(), atol=1e-4)
         assert levels.abs().max() <= qmax(bits) + 1
@@ -53,7 +55,9 @@ def test_levels_are_on_the_grid_and_zeros_stay_zero():
 def test_gptq_beats_rtn_and_keeps_sparsity_zeros():
     weight, _ = _layer()
     gen = torch.Generator().manual_seed(2)
-    x = torch.randn(512, 24, generator=gen) @ torch.randn(24, 128, generator=gen) + 0.1 * torch.randn(512, 128, generator=gen)
+    x = torch.randn(512, 24, generator=gen) @ torch.randn(24, 128, generator=gen) + 0.1 * torch.randn(
+        512, 128, generator=gen
+    )
     weight[:, 1::4] = 0
     hessian = 2 * x.T @ x / x.shape[0]
     reference = x @ weight.T
@@ -68,7 +72,9 @@ def _smoothed_outlier_layer(seed=0):
     """A W8A8 layer after strong smoothing: correlated inputs, a few weight columns carry the activation outliers."""
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(128, 256, generator=gen) * 0.05
-    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen) + 0.2 * torch.randn(2048, 256, generator=gen)
+    x = torch.randn(2048, 32, generator=gen) @ torch.randn(32, 256, generator=gen) + 0.2 * torch.randn(
+        2048, 256, generator=gen
+    )
     x[:, :8] *= 30
     scales = smoothquant_scales(x.abs().amax(dim=0), [weight], alpha=0.9)
     return weight * scales, x / scales
@@ -101,8 +107,12 @@ def test_alpha_search_reranks_with_the_shipped_gptq_weights():
     gptq_config = quantize_config(method="int8", weight_algorithm="gptq")
     rtn_choice, _ = _search_alpha(rtn_config, stats, [weight], None)
     gptq_choice, shipped = _search_alpha(gptq_config, stats, [weight], None)
-    assert rtn_choice == min(ALPHA_GRID, key=lambda a: _w8a8_candidate(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax,
-                                                                       rtn_config).error)
+    assert rtn_choice == min(
+        ALPHA_GRID,
+        key=lambda a: (
+            _w8a8_candidate(x, [weight], _smoothing(stats, [weight], a, None), stats.absmax, rtn_config).error
+        ),
+    )
     assert gptq_choice >= rtn_choice
 
     def shipped_error(alpha):
@@ -224,7 +234,9 @@ def test_rotation_is_chosen_for_scattered_outliers_and_refused_for_a_sink():
     migration = _migration(config, "mlp_hidden", _mlp_hidden_stats(sink, 64), [weight], kv_groups)
     assert migration.rotation == 0 and migration.scales is not None
 
-    without = _migration(quantize_config(method="int8"), "mlp_hidden", _mlp_hidden_stats(scattered, 0), [weight], kv_groups)
+    without = _migration(
+        quantize_config(method="int8"), "mlp_hidden", _mlp_hidden_stats(scattered, 0), [weight], kv_groups
+    )
     assert without.rotation == 0
 
 
@@ -266,7 +278,9 @@ def test_clipping_scored_on_every_token_spares_the_weights_an_attention_sink_rea
     sampled = awq_search_clip(x, weight, grid)  # the sampled rows leave the sink out
     all_tokens = awq_search_clip(x, weight, grid, hessian=hessian)
     assert (sampled[:, 0] < 1).float().mean() > 0.5  # blind to the sink, most rows clip the block holding channel 3
-    assert (all_tokens[:, 0] < 1).float().mean() < 0.25  # scored on every token, few do (those whose channel-3 weight is small)
+    assert (
+        all_tokens[:, 0] < 1
+    ).float().mean() < 0.25  # scored on every token, few do (those whose channel-3 weight is small)
 
     def sink_error(clip):
         return (sink @ weight.T - sink @ quantize_dequantize_weight(weight, 4, 32, clip)[0].T).pow(2).mean().item()
@@ -285,7 +299,9 @@ def test_the_clip_search_a_few_rows_at_a_time_chooses_what_the_whole_search_does
     grid = grid.bind([weight]) if isinstance(grid, Nvfp4Grid) else grid
     hessian = x.T @ x / x.shape[0] if scored_on == "hessian" else None
     whole = awq_search_clip(x, weight, grid, hessian=hessian)
-    monkeypatch.setattr(quant, "CLIP_SEARCH_ELEMENTS", 8192)  # 16 or 32 rows of 200 at a time when scored on the samples
+    monkeypatch.setattr(
+        quant, "CLIP_SEARCH_ELEMENTS", 8192
+    )  # 16 or 32 rows of 200 at a time when scored on the samples
     largest = []
     real_einsum = torch.einsum
 

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from compress.backends.edgellm.contracts import RULES, check_kernel_nodes, check_mixed_plan, int4_shape_ok, mixed_format_sets
+from compress.backends.edgellm.contracts import (
+    RULES,
+    check_kernel_nodes,
+    check_mixed_plan,
+    int4_shape_ok,
+    mixed_format_sets,
+)
 from compress.core.errors import UsageError
 
 
@@ -15,8 +21,12 @@ def _gemm(n=128, k=256, group=128, scales=None, weights=None, op="Int4GroupwiseG
 
 
 def _attention(heads=2, kv=1, head_size=64, name="n5"):
-    return {"name": name, "op_type": "AttentionPlugin", "attributes": {"num_q_heads": heads, "num_kv_heads": kv, "head_size": head_size},
-            "initializer_shapes": {}}
+    return {
+        "name": name,
+        "op_type": "AttentionPlugin",
+        "attributes": {"num_q_heads": heads, "num_kv_heads": kv, "head_size": head_size},
+        "initializer_shapes": {},
+    }
 
 
 def test_nodes_the_kernels_take_pass():

@@ -9,8 +9,12 @@ import torch
 from compress.backends.onnx.encoder import ENCODER_FILE, OnnxEncoder, export_encoder, mean_pool
 from compress.models.sources import BUILTIN_MODELS, resolve_model
 
-SENTENCES = ["The robot arm picks up the red block.", "Stop.", "Emma was handsome, clever, and rich, with a comfortable home.",
-             "Navigate to the charging dock and wait for instructions from the operator."]
+SENTENCES = [
+    "The robot arm picks up the red block.",
+    "Stop.",
+    "Emma was handsome, clever, and rich, with a comfortable home.",
+    "Navigate to the charging dock and wait for instructions from the operator.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +76,9 @@ def test_encoder_head_pruning_through_onnx(minilm, tmp_path):
         mask = torch.zeros(384)
         for h in kept:
             mask[h * head_size:(h + 1) * head_size] = 1
-        handles.append(layer.attention.output.dense.register_forward_pre_hook(lambda _m, args, mask=mask: (args[0] * mask,)))
+        handles.append(
+            layer.attention.output.dense.register_forward_pre_hook(lambda _m, args, mask=mask: (args[0] * mask,))
+        )
     with torch.no_grad():
         reference = masked(**batch).last_hidden_state
     pruned = copy.deepcopy(model)

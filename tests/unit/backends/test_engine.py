@@ -28,12 +28,16 @@ def _graph(nodes, inits=(), opset=21):
 
 
 def _consistent(profile, layout=LAYOUT) -> bool:
-    """Every point of a decoder profile is a real step: mask = past + new tokens, each layer's cache as long as the layout
-    keeps after that past (a sliding layer's capped at its window), one batch size throughout."""
+    """Every point of a decoder profile is a real step: mask = past + new tokens, each layer's cache as long as the
+    layout keeps after that past (a sliding layer's capped at its window), one batch size throughout."""
     shapes = {s.name: s for s in profile.shapes}
     for kind in ("min", "opt", "max"):
         ids, mask = getattr(shapes["input_ids"], kind), getattr(shapes["attention_mask"], kind)
-        past = [getattr(shapes[f"past_key_values.{i}.{part}"], kind) for i in range(layout.num_layers) for part in ("key", "value")]
+        past = [
+            getattr(shapes[f"past_key_values.{i}.{part}"], kind)
+            for i in range(layout.num_layers)
+            for part in ("key", "value")
+        ]
         lengths = [layout.cache_length(i // 2, mask[1] - ids[1]) for i in range(2 * layout.num_layers)]
         if [p[2] for p in past] != lengths or len({ids[0], mask[0], *(p[0] for p in past)}) != 1:
             return False
@@ -78,7 +82,10 @@ def test_the_old_single_profile_was_inconsistent_and_is_caught():
     from compress.backends.tensorrt.plan import Profile, ShapeRange
 
     context, prompt = 2048, 128
-    old = [ShapeRange("input_ids", (1, 1), (1, prompt), (1, context)), ShapeRange("attention_mask", (1, 1), (1, prompt), (1, context))]
+    old = [
+        ShapeRange("input_ids", (1, 1), (1, prompt), (1, context)),
+        ShapeRange("attention_mask", (1, 1), (1, prompt), (1, context)),
+    ]
     old += [ShapeRange(f"past_key_values.{i}.{part}", (1, 3, 0, 64), (1, 3, prompt, 64), (1, 3, context - 1, 64))
             for i in range(2) for part in ("key", "value")]
     assert not _consistent(Profile("old", old))
@@ -87,9 +94,18 @@ def test_the_old_single_profile_was_inconsistent_and_is_caught():
 def test_trtexec_command():
     plan = make_plan(load_target("jetson-orin"), LAYOUT, has_qdq=True, sparse_24=True)
     command = plan.trtexec_command()
-    for flag in ("--onnx=engine_input.onnx", "--saveEngine=model.engine", "--stronglyTyped", "--sparsity=enable",
-                 "--memPoolSize=workspace:2048M", "--builderOptimizationLevel=3", "--minShapes=input_ids:1x1",
-                 "past_key_values.0.key:1x3x0x64", "--timingCacheFile=timing-jetson-orin-nano-8gb.cache", "--skipInference"):
+    for flag in (
+        "--onnx=engine_input.onnx",
+        "--saveEngine=model.engine",
+        "--stronglyTyped",
+        "--sparsity=enable",
+        "--memPoolSize=workspace:2048M",
+        "--builderOptimizationLevel=3",
+        "--minShapes=input_ids:1x1",
+        "past_key_values.0.key:1x3x0x64",
+        "--timingCacheFile=timing-jetson-orin-nano-8gb.cache",
+        "--skipInference",
+    ):
         assert flag in command
     assert "--fp16" not in command and "--int8" not in command  # strongly typed: the graph's types give the precision
     dense = make_plan(load_target("jetson-orin"), LAYOUT, has_qdq=False, sparse_24=False).trtexec_command()
@@ -99,7 +115,12 @@ def test_trtexec_command():
 
 
 def test_static_check_rejects_unsupported_op():
-    model = _graph([helper.make_node("Relu", ["x"], ["h"], name="ok"), helper.make_node("NonMaxSuppression", ["h"], ["y"], name="nms1")])
+    model = _graph(
+        [
+            helper.make_node("Relu", ["x"], ["h"], name="ok"),
+            helper.make_node("NonMaxSuppression", ["h"], ["y"], name="nms1"),
+        ]
+    )
     with pytest.raises(UsageError, match="node nms1: operator NonMaxSuppression is not supported"):
         check_onnx_for_target(model, load_target("jetson-orin"))
 
@@ -166,7 +187,9 @@ def test_builds_and_runs_a_tiny_engine(tiny_llama, tmp_path):
     from compress.pipeline.device import measure_on_device
 
     device = cuda_device()
-    target = load_target("rtx-4090").model_copy(update={"gpu": load_target("rtx-4090").gpu.model_copy(update={"sm": device[1]})})
+    target = load_target("rtx-4090").model_copy(
+        update={"gpu": load_target("rtx-4090").gpu.model_copy(update={"sm": device[1]})}
+    )
     path = tmp_path / "local.yaml"
     path.write_text(json.dumps(target.model_dump(mode="json")))
     out = tmp_path / "run"

@@ -44,7 +44,9 @@ def bf16_model(tmp_path_factory):
 def quantized_bf16(bf16_model, tmp_path_factory):
     out = tmp_path_factory.mktemp("q") / "int8"
     windows = torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(3))
-    config = QUANTIZE_CONFIG.validate_python({"method": "int8", "calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1})
+    config = QUANTIZE_CONFIG.validate_python(
+        {"method": "int8", "calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1}
+    )
     quantize_folder(bf16_model, out, windows, config, progress=False)
     save_side_files(load_tokenizer(bf16_model), bf16_model, out)
     return out, windows
@@ -74,17 +76,27 @@ def test_a_bf16_model_is_exported_in_its_own_bytes_and_computes_as_torch_does(bf
     assert matrices and all(init.data_type == onnx.TensorProto.BFLOAT16 for init in matrices)
     assert not any(i.name.startswith("model.") for i in graph.input)  # parameters are initializers, not inputs
     stored = sum(_stored_bytes(init) for init in graph.initializer if init.data_type == onnx.TensorProto.BFLOAT16)
-    assert stored == _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True))  # the checkpoint's bytes, each tensor once
+    assert stored == _parameter_bytes(
+        load_causal_lm(bf16_model, own_dtype=True)
+    )  # the checkpoint's bytes, each tensor once
     assert external_files(tmp_path / "onnx" / ONNX_FILE)  # beside the graph
     # TensorRT's FP16 input graph casts the bf16 tensors to FP16 and computes what the exported graph does
     write_engine_graph(tmp_path / "onnx" / ONNX_FILE, tmp_path / "engine_input.onnx")
     ids = np.array([[5, 17, 33, 9]])
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
-    feeds |= {f"past_key_values.{i}.{p}": np.zeros((1, 2, 0, 16), dtype=np.float32) for i in range(LAYERS) for p in ("key", "value")}
-    assert engine_graph_parity(tmp_path / "onnx" / ONNX_FILE, tmp_path / "engine_input.onnx", feeds)["cosine_min"] > 0.999
+    feeds |= {
+        f"past_key_values.{i}.{p}": np.zeros((1, 2, 0, 16), dtype=np.float32)
+        for i in range(LAYERS)
+        for p in ("key", "value")
+    }
+    assert (
+        engine_graph_parity(tmp_path / "onnx" / ONNX_FILE, tmp_path / "engine_input.onnx", feeds)["cosine_min"] > 0.999
+    )
 
 
-def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the_measured_logits(quantized_bf16, tmp_path):
+def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the_measured_logits(
+    quantized_bf16, tmp_path
+):
     folder, windows = quantized_bf16
     exported = export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=4)
     _, linears = load_quantization(folder)
@@ -98,15 +110,20 @@ def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the
     assert exported_levels == stored  # the quantize stage's levels, untouched
     cast_of = {n.output[0]: n.input[0] for n in graph.node if n.op_type == "Cast" and n.input[0] in initializers}
     weights = set(initializers) | set(cast_of)
-    transposed = [cast_of.get(n.input[0], n.input[0]) for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights]
+    transposed = [
+        cast_of.get(n.input[0], n.input[0]) for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights
+    ]
     gathered = [n.input[0] for n in graph.node if n.op_type == "Gather" and n.input[0] in weights]
     # only the tied embedding is read transposed (by the LM head); linears are stored (in, out)
     assert transposed == gathered == ["model.model.embed_tokens.weight_bfloat16"]
     # the Gather picks the table's bf16 rows itself, so ONNX Runtime folds no float32 copy of the table for it; the
-    # head's Transpose moves the bf16 values too (cast after it), so a runtime never holds the cast table and its transpose
+    # head's Transpose moves the bf16 values too (cast after it), so a runtime never holds the cast table and its
+    # transpose
     assert initializers[gathered[0]].data_type == onnx.TensorProto.BFLOAT16
     head_transpose, = (n for n in graph.node if n.op_type == "Transpose" and n.input[0] in weights)
-    assert head_transpose.input[0] == gathered[0] and [n.op_type for n in graph.node if head_transpose.output[0] in n.input] == ["Cast"]
+    assert head_transpose.input[0] == gathered[0] and [
+        n.op_type for n in graph.node if head_transpose.output[0] in n.input
+    ] == ["Cast"]
     measured = window_logits(folder, windows)
     decoder = OnnxDecoder(tmp_path / "onnx")
     for index, row in enumerate(windows):
@@ -116,7 +133,9 @@ def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the
         chunks = list(decoder.logits_in_chunks(row.numpy()[None, :], 5))
         assert [start for start, _ in chunks] == list(range(0, row.shape[0], 5))
         chunked = np.concatenate([piece[0] for _, piece in chunks])
-        assert chunked.shape == logits.shape and float(np.abs(chunked - logits).max()) < 1e-3 * float(np.abs(logits).max())
+        assert chunked.shape == logits.shape and float(np.abs(chunked - logits).max()) < 1e-3 * float(
+            np.abs(logits).max()
+        )
 
 
 def test_the_parity_check_reads_the_same_numbers_chunk_by_chunk(quantized_bf16, tmp_path, monkeypatch):
@@ -133,7 +152,10 @@ def test_the_parity_check_reads_the_same_numbers_chunk_by_chunk(quantized_bf16, 
     assert whole["tokens"] == chunked["tokens"] == len(windows) * (windows.shape[1] - 1)
     assert abs(chunked["perplexity_onnx"] / whole["perplexity_onnx"] - 1) < 1e-4
     assert chunked["perplexity_torch"] == whole["perplexity_torch"] and chunked["difference_pct"] < 1.0
-    assert abs(chunked["top1_agreement"] - whole["top1_agreement"]) <= 2 / chunked["tokens"] and whole["top1_agreement"] > 0.9
+    assert (
+        abs(chunked["top1_agreement"] - whole["top1_agreement"]) <= 2 / chunked["tokens"]
+        and whole["top1_agreement"] > 0.9
+    )
 
 
 def test_a_graph_cut_between_its_blocks_computes_the_whole_graphs_logits(quantized_bf16, tmp_path):
@@ -161,7 +183,9 @@ def test_a_graph_cut_between_its_blocks_computes_the_whole_graphs_logits(quantiz
 
 
 @pytest.mark.parametrize("which", ["float", "quantized"])
-def test_the_exports_parity_check_runs_a_graph_over_its_session_limit_in_slices(which, bf16_model, quantized_bf16, tmp_path):
+def test_the_exports_parity_check_runs_a_graph_over_its_session_limit_in_slices(
+    which, bf16_model, quantized_bf16, tmp_path
+):
     """Over the limit, torch decodes first and the graph's slices read its continuation: the same figures as the whole
     graph's parity check (ONNX Runtime's greedy tokens are its argmax after torch's prefixes, which agree)."""
     folder = bf16_model if which == "float" else quantized_bf16[0]
@@ -224,8 +248,8 @@ class _LiveFloat32(TorchDispatchMode):
 
 
 def test_neither_the_weights_nor_torchs_reference_hold_the_model_in_float32(bf16_model, quantized_bf16, tmp_path):
-    """What the export computes in torch besides tracing the skeleton: writing the weights, and the parity reference (the
-    deployed numbers over the prompt and a continuation, computed block by block)."""
+    """What the export computes in torch besides tracing the skeleton: writing the weights, and the parity reference
+    (the deployed numbers over the prompt and a continuation, computed block by block)."""
     folder, _ = quantized_bf16
     float32_model = 2 * _parameter_bytes(load_causal_lm(bf16_model, own_dtype=True))
     with _LiveFloat32() as loading:  # the measure sees a float32 model when there is one
@@ -310,7 +334,14 @@ def test_a_quantized_lm_head_is_a_qdq_linear_of_its_own_in_the_portable_onnx(tmp
     plan = MixedPlan({0: points, 1: points}, candidate_configs(["int8", head], shared), head=head)
     windows = torch.randint(0, 400, (3, 40), generator=torch.Generator().manual_seed(8))
     folder = tmp_path / "q"
-    quantize_folder(source, folder, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}), progress=False, plan=plan)
+    quantize_folder(
+        source,
+        folder,
+        windows,
+        QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}),
+        progress=False,
+        plan=plan,
+    )
     save_side_files(load_tokenizer(source), source, folder)
     exported = export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=4)
     _, linears = load_quantization(folder)
@@ -318,7 +349,9 @@ def test_a_quantized_lm_head_is_a_qdq_linear_of_its_own_in_the_portable_onnx(tmp
     graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE)).graph
     initializers = {init.name: onnx.numpy_helper.to_array(init) for init in graph.initializer}
     head_levels = linears["lm_head"].levels.float().numpy()
-    dequantized = [initializers[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers]
+    dequantized = [
+        initializers[n.input[0]] for n in graph.node if n.op_type == "DequantizeLinear" and n.input[0] in initializers
+    ]
     assert any(array.shape == head_levels.T.shape and np.array_equal(array.astype(np.float32), head_levels.T)
                for array in dequantized)  # the head's own grid values, transposed as the graph reads them
     measured = window_logits(folder, windows)

@@ -172,7 +172,9 @@ def test_an_empty_cache_is_bound_to_real_addresses_and_refused_shapes_are_errors
     assert all(p.ptr for p in empty) and len({p.ptr for p in empty}) == len(empty)
     ids = np.array([[5, 17, 33]])
     with pytest.raises(UsageError, match="no optimization profile"):
-        decoder.forward(np.zeros((3, 4), dtype=np.int64), np.ones((3, 4), dtype=np.int64), decoder.empty_past(3))  # max_batch 2
+        decoder.forward(
+            np.zeros((3, 4), dtype=np.int64), np.ones((3, 4), dtype=np.int64), decoder.empty_past(3)
+        )  # max_batch 2
     for ranges in decoder.session.profile_ranges:  # ranges wider than the engine's: TensorRT's refusal must surface
         for name, (low, opt, high) in list(ranges.items()):
             ranges[name] = (low, opt, (3, *high[1:]))
@@ -208,7 +210,9 @@ def test_int4_weights_build_with_fp16_scales_and_the_int4_flag_where_weakly_type
     assert compress.runtime.load(run, backend="tensorrt").generate("The robot", max_new_tokens=2) is not None
 
 
-def test_version_compatible_engines_run_on_later_tensorrt_with_host_code_allowed(decoder_run, tiny_llama, tmp_path, monkeypatch):
+def test_version_compatible_engines_run_on_later_tensorrt_with_host_code_allowed(
+    decoder_run, tiny_llama, tmp_path, monkeypatch
+):
     fixed = _copy(decoder_run, tmp_path)
     compatible = _smoke(tiny_llama, tmp_path / "compatible", "build_engine.version_compatible=true")
     cuda, _ = install(monkeypatch, version="10.3.0")
@@ -240,8 +244,13 @@ def test_trtexec_builds_one_consistent_profile_and_writes_the_engine_manifest(de
     assert json.loads((_engine_dir(by_compress) / "engine_manifest.json").read_text())["builder"] == "trtexec"
 
     by_script = _copy(decoder_run, tmp_path / "b")
-    proc = subprocess.run(["bash", str(_engine_dir(by_script) / "build_on_device.sh")], env={**os.environ, "TRTEXEC": str(tool)},
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", str(_engine_dir(by_script) / "build_on_device.sh")],
+        env={**os.environ, "TRTEXEC": str(tool)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     manifest = json.loads((_engine_dir(by_script) / "engine_manifest.json").read_text())
     assert (manifest["builder"], manifest["tensorrt_version"], manifest["sm"]) == ("trtexec", "10.3.0", 87)
@@ -296,5 +305,9 @@ def test_the_engine_graph_is_written_from_a_graph_with_external_weights(decoder_
     write_engine_graph(source, tmp_path / "engine_input.onnx")
     ids = np.array([[5, 17, 33, 9]])
     feeds = {"input_ids": ids, "attention_mask": np.ones_like(ids), "position_ids": np.arange(4)[None]}
-    feeds |= {f"past_key_values.{i}.{p}": np.zeros((1, 2, 0, 16), dtype=np.float32) for i in range(2) for p in ("key", "value")}
+    feeds |= {
+        f"past_key_values.{i}.{p}": np.zeros((1, 2, 0, 16), dtype=np.float32)
+        for i in range(2)
+        for p in ("key", "value")
+    }
     assert engine_graph_parity(exported, tmp_path / "engine_input.onnx", feeds)["cosine_min"] > 0.999

@@ -22,13 +22,28 @@ from tests.conftest import QUANTIZE_SMALL, REPO, TINY_SMOKE, build_tiny_llama, r
 @pytest.fixture(scope="module")
 def tiny_wide(tmp_path_factory) -> Path:
     # 64-aligned widths: Edge-LLM's INT4 GEMM layout needs N % 64 == 0 and K % 64 == 0.
-    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256,
-                            chat_template=True)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("wide") / "model",
+        layers=2,
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        intermediate=256,
+        chat_template=True,
+    )
 
 
 def _quantized(tiny: Path, out: Path, recipe: str, *extra: str) -> Path:
-    proc = run_compress("run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny}", f"out={out}", *QUANTIZE_SMALL, *TINY_SMOKE,
-                        *extra)
+    proc = run_compress(
+        "run",
+        "target=jetson-orin",
+        f"recipe={recipe}",
+        f"model={tiny}",
+        f"out={out}",
+        *QUANTIZE_SMALL,
+        *TINY_SMOKE,
+        *extra,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     return out / "02_quantize" / "model"
 
@@ -37,8 +52,8 @@ PLAN_CALIBRATION = {"calib_windows": 4, "calib_window": 64, "min_calib_tokens": 
 
 
 def _plan_quantized(tiny: Path, out: Path, points: dict, seed: int, head: str = "fp16") -> Path:
-    """``tiny`` quantized under a mixed plan (``points``: each block's formats, ``head``: the LM head's) into ``out``, with
-    its tokenizer."""
+    """``tiny`` quantized under a mixed plan (``points``: each block's formats, ``head``: the LM head's) into ``out``,
+    with its tokenizer."""
     from compress.models.loading import load_tokenizer, save_side_files
     from compress.transforms.quantize.config import QUANTIZE_CONFIG, candidate_configs
     from compress.transforms.quantize.decoder import quantize_folder
@@ -47,8 +62,14 @@ def _plan_quantized(tiny: Path, out: Path, points: dict, seed: int, head: str = 
     used = sorted(({name for block in points.values() for name in block.values()} | {head}) - {"fp16"})
     plan = MixedPlan(points, candidate_configs(used, PLAN_CALIBRATION), head=head)
     windows = torch.randint(0, 400, (4, 64), generator=torch.Generator().manual_seed(seed))
-    quantize_folder(tiny, out, windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **PLAN_CALIBRATION}), progress=False,
-                    plan=plan)
+    quantize_folder(
+        tiny,
+        out,
+        windows,
+        QUANTIZE_CONFIG.validate_python({"method": "auto", **PLAN_CALIBRATION}),
+        progress=False,
+        plan=plan,
+    )
     save_side_files(load_tokenizer(tiny), tiny, out)
     return out
 
@@ -56,8 +77,12 @@ def _plan_quantized(tiny: Path, out: Path, points: dict, seed: int, head: str = 
 def _probe(checkpoint: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """What Edge-LLM's loader holds after reading ``checkpoint`` (run in Edge-LLM's own environment)."""
     out = tmp_path / "probe.safetensors"
-    proc = subprocess.run([str(edgellm_python()), str(REPO / "tests" / "support" / "edgellm_probe.py"), str(checkpoint), str(out)],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [str(edgellm_python()), str(REPO / "tests" / "support" / "edgellm_probe.py"), str(checkpoint), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with safe_open(str(out), framework="pt") as probe:
         keys = list(probe.keys())
@@ -65,8 +90,8 @@ def _probe(checkpoint: Path, tmp_path: Path) -> tuple[dict[str, torch.Tensor], d
 
 
 def _our_integers(quantized: Path) -> tuple[dict[str, torch.Tensor], dict[str, LinearQuant], int]:
-    """The integers of each quantized linear, recovered from the float weight the folder rebuilds (not from the levels the
-    checkpoint writer reads)."""
+    """The integers of each quantized linear, recovered from the float weight the folder rebuilds (not from the levels
+    the checkpoint writer reads)."""
     meta, linears = load_quantization(quantized)
     model = load_quantized_causal_lm(quantized)
     integers = {}
@@ -92,14 +117,18 @@ def test_int8_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wi
         assert torch.equal(loaded[f"{name}.loaded.weight"], ours), name
         assert torch.equal(loaded[f"{name}.loaded.weight_scale"], linears[name].weight_scales.float()), name
         assert float(loaded[f"{name}.loaded.input_scale"]) == pytest.approx(linears[name].input_scale, rel=1e-7), name
-        assert torch.equal(loaded[f"{name}.loaded.pre_quant_scale"], torch.ones_like(loaded[f"{name}.loaded.pre_quant_scale"]))
+        assert torch.equal(
+            loaded[f"{name}.loaded.pre_quant_scale"], torch.ones_like(loaded[f"{name}.loaded.pre_quant_scale"])
+        )
 
 
 def test_int4_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wide, tmp_path):
     quantized = _quantized(tiny_wide, tmp_path / "run", "int4", "quantize.group_size=32")
     summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
     assert summary.quant_algo == "W4A16_AWQ" and summary.group_size == 32
-    assert summary.quantized_bytes / summary.fp16_bytes == pytest.approx(0.25 + 4 / (32 * 2), rel=1e-9)  # nibbles + fp32 scales
+    assert summary.quantized_bytes / summary.fp16_bytes == pytest.approx(
+        0.25 + 4 / (32 * 2), rel=1e-9
+    )  # nibbles + fp32 scales
     written = CheckpointReader(tmp_path / "ckpt").read(["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
     weight = written["model.layers.0.self_attn.q_proj.weight"]
     assert weight.dtype == torch.uint8 and tuple(weight.shape) == (64, 128)
@@ -119,7 +148,9 @@ def test_int4_packing_round_trips_every_value():
     packed = pack_int4(values)
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (4, 48)
     assert torch.equal(unpack_int4(packed), values)
-    assert int(pack_int4(torch.tensor([[-1], [0]], dtype=torch.int8))[0, 0]) == 0x0F  # even row low nibble, two's complement
+    assert (
+        int(pack_int4(torch.tensor([[-1], [0]], dtype=torch.int8))[0, 0]) == 0x0F
+    )  # even row low nibble, two's complement
 
 
 def test_rotated_or_damaged_levels_are_refused():
@@ -131,12 +162,22 @@ def test_rotated_or_damaged_levels_are_refused():
     with pytest.raises(UsageError, match="not 8-bit integers"):
         grid_values("x", LinearQuant(scales, 0.1, 40.0, levels=levels.float() + 0.5, precision="int8"))
     with pytest.raises(UsageError, match="Hadamard-rotated online.*quantize.hadamard_block=0"):
-        grid_values("model.layers.3.mlp.down_proj", LinearQuant(scales, 0.1, 40.0, rotation=64, levels=levels, precision="int8"))
+        grid_values(
+            "model.layers.3.mlp.down_proj", LinearQuant(scales, 0.1, 40.0, rotation=64, levels=levels, precision="int8")
+        )
 
 
 def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(tmp_path):
-    qwen3 = build_tiny_llama(tmp_path / "qwen3", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256, chat_template=True,
-                             family="qwen3")
+    qwen3 = build_tiny_llama(
+        tmp_path / "qwen3",
+        layers=2,
+        hidden=128,
+        heads=2,
+        kv_heads=1,
+        intermediate=256,
+        chat_template=True,
+        family="qwen3",
+    )
     proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int4", f"model={qwen3}", f"out={tmp_path / 'run'}",
                         *QUANTIZE_SMALL, *TINY_SMOKE)
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
@@ -155,8 +196,17 @@ def test_qwen3_int4_checkpoint_is_read_by_edgellm_and_exported_with_its_numbers(
 
 def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wide, tmp_path):
     out = tmp_path / "run"
-    proc = run_compress("run", "target=jetson-orin", "recipe=edgellm-int8", f"model={tiny_wide}", f"out={out}",
-                        "quantize.float_linears=[down_proj]", "export_edgellm.keep_checkpoint=true", *QUANTIZE_SMALL, *TINY_SMOKE)
+    proc = run_compress(
+        "run",
+        "target=jetson-orin",
+        "recipe=edgellm-int8",
+        f"model={tiny_wide}",
+        f"out={out}",
+        "quantize.float_linears=[down_proj]",
+        "export_edgellm.keep_checkpoint=true",
+        *QUANTIZE_SMALL,
+        *TINY_SMOKE,
+    )
     assert proc.returncode in (0, 1), proc.stderr[-3000:]
     quantized = out / "02_quantize" / "model"
     _, linears = load_quantization(quantized)
@@ -170,14 +220,18 @@ def test_linears_left_float_are_fp16_in_the_checkpoint_and_in_the_bundle(tiny_wi
     ours = CheckpointReader(quantized)
     for layer in (0, 1):
         name = f"model.layers.{layer}.mlp.down_proj"
-        assert torch.equal(loaded[f"{name}.float.weight"].half(), ours.read([f"{name}.weight"])[f"{name}.weight"].half()), name
+        assert torch.equal(
+            loaded[f"{name}.float.weight"].half(), ours.read([f"{name}.weight"])[f"{name}.weight"].half()
+        ), name
 
 
 def test_a_rotation_of_an_input_left_float_is_a_configuration_error(capsys):
     from compress.cli.main import main
 
     assert main(["run", "target=jetson-orin", "recipe=int8", "quantize.float_linears=[down_proj]", "--dry-run"]) == 2
-    assert "hadamard_block rotates the down_proj input, which float_linears leaves unquantized" in capsys.readouterr().err
+    assert (
+        "hadamard_block rotates the down_proj input, which float_linears leaves unquantized" in capsys.readouterr().err
+    )
 
 
 def test_a_mixed_precision_plan_is_read_by_edgellm_linear_by_linear_and_exported_with_its_numbers(tiny_wide, tmp_path):
@@ -195,8 +249,11 @@ def test_a_mixed_precision_plan_is_read_by_edgellm_linear_by_linear_and_exported
     assert summary.quant_algo == quantization["quant_algo"] == "MIXED_PRECISION"
     _, linears = load_quantization(quantized)
     assert quantization["quantized_layers"] == {
-        name: {"quant_algo": "W8A8_SQ_PER_CHANNEL"} if q.precision == "int8" else {"quant_algo": "W4A16_AWQ", "group_size": 128}
-        for name, q in linears.items()}
+        name: {"quant_algo": "W8A8_SQ_PER_CHANNEL"}
+        if q.precision == "int8"
+        else {"quant_algo": "W4A16_AWQ", "group_size": 128}
+        for name, q in linears.items()
+    }
     loaded, _ = _probe(tmp_path / "ckpt", tmp_path)
     integers, _, _ = _our_integers(quantized)
     for name, quant in linears.items():
@@ -210,8 +267,8 @@ def test_a_mixed_precision_plan_is_read_by_edgellm_linear_by_linear_and_exported
 
 
 def test_edgellm_misreads_int8_beside_nvfp4_so_a_plan_mixing_them_is_refused(tiny_wide, tmp_path):
-    """The contract is real: with one NVFP4 linear in a MIXED_PRECISION checkpoint, Edge-LLM 0.11's exporter turns every INT8
-    weight into FP4 of twice the width (the custody check sees it); so the bundle stage refuses such a plan before
+    """The contract is real: with one NVFP4 linear in a MIXED_PRECISION checkpoint, Edge-LLM 0.11's exporter turns every
+    INT8 weight into FP4 of twice the width (the custody check sees it); so the bundle stage refuses such a plan before
     exporting, naming the rule. This proves compress's refusal and custody check, not a TensorRT engine."""
     from compress.backends.edgellm.bundle import check_custody, export_bundle, run_export
     from compress.backends.edgellm.contracts import RULES
@@ -230,7 +287,9 @@ def test_edgellm_misreads_int8_beside_nvfp4_so_a_plan_mixing_them_is_refused(tin
         check_custody(quantized, work / "bundle", work)
     report = json.loads((work / "custody.json").read_text())
     misread = {entry["tensor"] for entry in report["mismatches"]}
-    assert misread == {f"_model.model.layers.{layer}.mlp.{name}.weight" for layer in (0, 1) for name in ("gate_proj", "up_proj")}
+    assert misread == {
+        f"_model.model.layers.{layer}.mlp.{name}.weight" for layer in (0, 1) for name in ("gate_proj", "up_proj")
+    }
     assert "_fix_nvfp4_weight_dtype" in RULES["mixed-nvfp4-integers"].source
 
 
@@ -241,8 +300,10 @@ def test_edgellm_misreads_int8_beside_nvfp4_so_a_plan_mixing_them_is_refused(tin
      {"attn_in": "fp8", "attn_out": "nvfp4", "mlp_in": "fp8", "mlp_hidden": "nvfp4"}),
 ], ids=["int8+int4+fp8", "fp8+nvfp4"])
 def test_edgellm_loads_each_linear_of_a_mixed_plan_in_its_own_format(tiny_wide, tmp_path, points):
-    """Both sets of formats one Thor bundle may hold: Edge-LLM's loader builds each linear as the plan says (FP8, NVFP4, INT8,
-    INT4 or FP16) and holds our FP8 values and packed FP4 codes; the set with NVFP4 also exports with every number in custody."""
+    """Both sets of formats one Thor bundle may hold: Edge-LLM's loader builds each linear as the plan says (FP8, NVFP4,
+    INT8, INT4 or FP16) and holds our FP8 values and packed FP4 codes; the set with NVFP4 also exports with every number
+    in
+    custody."""
     from compress.algorithms.formats import e2m1_codes, pack_fp4
     from compress.backends.edgellm.bundle import export_bundle
 
@@ -252,8 +313,19 @@ def test_edgellm_loads_each_linear_of_a_mixed_plan_in_its_own_format(tiny_wide, 
     loaded, metadata = _probe(tmp_path / "ckpt", tmp_path)
     _, linears = load_quantization(quantized)
     formats = json.loads(metadata["formats"])
-    family_linears = [f"model.layers.{i}.{part}" for i in range(2) for part in (
-        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    family_linears = [
+        f"model.layers.{i}.{part}"
+        for i in range(2)
+        for part in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     expected = {name: linears[name].precision if name in linears else "fp16" for name in family_linears}
     for fused in [name for name in formats if name.endswith(".qkv_proj_fused")]:  # NVFP4 q/k/v fused into one linear
         parts = [fused.replace("qkv_proj_fused", part) for part in ("q_proj", "k_proj", "v_proj")]
@@ -273,10 +345,12 @@ def test_edgellm_loads_each_linear_of_a_mixed_plan_in_its_own_format(tiny_wide, 
 
 
 @pytest.mark.parametrize("head", ["fp8", "int4"])
-def test_a_quantized_lm_head_is_built_by_edgellm_from_its_own_tensors_and_exported_in_custody(tiny_wide, tmp_path, head):
-    """A plan may quantize the (tied) LM head: the checkpoint is written untied with lm_head listed in its format; Edge-LLM's
-    loader builds the head in that format from our numbers (not from the embedding table) and the exported bundle holds
-    them (custody compares lm_head's tensors too)."""
+def test_a_quantized_lm_head_is_built_by_edgellm_from_its_own_tensors_and_exported_in_custody(
+    tiny_wide, tmp_path, head
+):
+    """A plan may quantize the (tied) LM head: the checkpoint is written untied with lm_head listed in its format;
+    Edge-LLM's loader builds the head in that format from our numbers (not from the embedding table) and the exported
+    bundle holds them (custody compares lm_head's tensors too)."""
     from compress.backends.edgellm.bundle import export_bundle
 
     points = {"attn_in": "int8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int8"}

@@ -59,17 +59,27 @@ def test_recipes_reference_registered_stages_in_a_valid_order():
         recipe = load_recipe(name)
         assert all(spec.name in stages for spec in recipe.stages)
         encoder = name.startswith("encoder-")
-        target = "jetson-agx-thor" if name.startswith("thor-") else "jetson-orin"  # FP8 and NVFP4 need Thor's tensor cores
+        target = (
+            "jetson-agx-thor" if name.startswith("thor-") else "jetson-orin"
+        )  # FP8 and NVFP4 need Thor's tensor cores
         # On the embedded model Edge-LLM's INT4 kernels (groups of 128) take only down_proj's 1536-wide input.
         group_128 = any(spec.options.get("group_size") == 128 for spec in recipe.stages)
         overrides = {"quantize.float_linears": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj]"} if group_128 else {}
-        build = build_plan(RunOptions(target=target, recipe=name, model="all-minilm-l6-v2" if encoder else "smollm2-135m-instruct",
-                                      overrides=overrides))
+        build = build_plan(
+            RunOptions(
+                target=target,
+                recipe=name,
+                model="all-minilm-l6-v2" if encoder else "smollm2-135m-instruct",
+                overrides=overrides,
+            )
+        )
         assert build.stages[-1].stage.name == ("validate_encoder" if encoder else "validate")
 
 
 def test_recipe_short_forms():
-    recipe = Recipe.model_validate({"name": "x", "stages": ["load", {"export_onnx": {"opset": 17}}, {"name": "validate"}]})
+    recipe = Recipe.model_validate(
+        {"name": "x", "stages": ["load", {"export_onnx": {"opset": 17}}, {"name": "validate"}]}
+    )
     assert [s.name for s in recipe.stages] == ["load", "export_onnx", "validate"]
     assert recipe.stages[1].options == {"opset": 17}
 
@@ -77,7 +87,9 @@ def test_recipe_short_forms():
 def test_plan_refuses_wrong_stage_order(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nstages: [load, build_engine]\n")
-    with pytest.raises(UsageError, match="stage build_engine takes edgellm-bundle or onnx but the step before it gives hf-model"):
+    with pytest.raises(
+        UsageError, match="stage build_engine takes edgellm-bundle or onnx but the step before it gives hf-model"
+    ):
         build_plan(RunOptions(target="jetson-orin", recipe=str(bad)))
 
 

@@ -42,7 +42,8 @@ def _table(rows):
 
 
 def _bos_tokenizer():
-    """The test tokenizer with a post-processor that puts <|endoftext|> before every text, as Llama 3 and Gemma put BOS."""
+    """The test tokenizer with a post-processor that puts <|endoftext|> before every text, as Llama 3 and Gemma put
+    BOS."""
     from tokenizers import processors
 
     tokenizer = build_tokenizer(chat_template=True)
@@ -127,12 +128,16 @@ def test_chat_rows_are_rendered_with_the_model_template(tmp_path):
     ids = source_ids(tokenizer, source)
     expected = "".join(tokenizer.apply_chat_template(c, tokenize=False) for c in conversations)
     assert tokenizer.decode(ids) == expected and "<|user|>Question 0" in expected
-    with pytest.raises(UsageError, match="chat.jsonl holds chat conversations, but the model's tokenizer has no chat template"):
+    with pytest.raises(
+        UsageError, match="chat.jsonl holds chat conversations, but the model's tokenizer has no chat template"
+    ):
         calibration_windows(build_tokenizer(), [source], 64, 2)
 
 
 def test_overlap_checks_read_chat_contents(tmp_path):
-    shared = [{"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": p}]} for p in PARAGRAPHS]
+    shared = [
+        {"messages": [{"role": "user", "content": "Tell me."}, {"role": "assistant", "content": p}]} for p in PARAGRAPHS
+    ]
     calibration = load_calibration([parse_spec(str(_jsonl(tmp_path / "a.jsonl", shared)))])
     evaluation = load_evaluation([parse_spec(str(_jsonl(tmp_path / "b.jsonl", [{"text": p} for p in PARAGRAPHS])))])
     with pytest.raises(UsageError, match="must not overlap"):
@@ -187,7 +192,9 @@ def test_training_data_is_packed_from_a_stream_in_every_format(tmp_path, kind):
     tokenizer = build_tokenizer()
     rows = [{"text": p} for p in PARAGRAPHS]
     windows = packed_windows(tokenizer, [_corpus(tmp_path, kind, rows)], 64, 5)
-    stream = [i for r in rows for i in tokenizer(r["text"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]]
+    stream = [
+        i for r in rows for i in tokenizer(r["text"], add_special_tokens=False).input_ids + [tokenizer.eos_token_id]
+    ]
     assert windows.shape == (5, 64)
     assert windows.flatten().tolist() == stream[:5 * 64]  # documents in order, each ended by EOS, no token dropped
 
@@ -221,27 +228,38 @@ def test_held_out_windows_are_calibration_text_calibration_does_not_read():
 
 
 def test_the_shipped_chat_set_calibrates_and_evaluates_on_prompts_it_does_not_share():
-    """The chat set's two parts: calibration on its own 60 prompts, evaluation (and the app-prompt gate) on 40 others, each
-    conversation the prompt of its list with an answer."""
+    """The chat set's two parts: calibration on its own 60 prompts, evaluation (and the app-prompt gate) on 40 others,
+    each conversation the prompt of its list with an answer."""
     from compress.catalog import TEXT, catalog_dir
 
     chat = catalog_dir(TEXT) / "chat"
 
     def conversations(name: str) -> list[list[dict]]:
-        return [json.loads(line)["messages"] for line in (chat / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+        return [
+            json.loads(line)["messages"]
+            for line in (chat / name).read_text(encoding="utf-8").splitlines()
+            if line.strip()
+        ]
 
     calibration, evaluation = conversations("calibration.jsonl"), conversations("evaluation.jsonl")
     calib_prompts = [c[0]["content"] for c in calibration]
     eval_prompts = [c[0]["content"] for c in evaluation]
-    assert calib_prompts == [p for p in (chat / "prompts_calibration.txt").read_text(encoding="utf-8").splitlines() if p.strip()]
-    gate = [json.loads(line)["prompt"] for line in (chat / "prompts_evaluation.jsonl").read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    assert calib_prompts == [
+        p for p in (chat / "prompts_calibration.txt").read_text(encoding="utf-8").splitlines() if p.strip()
+    ]
+    gate = [
+        json.loads(line)["prompt"]
+        for line in (chat / "prompts_evaluation.jsonl").read_text(encoding="utf-8").splitlines()
+        if line.strip()
+    ]
     assert eval_prompts == gate
     assert (len(set(calib_prompts)), len(set(eval_prompts))) == (60, 40)
     assert not {p.casefold() for p in calib_prompts} & {p.casefold() for p in eval_prompts}
     from compress.eval.prompts import selection_expect_prompts
 
-    selection = selection_expect_prompts(1000)  # what a search checks expected answers on: in neither set, each with one
+    selection = selection_expect_prompts(
+        1000
+    )  # what a search checks expected answers on: in neither set, each with one
     assert len(selection) == 32 and all(case.expect for case in selection)
     assert not {c.prompt.casefold() for c in selection} & {p.casefold() for p in calib_prompts + eval_prompts}
     for conversation in calibration + evaluation:

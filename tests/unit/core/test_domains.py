@@ -10,7 +10,14 @@ import torch
 
 from compress.core.config import load_target
 from compress.core.errors import UsageError
-from compress.core.text import DEFAULT_CALIBRATION, DEFAULT_EVALUATION, check_disjoint, load_calibration, load_evaluation, unseen_domains
+from compress.core.text import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_EVALUATION,
+    check_disjoint,
+    load_calibration,
+    load_evaluation,
+    unseen_domains,
+)
 from compress.eval.decoder import domain_quality, gate_checks
 from compress.eval.fidelity import Tally, compare_on_domains
 from compress.eval.gate import FAIL, PASS, lower_bound_check
@@ -52,7 +59,9 @@ def test_tally_matches_a_direct_computation():
     targets = torch.tensor(ids[1:])
     assert figures["tokens"] == 299
     assert figures["perplexity_model"] == pytest.approx(math.exp(-mod_lp[range(299), targets].mean().item()), rel=1e-9)
-    assert figures["perplexity_reference"] == pytest.approx(math.exp(-ref_lp[range(299), targets].mean().item()), rel=1e-9)
+    assert figures["perplexity_reference"] == pytest.approx(
+        math.exp(-ref_lp[range(299), targets].mean().item()), rel=1e-9
+    )
     kl = torch.nn.functional.kl_div(mod_lp, ref_lp, log_target=True, reduction="sum").item() / 299
     assert figures["mean_kl"] == pytest.approx(kl, rel=1e-9)
     assert figures["top1_agreement"] == pytest.approx((ref_lp.argmax(-1) == mod_lp.argmax(-1)).double().mean().item())

@@ -1,4 +1,5 @@
-"""Token ids remembered by content: what comes back is what the tokenizer says, for this tokenizer and this text only."""
+"""Token ids remembered by content: what comes back is what the tokenizer says, for this tokenizer and this text
+only."""
 
 from __future__ import annotations
 

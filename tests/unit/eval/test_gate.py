@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from compress.eval.gate import FAIL, NOT_MEASURED, PASS, Check, exit_code_for, overall_verdict, require_measured, upper_bound_check
+from compress.eval.gate import (
+    FAIL,
+    NOT_MEASURED,
+    PASS,
+    Check,
+    exit_code_for,
+    overall_verdict,
+    require_measured,
+    upper_bound_check,
+)
 
 
 def test_upper_bound_check():
@@ -28,6 +37,10 @@ def test_exit_codes_are_distinct():
 
 
 def test_require_measured_only_touches_predicted_passes():
-    checks = [Check("a", 1, 2, PASS, "measured"), Check("b", 1, 2, PASS, "predicted"), Check("c", 3, 2, FAIL, "predicted")]
+    checks = [
+        Check("a", 1, 2, PASS, "measured"),
+        Check("b", 1, 2, PASS, "predicted"),
+        Check("c", 3, 2, FAIL, "predicted"),
+    ]
     verdicts = [c.verdict for c in require_measured(checks)]
     assert verdicts == [PASS, NOT_MEASURED, FAIL]

@@ -34,7 +34,9 @@ def test_anchor_errors_are_small_on_every_published_point():
     assert len(decode) == 12 and len(prefill) == 7
     assert sum("Edge-LLM" in row["anchor"] for row in decode) == 10
     thor = [row for row in rows if "Thor" in row["anchor"]]
-    assert len(thor) == 13 and {"INT4 AWQ", "NVFP4"} <= {w for row in thor for w in ("INT4 AWQ", "NVFP4") if w in row["anchor"]}
+    assert len(thor) == 13 and {"INT4 AWQ", "NVFP4"} <= {
+        w for row in thor for w in ("INT4 AWQ", "NVFP4") if w in row["anchor"]
+    }
     assert all(abs(row["error_pct"]) < 12 for row in rows)
 
 
@@ -67,7 +69,10 @@ def test_thor_predictions_use_its_fp8_and_fp4_tensor_cores_and_orin_has_none():
     assert fp8.decode_tokens_per_s > 1.6 * fp16.decode_tokens_per_s  # decode is bandwidth-bound: half the bytes
     assert nvfp4.decode_tokens_per_s > 1.3 * fp8.decode_tokens_per_s
     assert predict(thor, QWEN3_8B, "int4").decode_tokens_per_s > predict(agx, QWEN3_8B, "int4").decode_tokens_per_s
-    assert mode_tops(thor, thor.power_mode(), "fp4") == 1035 and mode_tops(thor, thor.power_mode(), "fp4", sparse=True) == 2070
+    assert (
+        mode_tops(thor, thor.power_mode(), "fp4") == 1035
+        and mode_tops(thor, thor.power_mode(), "fp4", sparse=True) == 2070
+    )
     with pytest.raises(UsageError, match=r"jetson-agx-orin-64gb \(sm_87\) has no FP4 tensor cores"):
         predict(agx, QWEN3_8B, "nvfp4")
 
@@ -77,7 +82,9 @@ def test_small_models_pay_a_fixed_cost_per_layer():
     assert fit.per_layer_ms > 0
     agx = load_target("jetson-agx-orin-64gb")
     prediction = predict(agx, QWEN3_0_6B, "int4", "MAXN", context=128)
-    roofline = fit.efficiency * mode_bandwidth_gbps(agx, agx.power_mode("MAXN")) * 1e9 / weight_bytes(QWEN3_0_6B, "int4")
+    roofline = (
+        fit.efficiency * mode_bandwidth_gbps(agx, agx.power_mode("MAXN")) * 1e9 / weight_bytes(QWEN3_0_6B, "int4")
+    )
     assert prediction.decode_tokens_per_s < 0.75 * roofline  # the 0.6B model sits well below its bandwidth bound
 
 
@@ -127,17 +134,28 @@ def test_predict_command_on_a_7b_config(tmp_path, capsys):
 
 def test_linears_left_fp16_are_read_at_fp16():
     nano = load_target("jetson-orin-nano-8gb")
-    int8, mixed, fp16 = (predict(nano, SMOL, p, float_fraction=f) for p, f in (("int8", 0.0), ("int8", 0.25), ("fp16", 0.0)))
+    int8, mixed, fp16 = (
+        predict(nano, SMOL, p, float_fraction=f) for p, f in (("int8", 0.0), ("int8", 0.25), ("fp16", 0.0))
+    )
     assert fp16.decode_tokens_per_s < mixed.decode_tokens_per_s < int8.decode_tokens_per_s
     assert int8.memory_gb < mixed.memory_gb < fp16.memory_gb
-    assert predict(nano, SMOL, "int8", float_fraction=1.0).decode_tokens_per_s == pytest.approx(fp16.decode_tokens_per_s)
+    assert predict(nano, SMOL, "int8", float_fraction=1.0).decode_tokens_per_s == pytest.approx(
+        fp16.decode_tokens_per_s
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3", "gemma3", "phi3"])
 def test_predict_reads_the_config_of_every_family(family, tmp_path, capsys):
     import transformers
 
-    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma3": "Gemma3Text", "phi3": "Phi3"}
+    names = {
+        "llama": "Llama",
+        "mistral": "Mistral",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "gemma3": "Gemma3Text",
+        "phi3": "Phi3",
+    }
     config = getattr(transformers, f"{names[family]}Config")(
         hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4, num_key_value_heads=1,
         head_dim=256, vocab_size=262144, tie_word_embeddings=True).to_dict()
@@ -146,7 +164,9 @@ def test_predict_reads_the_config_of_every_family(family, tmp_path, capsys):
     assert main(["predict", "target=jetson-orin-nano-8gb", f"model_config={path}", "precision=int4", "context=4096",
                  "power=MAXN_SUPER"]) == 0
     result = json.loads(capsys.readouterr().out)["selected"]
-    expected = predict(load_target("jetson-orin-nano-8gb"), ModelShape.from_config(config), "int4", "MAXN_SUPER", context=4096)
+    expected = predict(
+        load_target("jetson-orin-nano-8gb"), ModelShape.from_config(config), "int4", "MAXN_SUPER", context=4096
+    )
     assert result["decode_tokens_per_s"] == pytest.approx(expected.decode_tokens_per_s, rel=1e-3)
     assert result["decode_tokens_per_s"] > 0 and result["memory_gb"] > 0
 
@@ -155,8 +175,16 @@ def test_sliding_window_layers_read_at_most_their_window():
     """Gemma 3 1B: five of every six layers attend over 512 tokens, so at a long context they read far less KV cache."""
     import transformers
 
-    config = transformers.Gemma3TextConfig(hidden_size=1152, intermediate_size=6912, num_hidden_layers=26, num_attention_heads=4,
-                                           num_key_value_heads=1, head_dim=256, vocab_size=262144, sliding_window=512).to_dict()
+    config = transformers.Gemma3TextConfig(
+        hidden_size=1152,
+        intermediate_size=6912,
+        num_hidden_layers=26,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=256,
+        vocab_size=262144,
+        sliding_window=512,
+    ).to_dict()
     windowed = ModelShape.from_config(config)
     assert windowed.sliding_layers == sum(kind == "sliding_attention" for kind in config["layer_types"]) > 20
     full = ModelShape.from_config({**config, "sliding_window": None})
@@ -208,9 +236,11 @@ def test_a_quantized_lm_head_is_read_at_its_precision_beside_the_fp16_embedding(
     thor = load_target("jetson-agx-thor")
     mix = {"fp8": 1.0}
     fp16_head, fp8_head = (predict_mixed(thor, SMOL, mix, head=head) for head in ("fp16", "fp8"))
-    # The head moves half its bytes (28M of SmolLM2's 135M parameters); on Thor the fixed per-layer cost dominates a model
-    # this small, so decode gains a few percent.
+    # The head moves half its bytes (28M of SmolLM2's 135M parameters); on Thor the fixed per-layer cost dominates a
+    # model this small, so decode gains a few percent.
     assert 1.02 < fp8_head.decode_tokens_per_s / fp16_head.decode_tokens_per_s < 1.2
     # Tied in FP16 the table is stored once; a quantized head is stored beside it, at one byte per parameter.
     assert fp8_head.memory_gb - fp16_head.memory_gb == pytest.approx(SMOL.lm_head_params() / 1e9, rel=1e-6)
-    assert predict_mixed(thor, SMOL, mix, head="fp16").decode_tokens_per_s == pytest.approx(fp16_head.decode_tokens_per_s)
+    assert predict_mixed(thor, SMOL, mix, head="fp16").decode_tokens_per_s == pytest.approx(
+        fp16_head.decode_tokens_per_s
+    )

@@ -1,4 +1,5 @@
-"""An app prompt's ``expect`` pattern runs under a time bound: one that backtracks without bound is an error, not a hang."""
+"""An app prompt's ``expect`` pattern runs under a time bound: one that backtracks without bound is an error, not a
+hang."""
 
 from __future__ import annotations
 

@@ -61,11 +61,18 @@ def test_which_prompts_a_model_gets():
 
 
 def test_answer_pairs_measure_the_matched_prefix():
-    assert answer_pair([1, 2, 3, 4], [1, 2, 3, 4]) == {"identical": True, "first_divergence": None, "prefix_fraction": 1.0,
-                                                      "first_token_match": True}
+    assert answer_pair([1, 2, 3, 4], [1, 2, 3, 4]) == {
+        "identical": True,
+        "first_divergence": None,
+        "prefix_fraction": 1.0,
+        "first_token_match": True,
+    }
     assert answer_pair([1, 2, 3, 4], [1, 2, 9, 9])["prefix_fraction"] == 0.5
     assert answer_pair([1, 2, 3, 4], [7, 2, 3, 4])["first_token_match"] is False
-    assert answer_pair([1, 2], [1, 2, 5])["first_divergence"] == 2 and answer_pair([1, 2], [1, 2, 5])["prefix_fraction"] == 1.0
+    assert (
+        answer_pair([1, 2], [1, 2, 5])["first_divergence"] == 2
+        and answer_pair([1, 2], [1, 2, 5])["prefix_fraction"] == 1.0
+    )
 
 
 def test_torch_greedy_matches_generate(chat_llama):
@@ -95,7 +102,9 @@ def test_a_broken_model_fails_the_prompt_gate_and_the_teacher_passes(chat_llama)
                           progress=False, source="test")
     checks = {c.name: c for c in prompt_checks(bad, target.budgets)}
     assert checks["answer_prefix_agreement"].verdict == FAIL and bad["answer_prefix_agreement"] < 0.35
-    assert [r["prefix_fraction"] for r in bad["rows"]] == sorted(r["prefix_fraction"] for r in bad["rows"])  # worst first
+    assert [r["prefix_fraction"] for r in bad["rows"]] == sorted(
+        r["prefix_fraction"] for r in bad["rows"]
+    )  # worst first
 
 
 def test_expectations_are_checked_on_both_answers():
@@ -120,18 +129,23 @@ def test_expectations_are_checked_on_both_answers():
     finally:
         prompts_module.prompt_ids = original
     assert measured["expect_pass_teacher"] == 1.0 and measured["expect_pass_model"] == 0.5
-    drop = next(c for c in prompt_checks(measured, load_target("jetson-orin").budgets) if c.name == "expect_pass_drop_pct")
+    drop = next(
+        c for c in prompt_checks(measured, load_target("jetson-orin").budgets) if c.name == "expect_pass_drop_pct"
+    )
     assert drop.value == 50.0 and drop.verdict == FAIL
 
 
 def test_prompts_decoded_together_get_the_answers_they_get_alone(chat_llama):
-    """Left-padded and masked, a batch of prompts of different lengths answers as each prompt does on its own (a model held
-    in bf16 and computed in float32, as validation holds the teacher)."""
+    """Left-padded and masked, a batch of prompts of different lengths answers as each prompt does on its own (a model
+    held in bf16 and computed in float32, as validation holds the teacher)."""
     from compress.eval.prompts import torch_greedy_batched
     from compress.models.compute import computed_in_float32
 
     model, tokenizer = load_causal_lm(chat_llama).to(torch.bfloat16), load_tokenizer(chat_llama)
-    prompts = [prompt_ids(tokenizer, text) for text in ("Hi.", "Tell me about the weather on the coast today.", "Count to ten.")]
+    prompts = [
+        prompt_ids(tokenizer, text)
+        for text in ("Hi.", "Tell me about the weather on the coast today.", "Count to ten.")
+    ]
     eos = [tokenizer.eos_token_id]
     with computed_in_float32(model):
         alone = [torch_greedy(model, eos)(ids, 10) for ids in prompts]
@@ -140,14 +154,24 @@ def test_prompts_decoded_together_get_the_answers_they_get_alone(chat_llama):
 
 
 def test_answers_read_in_one_pass_are_what_greedy_decoding_gives(chat_llama):
-    """forced_answer_pairs (the prompt and the teacher's answer in one pass) against the deployed model's own greedy answers,
-    prompt by prompt: where they first part, whether the first token matches, whether the answer is identical."""
+    """forced_answer_pairs (the prompt and the teacher's answer in one pass) against the deployed model's own greedy
+    answers, prompt by prompt: where they first part, whether the first token matches, whether the answer is
+    identical."""
     from compress.eval.prompts import forced_answer_pairs, forced_rows
 
     teacher, tokenizer = load_causal_lm(chat_llama), load_tokenizer(chat_llama)
     eos = [tokenizer.eos_token_id]
-    prompts = [prompt_ids(tokenizer, text) for text in ("Hi.", "Tell me about the weather on the coast today.", "Count to ten.",
-                                                       "Name a colour.", "What is rain?", "Describe a robot in a few words.")]
+    prompts = [
+        prompt_ids(tokenizer, text)
+        for text in (
+            "Hi.",
+            "Tell me about the weather on the coast today.",
+            "Count to ten.",
+            "Name a colour.",
+            "What is rain?",
+            "Describe a robot in a few words.",
+        )
+    ]
     answers = [torch_greedy(teacher, eos)(ids, 12) for ids in prompts]
     parted = []
     for scale in (0.02, 0.1, 0.4):
@@ -159,7 +183,10 @@ def test_answers_read_in_one_pass_are_what_greedy_decoding_gives(chat_llama):
                 weight.add_(scale * weight.std() * torch.randn(weight.shape, generator=generator))
             logits = deployed(forced_rows(prompts, answers, tokenizer.pad_token_id)).logits
         forced = forced_answer_pairs(prompts, answers, lambda i, logits=logits: logits[i])
-        decoded = [answer_pair(answer, torch_greedy(deployed, eos)(ids, 12)) for ids, answer in zip(prompts, answers, strict=True)]
+        decoded = [
+            answer_pair(answer, torch_greedy(deployed, eos)(ids, 12))
+            for ids, answer in zip(prompts, answers, strict=True)
+        ]
         for ours, theirs in zip(forced, decoded, strict=True):
             assert {k: ours[k] for k in ("identical", "prefix_fraction", "first_token_match")} == \
                    {k: theirs[k] for k in ("identical", "prefix_fraction", "first_token_match")}

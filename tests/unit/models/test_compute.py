@@ -38,8 +38,16 @@ def test_a_bf16_model_computes_exactly_what_its_float32_copy_does(tiny_llama, id
 def test_a_quantized_folder_held_as_levels_computes_what_its_rebuilt_float_model_does(tiny_llama, ids, tmp_path):
     bf16 = tmp_path / "bf16"
     save_model_folder(load_causal_lm(tiny_llama).to(torch.bfloat16), load_tokenizer(tiny_llama), tiny_llama, bf16)
-    config = QUANTIZE_CONFIG.validate_python({"method": "int4", "calib_windows": 2, "calib_window": 40, "min_calib_tokens": 1,
-                                              "sample_tokens": 64, "group_size": 32})
+    config = QUANTIZE_CONFIG.validate_python(
+        {
+            "method": "int4",
+            "calib_windows": 2,
+            "calib_window": 40,
+            "min_calib_tokens": 1,
+            "sample_tokens": 64,
+            "group_size": 32,
+        }
+    )
     folder = tmp_path / "quantized"
     result = quantize_folder(bf16, folder, ids, config, progress=False)
     held, rebuilt = held_quantized_causal_lm(folder)
@@ -73,7 +81,9 @@ def test_the_embedding_and_lm_head_are_never_upcast_whole(tiny_llama, ids, monke
         monkeypatch.setattr(torch.Tensor, "float", real_float)
     assert upcast_rows and vocab not in upcast_rows and max(upcast_rows) <= max(60, held.config.intermediate_size)
     torch.testing.assert_close(logits, _logits(copy, ids), atol=1e-5, rtol=1e-5)
-    assert "forward" not in vars(held.lm_head) and "forward" not in vars(held.model.embed_tokens)  # their own forward again
+    assert "forward" not in vars(held.lm_head) and "forward" not in vars(
+        held.model.embed_tokens
+    )  # their own forward again
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are handed back on Linux only")

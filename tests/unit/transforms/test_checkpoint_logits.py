@@ -1,5 +1,5 @@
-"""Validation's block-by-block logits are the logits the model's own forward pass computes, for a float checkpoint and for
-a quantized one (levels rebuilt, inputs and an FP8 KV cache quantized as deployed)."""
+"""Validation's block-by-block logits are the logits the model's own forward pass computes, for a float checkpoint and
+for a quantized one (levels rebuilt, inputs and an FP8 KV cache quantized as deployed)."""
 
 from __future__ import annotations
 
@@ -54,8 +54,14 @@ def test_the_head_is_taken_a_slice_of_rows_at_a_time_with_the_same_logits(tiny_l
     assert torch.allclose(torch.from_numpy(sliced), expected, rtol=0, atol=1e-5)
 
 
-@pytest.mark.parametrize("options", [{"method": "int8", "alpha": 0.5}, {"method": "int8", "alpha": 0.5, "kv_cache": "fp8"},
-                                     {"method": "int4", "group_size": 32}])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"method": "int8", "alpha": 0.5},
+        {"method": "int8", "alpha": 0.5, "kv_cache": "fp8"},
+        {"method": "int4", "group_size": 32},
+    ],
+)
 def test_a_quantized_checkpoint_gives_the_deployed_numbers(tiny_llama, windows, tmp_path, options):
     bf16 = tmp_path / "bf16"  # held in bf16, as real checkpoints are
     save_model_folder(load_causal_lm(tiny_llama).to(torch.bfloat16), load_tokenizer(tiny_llama), tiny_llama, bf16)
@@ -88,8 +94,8 @@ def test_a_windows_logits_read_a_few_positions_at_a_time_are_its_logits(tiny_lla
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the peak reads Linux's VmHWM")
 def test_comparing_two_models_never_holds_a_whole_windows_logits(tmp_path):
-    """Two 512-token windows' float32 logits at a 250k vocabulary are 1 GB; read a few positions at a time, the comparison
-    holds a block of positions of each (and the float64 temporaries of 32 positions)."""
+    """Two 512-token windows' float32 logits at a 250k vocabulary are 1 GB; read a few positions at a time, the
+    comparison holds a block of positions of each (and the float64 temporaries of 32 positions)."""
     import transformers
 
     vocab, positions = 250_000, 512

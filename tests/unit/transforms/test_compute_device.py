@@ -1,5 +1,5 @@
-"""``device=cuda`` computes what ``device=cpu`` computes: every quantization method's search, the validation's block-by-block
-logits and the greedy answers, each on the named device against the same work on the CPU.
+"""``device=cuda`` computes what ``device=cpu`` computes: every quantization method's search, the validation's
+block-by-block logits and the greedy answers, each on the named device against the same work on the CPU.
 
 On a machine without CUDA the CPU cases still run the device-agnostic code with the device named explicitly (the
 numbers must then be identical); the CUDA cases are skipped for the missing hardware.
@@ -20,7 +20,10 @@ from compress.transforms.quantize.config import QUANTIZE_CONFIG
 from compress.transforms.quantize.decoder import quantize_folder
 from compress.transforms.quantize.saved import load_quantized_causal_lm
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"))]
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")),
+]
 METHODS = {
     "int8-smoothquant-gptq": {"method": "int8", "hadamard_block": 0},
     "int8-hadamard": {"method": "int8", "hadamard_block": 32},
@@ -50,15 +53,21 @@ def test_each_method_quantizes_on_the_device_as_on_the_cpu(tiny_llama, windows, 
     here, there = _logits(tmp_path / "cpu", windows), _logits(tmp_path / device, windows)
     if device == "cpu":
         assert torch.equal(here, there)
-    else:  # another device sums in another order, which may move a weight to the next level: the model computes the same
+    # another device sums in another order, which may move a weight to the next level: the model computes the same
+    else:
         assert (here - there).abs().mean() < 0.02 * here.std(), method
 
 
 @pytest.fixture(scope="module")
 def quantized(tiny_llama, windows, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("quantized") / "int8"
-    quantize_folder(tiny_llama, folder, windows, QUANTIZE_CONFIG.validate_python({**METHODS["int8-hadamard"], **CALIBRATION}),
-                    progress=False)
+    quantize_folder(
+        tiny_llama,
+        folder,
+        windows,
+        QUANTIZE_CONFIG.validate_python({**METHODS["int8-hadamard"], **CALIBRATION}),
+        progress=False,
+    )
     return folder
 
 

@@ -27,7 +27,9 @@ def _names_a_method(node: ast.AST) -> bool:
 
 
 def _reads_method(node: ast.AST) -> bool:
-    return (isinstance(node, ast.Attribute) and node.attr == "method") or (isinstance(node, ast.Name) and node.id == "method")
+    return (isinstance(node, ast.Attribute) and node.attr == "method") or (
+        isinstance(node, ast.Name) and node.id == "method"
+    )
 
 
 def _method_comparisons(path: Path) -> list[int]:
@@ -80,10 +82,16 @@ def test_each_uniform_method_answers_for_itself(options, smooths, global_scale, 
 
 
 def test_the_report_words_follow_the_options():
-    assert quantize_config(method="fp8", fp8_weight_scale="channel").describe().startswith("FP8 E4M3 weights (one scale per "
-                                                                                           "output channel)")
+    assert (
+        quantize_config(method="fp8", fp8_weight_scale="channel")
+        .describe()
+        .startswith("FP8 E4M3 weights (one scale per output channel)")
+    )
     assert "group 128" in Int4Config(group_size=128).describe()
     assert Nvfp4Config(nvfp4_scale_search=False).algorithm_name() == "awq+gptq"
     assert Nvfp4Config().algorithm_name() == "awq+gptq+global-scale-search" and Nvfp4Config().searches_global_scale()
     assert Fp8Config(weight_algorithm="rtn").algorithm_name() == "smoothquant+rtn"
-    assert Int4Config(clip_tokens="all").clip_on_all_tokens() and not Int4Config(algorithm="gptq", clip_tokens="all").clip_on_all_tokens()
+    assert (
+        Int4Config(clip_tokens="all").clip_on_all_tokens()
+        and not Int4Config(algorithm="gptq", clip_tokens="all").clip_on_all_tokens()
+    )

@@ -44,7 +44,9 @@ SHARED = {"calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1, "sample
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     """Every linear input a multiple of 128, so INT4 in groups of 128 is a candidate everywhere."""
-    return build_tiny_llama(tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("wide") / "model", layers=2, hidden=128, heads=2, kv_heads=1, intermediate=256
+    )
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +84,8 @@ def test_a_plan_quantizes_each_group_in_its_own_format_and_validation_computes_i
 
 @pytest.mark.parametrize("head", ["fp8", "int4"])
 def test_a_plan_may_quantize_the_tied_lm_head_as_a_linear_of_its_own(wide, windows, tmp_path, head):
-    """The head is quantized on the last block's deployed outputs, shipped untied (the embedding table as stored), and every
-    reader computes it as deployed: its levels, and for FP8 its input quantized."""
+    """The head is quantized on the last block's deployed outputs, shipped untied (the embedding table as stored), and
+    every reader computes it as deployed: its levels, and for FP8 its input quantized."""
     configs = candidate_configs(["int8", head], SHARED)
     points = {"attn_in": "int8", "attn_out": "int8", "mlp_in": "int8", "mlp_hidden": "int8"}
     plan = MixedPlan({0: points, 1: points}, configs, head=head)
@@ -124,8 +126,13 @@ def test_a_plan_saves_the_weights_the_quantizer_computed_with(wide, windows):
     result = quantize_model(model, windows, config, progress=False, plan=plan)
     assert {q.migration_ratio is not None for q in result.linears.values()} == {True}  # every input had scales folded
     for name, quant in result.linears.items():
-        torch.testing.assert_close(dequantized_weight({}, quant), model.get_submodule(name).weight.detach(), atol=1e-6, rtol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            dequantized_weight({}, quant),
+            model.get_submodule(name).weight.detach(),
+            atol=1e-6,
+            rtol=1e-5,
+            msg=lambda m, name=name: f"{name}: {m}",
+        )
 
 
 def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows):
@@ -133,7 +140,9 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     family = family_of(model.config)
     linears = [f"model.layers.{i}.{name}" for i in range(2) for name in family.linears()]
     fisher = output_fisher(model, windows[:2], linears)
-    assert set(fisher) == set(linears) and all(f.shape == (model.get_submodule(n).out_features,) for n, f in fisher.items())
+    assert set(fisher) == set(linears) and all(
+        f.shape == (model.get_submodule(n).out_features,) for n, f in fisher.items()
+    )
     assert all(float(f.sum()) > 0 for f in fisher.values())
     configs = candidate_configs(["int8", "int4"], SHARED)
     table = sensitivity(model, windows, SensitivityJob(
@@ -142,10 +151,14 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     for (_, point), values in table.kl.items():
         assert values[FLOAT] == 0.0 and values["int8"] > 0
         assert ("int4" in values) == (point != "attn_out")  # a format the caller does not allow is not measured
-    assert sum(v["int4"] for v in table.kl.values() if "int4" in v) > sum(v["int8"] for v in table.kl.values())  # 4 bits cost more
+    assert sum(v["int4"] for v in table.kl.values() if "int4" in v) > sum(
+        v["int8"] for v in table.kl.values()
+    )  # 4 bits cost more
     for parameter in model.parameters():  # the model itself is left float: every trial ran on a copy
         assert parameter.dtype == torch.float32
-    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, load_causal_lm(wide).model.layers[0].mlp.down_proj.weight)
+    assert torch.equal(
+        model.model.layers[0].mlp.down_proj.weight, load_causal_lm(wide).model.layers[0].mlp.down_proj.weight
+    )
 
 
 def _plain_fisher(model, windows: torch.Tensor, linears: list[str]) -> dict[str, torch.Tensor]:
@@ -182,7 +195,9 @@ def test_the_fisher_of_a_bf16_model_is_what_plain_autograd_gives_its_float32_cop
     fisher = output_fisher(held, windows[:2], linears)
     reference = _plain_fisher(copy, windows[:2], linears)
     for name in linears:  # each gradient counted once, though its block was computed twice
-        torch.testing.assert_close(fisher[name], reference[name], rtol=1e-3, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            fisher[name], reference[name], rtol=1e-3, atol=1e-9, msg=lambda m, name=name: f"{name}: {m}"
+        )
     assert all(p.grad is None and p.requires_grad and p.dtype == torch.bfloat16 for p in held.parameters())
 
 
@@ -193,8 +208,14 @@ def test_the_fisher_pass_holds_one_block_in_float32_not_every_block():
     allocator maps and unmaps it on its own and the resident peak sees every copy."""
     import transformers
 
-    config = transformers.LlamaConfig(hidden_size=256, intermediate_size=36864, num_hidden_layers=6, num_attention_heads=2,
-                                      num_key_value_heads=1, vocab_size=400)
+    config = transformers.LlamaConfig(
+        hidden_size=256,
+        intermediate_size=36864,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=400,
+    )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
     blocks_float32_mb = 4 * sum(p.numel() for p in model.model.layers.parameters()) / 2**20
@@ -213,11 +234,20 @@ def test_the_lm_head_is_a_group_whose_sensitivity_is_measured_in_the_formats_all
     assert fisher["lm_head"].shape == (model.config.vocab_size,) and float(fisher["lm_head"].sum()) > 0
     configs = candidate_configs(["int8", "fp8", "int4"], SHARED)
     ones = {f"model.layers.{i}.{n}": torch.ones(1) for i in range(2) for n in family_of(model.config).linears()}
-    table = sensitivity(model, windows, SensitivityJob(configs, lambda index, point, name: point != HEAD or name in ("fp8", "int4"),
-                                                       {**fisher, **ones}))
+    table = sensitivity(
+        model,
+        windows,
+        SensitivityJob(
+            configs, lambda index, point, name: point != HEAD or name in ("fp8", "int4"), {**fisher, **ones}
+        ),
+    )
     head = table.kl[(HEAD_INDEX, HEAD)]
-    assert set(head) == {FLOAT, "fp8", "int4"} and head[FLOAT] == 0.0 and head["int4"] > head["fp8"] > 0  # int8: not for the head
-    torch.testing.assert_close(model.lm_head.weight, load_causal_lm(wide).lm_head.weight, rtol=0, atol=0)  # measured on copies
+    assert (
+        set(head) == {FLOAT, "fp8", "int4"} and head[FLOAT] == 0.0 and head["int4"] > head["fp8"] > 0
+    )  # int8: not for the head
+    torch.testing.assert_close(
+        model.lm_head.weight, load_causal_lm(wide).lm_head.weight, rtol=0, atol=0
+    )  # measured on copies
     none = sensitivity(model, windows, SensitivityJob(configs, lambda index, point, name: point != HEAD, fisher | ones))
     assert (HEAD_INDEX, HEAD) not in none.kl
 
@@ -246,12 +276,20 @@ def test_formats_one_bundle_cannot_hold_together_are_never_chosen_together():
     rng = random.Random(11)
     names = ("int8", "int4", "fp8", "nvfp4")
     sets = mixed_format_sets(list(names))
-    choices = {(group, "p"): [Choice(FLOAT, 0.0, 10.0), *(Choice(n, rng.randint(1, 12) / 1000, rng.uniform(1.0, 9.0)) for n in names)]
-               for group in range(5)}
+    choices = {
+        (group, "p"): [
+            Choice(FLOAT, 0.0, 10.0),
+            *(Choice(n, rng.randint(1, 12) / 1000, rng.uniform(1.0, 9.0)) for n in names),
+        ]
+        for group in range(5)
+    }
     for budget in (0.005, 0.02, 0.06):
         free = solve(choices, budget)
         chosen = solve_apart(choices, budget, sets, always=FLOAT)
-        assert mixed_conflict(c.format for c in chosen.values()) is None and sum(c.kl for c in chosen.values()) <= budget + 1e-12
+        assert (
+            mixed_conflict(c.format for c in chosen.values()) is None
+            and sum(c.kl for c in chosen.values()) <= budget + 1e-12
+        )
         best = min(sum(c.cost for c in combo) for combo in itertools.product(*choices.values())
                    if sum(c.kl for c in combo) <= budget + 1e-12 and mixed_conflict(c.format for c in combo) is None)
         assert sum(c.cost for c in chosen.values()) == pytest.approx(best, abs=1e-9), budget
@@ -267,7 +305,8 @@ def test_a_budget_of_zero_keeps_everything_float_and_a_large_one_takes_the_cheap
 
 
 def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
-    """INT8 and INT4 weights side by side in one Q/DQ graph, which ONNX Runtime computes as the torch measurement does."""
+    """INT8 and INT4 weights side by side in one Q/DQ graph, which ONNX Runtime computes as the torch measurement
+    does."""
     import numpy as np
     import onnx
 
@@ -278,8 +317,14 @@ def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
     plan = MixedPlan({0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
                       1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}},
                      candidate_configs(["int8", "int4"], SHARED))
-    quantize_folder(wide, tmp_path / "q", windows, QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED}), progress=False,
-                    plan=plan)
+    quantize_folder(
+        wide,
+        tmp_path / "q",
+        windows,
+        QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED}),
+        progress=False,
+        plan=plan,
+    )
     save_side_files(load_tokenizer(wide), wide, tmp_path / "q")
     exported = export_decoder_folder(tmp_path / "q", tmp_path / "onnx", parity_new_tokens=4)
     graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE), load_external_data=False).graph
@@ -290,13 +335,17 @@ def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
     decoder = OnnxDecoder(tmp_path / "onnx")
     for index, row in enumerate(windows):
         onnx_logits = np.asarray(decoder.logits(row.numpy()[None, :]))[0]
-        assert float(np.abs(onnx_logits - measured.logits(index)).max()) < 0.05 * float(np.abs(measured.logits(index)).max())
+        assert float(np.abs(onnx_logits - measured.logits(index)).max()) < 0.05 * float(
+            np.abs(measured.logits(index)).max()
+        )
 
 
 def _head_inputs(model, windows) -> list[torch.Tensor]:
     """The last decoder block's outputs on ``windows`` (what the head's quantizer reads, before the final norm)."""
     outputs = []
-    handle = model.model.layers[-1].register_forward_hook(lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+    handle = model.model.layers[-1].register_forward_hook(
+        lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.no_grad():
         for row in windows:
             model(row[None])
@@ -340,7 +389,9 @@ def test_the_lm_head_is_quantized_a_slice_of_rows_at_a_time_with_the_numbers_of_
     assert sliced.levels.shape == whole.levels.shape == head.weight.shape and sliced.levels.dtype == whole.levels.dtype
     same = (sliced.levels.float() == whole.levels.float()).float().mean().item()
     if head_format == "fp8":  # round to nearest under one per-tensor scale: exactly the same numbers
-        assert same == 1.0 and torch.equal(sliced.weight_scales, whole.weight_scales) and sliced.weight_scales.dim() == 0
+        assert (
+            same == 1.0 and torch.equal(sliced.weight_scales, whole.weight_scales) and sliced.weight_scales.dim() == 0
+        )
     else:  # GPTQ's row updates go through matrix products whose float order may differ with the slice's height
         assert same > 0.995, same
         torch.testing.assert_close(sliced.weight_scales, whole.weight_scales, rtol=0.02, atol=1e-6)

@@ -17,7 +17,9 @@ from tests.conftest import TINY_SMOKE, build_tiny_llama
 @pytest.fixture(scope="module")
 def llama6(tmp_path_factory):
     """6 query heads over 2 KV heads (3 per group), so pruning has choices inside each group."""
-    return build_tiny_llama(tmp_path_factory.mktemp("h6") / "m", layers=2, hidden=96, heads=6, kv_heads=2, intermediate=128)
+    return build_tiny_llama(
+        tmp_path_factory.mktemp("h6") / "m", layers=2, hidden=96, heads=6, kv_heads=2, intermediate=128
+    )
 
 
 def _zero_heads_hooks(model, plan, heads, head_dim):

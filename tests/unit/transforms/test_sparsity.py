@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from compress.algorithms.sparse import fraction_in_24_pattern, magnitude_mask, onnx_24_fraction, sparsegpt_prune, wanda_mask
+from compress.algorithms.sparse import (
+    fraction_in_24_pattern,
+    magnitude_mask,
+    onnx_24_fraction,
+    sparsegpt_prune,
+    wanda_mask,
+)
 from compress.cli.main import main
 from tests.conftest import TINY_SMOKE
 
@@ -15,7 +21,9 @@ from tests.conftest import TINY_SMOKE
 def _layer(seed=0):
     gen = torch.Generator().manual_seed(seed)
     weight = torch.randn(64, 128, generator=gen)
-    x = torch.randn(1024, 32, generator=gen) @ torch.randn(32, 128, generator=gen) + 0.1 * torch.randn(1024, 128, generator=gen)
+    x = torch.randn(1024, 32, generator=gen) @ torch.randn(32, 128, generator=gen) + 0.1 * torch.randn(
+        1024, 128, generator=gen
+    )
     x[:, :6] *= 20  # outlier input channels
     return weight, x
 
@@ -57,9 +65,11 @@ def test_sparsegpt_beats_wanda_beats_magnitude():
 def sparse_int8_run(tiny_llama, tmp_path_factory):
     base = tmp_path_factory.mktemp("sparse")
     recipe = base / "sparse-int8.yaml"
-    recipe.write_text("name: sparse-int8\nstages:\n  - load\n  - sparsify: {method: sparsegpt, calib_window: 256, calib_windows: 8,"
-                      " min_calib_tokens: 1024}\n  - quantize: {method: int8, calib_window: 256, calib_windows: 8,"
-                      " min_calib_tokens: 1024, hadamard_block: 128}\n  - export_onnx\n  - build_engine\n  - validate\n")
+    recipe.write_text(
+        "name: sparse-int8\nstages:\n  - load\n  - sparsify: {method: sparsegpt, calib_window: 256, calib_windows: 8,"
+        " min_calib_tokens: 1024}\n  - quantize: {method: int8, calib_window: 256, calib_windows: 8,"
+        " min_calib_tokens: 1024, hadamard_block: 128}\n  - export_onnx\n  - build_engine\n  - validate\n"
+    )
     out = base / "run"
     code = main(["run", "target=jetson-orin", f"recipe={recipe}", f"model={tiny_llama}", f"out={out}", *TINY_SMOKE])
     return code, out

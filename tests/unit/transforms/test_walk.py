@@ -116,8 +116,9 @@ def test_quantizing_on_a_named_device_gives_the_numbers_of_the_model_s_own_devic
     from compress.transforms.quantize.config import QUANTIZE_CONFIG
     from compress.transforms.quantize.decoder import quantize_model
 
-    config = QUANTIZE_CONFIG.validate_python({"method": "int8", "calib_windows": 3, "calib_window": 24, "min_calib_tokens": 1,
-                                              "sample_tokens": 64})
+    config = QUANTIZE_CONFIG.validate_python(
+        {"method": "int8", "calib_windows": 3, "calib_window": 24, "min_calib_tokens": 1, "sample_tokens": 64}
+    )
     here, there = load_causal_lm(tiny_llama), load_causal_lm(tiny_llama)
     quantize_model(here, windows, config, progress=False)
     quantize_model(there, windows, config, progress=False, device=device)
@@ -125,7 +126,8 @@ def test_quantizing_on_a_named_device_gives_the_numbers_of_the_model_s_own_devic
     if device == "cpu":
         for (name, a), (_, b) in zip(here.state_dict().items(), there.state_dict().items(), strict=True):
             assert torch.equal(a, b), name
-    else:  # another device sums in another order, which moves some weights to the next level: the model computes the same
+    # another device sums in another order, which moves some weights to the next level: the model computes the same
+    else:
         with torch.no_grad():
             a, b = here(windows).logits, there(windows).logits
         assert (a - b).abs().mean() < 0.02 * a.std()
@@ -135,8 +137,16 @@ def test_a_model_held_in_bf16_is_computed_in_float32_one_block_at_a_time(tiny_ll
     from compress.transforms.quantize.config import QUANTIZE_CONFIG
     from compress.transforms.quantize.decoder import quantize_model
 
-    config = QUANTIZE_CONFIG.validate_python({"method": "int4", "calib_windows": 3, "calib_window": 24, "min_calib_tokens": 1,
-                                              "sample_tokens": 64, "group_size": 32})
+    config = QUANTIZE_CONFIG.validate_python(
+        {
+            "method": "int4",
+            "calib_windows": 3,
+            "calib_window": 24,
+            "min_calib_tokens": 1,
+            "sample_tokens": 64,
+            "group_size": 32,
+        }
+    )
     held = load_causal_lm(tiny_llama).to(torch.bfloat16)
     reference = load_causal_lm(tiny_llama).to(torch.bfloat16).float()  # the same numbers, held in float32
     dtypes: list[torch.dtype] = []
@@ -163,7 +173,9 @@ def test_sparsegpt_on_a_bf16_model_keeps_it_in_bf16_and_its_2_4_pattern_exact(ti
     from compress.transforms.sparsify import SparsifyConfig, sparse_linears, sparsify_model
 
     held = load_causal_lm(tiny_llama).to(torch.bfloat16)
-    result = sparsify_model(held, windows, SparsifyConfig(calib_windows=3, calib_window=24, min_calib_tokens=1), progress=False)
+    result = sparsify_model(
+        held, windows, SparsifyConfig(calib_windows=3, calib_window=24, min_calib_tokens=1), progress=False
+    )
     assert {p.dtype for p in held.parameters()} == {torch.bfloat16}
     assert result["pattern_fraction"] == 1.0  # the zeros survive the return to bf16
     for name, weight in sparse_linears(held).items():
@@ -201,15 +213,24 @@ def test_streamed_blocks_are_read_one_at_a_time_and_see_what_held_blocks_see(tin
 
 
 def test_a_streamed_quantization_writes_the_levels_the_held_model_computes(tiny_llama, windows, tmp_path):
-    """quantize_folder (one block in memory, each written as it is done) stores the integers, scales and folded norms that
-    quantizing the whole held model gives."""
+    """quantize_folder (one block in memory, each written as it is done) stores the integers, scales and folded norms
+    that quantizing the whole held model gives."""
     from compress.models.weights import CheckpointReader
     from compress.transforms.quantize.config import QUANTIZE_CONFIG
     from compress.transforms.quantize.decoder import quantize_folder, quantize_model
     from compress.transforms.quantize.saved import load_quantization
 
-    config = QUANTIZE_CONFIG.validate_python({"method": "int8", "calib_windows": 3, "calib_window": 24, "min_calib_tokens": 1,
-                                              "sample_tokens": 64, "alpha": "auto", "weight_algorithm": "gptq"})
+    config = QUANTIZE_CONFIG.validate_python(
+        {
+            "method": "int8",
+            "calib_windows": 3,
+            "calib_window": 24,
+            "min_calib_tokens": 1,
+            "sample_tokens": 64,
+            "alpha": "auto",
+            "weight_algorithm": "gptq",
+        }
+    )
     held = load_causal_lm(tiny_llama)
     expected = quantize_model(held, windows, config, progress=False)
     result = quantize_folder(tiny_llama, tmp_path / "q", windows, config, progress=False)
