@@ -183,7 +183,7 @@ def _cmd_show(args: argparse.Namespace) -> int:
     print(f"recipe:  {manifest['recipe']['name']}")
     print(f"model:   {manifest['model']['spec']}")
     for entry, record in run.stages():
-        summary = (record or {}).get("summary") or ""
+        summary = record.summary if record else ""
         print(f"  {entry['dir']:<22} {entry['status']:<9} {summary}".rstrip())
     report = run.report() if manifest["status"] == "finished" else None
     if report is not None:

@@ -50,6 +50,7 @@ from compress.core.records import (
     record_file,
     record_folder,
 )
+from compress.core.stage_record import StageFile
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +60,6 @@ LOCK_FILE = ".compress.lock"
 MANIFEST_FILE = "manifest.json"
 RUN_LOG = "run.log"
 STAGE_RECORD = "stage.json"
-READ_IN_PLACE = (
-    "read_in_place"  # a stage record's output flag: the output is the user's model, outside the run directory
-)
 CHECKPOINTS_DIR = "checkpoints"
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"
@@ -181,12 +179,12 @@ class RunDir:
         self.require_manifest()
         return read_manifest_file(self.path / MANIFEST_FILE)
 
-    def stages(self) -> list[tuple[dict[str, Any], dict[str, Any] | None]]:
+    def stages(self) -> list[tuple[dict[str, Any], StageFile | None]]:
         """Each manifest stage entry with its ``stage.json`` record (None where the stage has not finished)."""
         found = []
         for entry in self.manifest()["stages"]:
             record_path = stage_folder(self.path, entry["dir"]) / STAGE_RECORD
-            found.append((entry, _read_record(record_path) if record_path.is_file() else None))
+            found.append((entry, StageFile.read(record_path) if record_path.is_file() else None))
         return found
 
     def report(self) -> dict[str, Any] | None:
@@ -246,16 +244,16 @@ class RunDir:
             )
             raise ProvenanceError(f"{problems[0]}{more}; the run directory is not what compress wrote")
 
-    def stage_producing(self, kind: str | tuple[str, ...]) -> tuple[Path, dict[str, Any]] | None:
+    def stage_producing(self, kind: str | tuple[str, ...]) -> tuple[Path, StageFile] | None:
         """The folder and record of the last finished stage whose output is of ``kind`` (one kind, or any of
         several)."""
         kinds = (kind,) if isinstance(kind, str) else kind
         for entry, record in reversed(self.stages()):
-            if record is not None and record["output"]["kind"] in kinds:
+            if record is not None and record.output.kind in kinds:
                 return self.path / entry["dir"], record
         return None
 
-    def require_stage_producing(self, kind: str | tuple[str, ...], what: str) -> tuple[Path, dict[str, Any]]:
+    def require_stage_producing(self, kind: str | tuple[str, ...], what: str) -> tuple[Path, StageFile]:
         """:meth:`stage_producing`, or a usage error saying the run has no ``what``."""
         found = self.stage_producing(kind)
         if found is None:
@@ -265,7 +263,7 @@ class RunDir:
     def output_path(self, kind: str | tuple[str, ...], what: str) -> Path:
         """Where the last finished stage of ``kind`` keeps its output."""
         folder, record = self.require_stage_producing(kind, what)
-        return folder / record["output"]["path"]
+        return folder / record.output.path
 
     def edgellm_engine_folder(self) -> Path | None:
         """The engine folder of a run whose engine is built from an Edge-LLM bundle (it holds an Edge-LLM build
@@ -273,24 +271,8 @@ class RunDir:
         found = self.stage_producing(ENGINE)
         if found is None:
             return None
-        folder = found[0] / found[1]["output"]["path"]
+        folder = found[0] / found[1].output.path
         return folder if (folder / EDGELLM_BUILD_PLAN).is_file() else None
-
-
-def _read_record(path: Path) -> dict[str, Any]:
-    try:
-        record = read_json(path)
-    except (OSError, ValueError) as exc:
-        raise ProvenanceError(f"{path} is unreadable ({first_line(exc)})") from exc
-    if not isinstance(record, dict) or not isinstance(record.get("output"), dict):
-        raise ProvenanceError(f"{path} is not a stage record")
-    files = record.get("files") or {}
-    outside = [name for name in files if not is_plain_relative(name)] if isinstance(files, dict) else ["files"]
-    if outside:
-        raise ProvenanceError(
-            f"{path} records {outside[0]!r}, which is not a plain relative path inside its stage folder"
-        )
-    return record
 
 
 def _stage_problems(run_dir: Path, entry: dict[str, Any], full: bool) -> list[str]:
@@ -298,7 +280,7 @@ def _stage_problems(run_dir: Path, entry: dict[str, Any], full: bool) -> list[st
 
 
 def stage_check(run_dir: Path, dirname: str, entry: dict[str, Any] | None,
-                full: bool = False) -> tuple[dict[str, Any] | None, list[str]]:
+                full: bool = False) -> tuple[StageFile | None, list[str]]:
     """A stage folder's record and how the folder differs from it and from the manifest's ``entry`` for it (None when
     the manifest has none, as after a kill between finishing a stage and rewriting the manifest)."""
     folder = stage_folder(run_dir, dirname)
@@ -307,41 +289,41 @@ def stage_check(run_dir: Path, dirname: str, entry: dict[str, Any] | None,
         return None, [f"{record_path} is missing"]
     if entry is not None and entry.get("record_sha256") != sha256_file(record_path):
         return None, [f"{record_path} is not the record the manifest names (its sha256 differs)"]
-    record = _read_record(record_path)
-    if entry is not None and record["output"].get("sha256") != entry.get("output_sha256"):
+    record = StageFile.read(record_path)
+    if entry is not None and record.output.sha256 != entry.get("output_sha256"):
         return record, [f"{record_path} records another output than the manifest"]
-    if not isinstance(record.get("files"), dict):
+    if record.files is None:
         return record, [f"{record_path} lists no files (written by an older compress; rerun the stage)"]
-    later = tuple(record.get("device_files") or ())
-    return record, folder_problems(folder, record["files"], full, allowed_extra=frozenset({STAGE_RECORD, *later}))
+    allowed = frozenset({STAGE_RECORD, *record.device_files})
+    return record, folder_problems(folder, record.files, full, allowed_extra=allowed)
 
 
-def read_in_place_problem(record: dict[str, Any], full: bool = False) -> str | None:
+def read_in_place_problem(record: StageFile, full: bool = False) -> str | None:
     """Why a stage's output read in place (the user's model, outside the run directory) no longer holds what the stage
     hashed; None when it does or when the stage wrote its output into its folder. Cheap unless ``full``: each file is
     hashed again only when its stamp moved. Not part of :func:`stage_check`: the run directory stands without the model
     (a copied run is shown, re-gated and verified elsewhere); what reads the model again (a resumed run) checks this."""
-    output = record["output"]
-    if not output.get(READ_IN_PLACE):
+    output = record.output
+    if not output.read_in_place:
         return None
-    folder = Path(output["path"])
+    folder = Path(output.path)
     if not folder.is_dir():
         return f"the model read in place, {folder}, is missing"
-    if top_level_sha256(folder, sha256_file if full else cached_sha256) != output.get("sha256"):
+    if top_level_sha256(folder, sha256_file if full else cached_sha256) != output.sha256:
         return f"the model read in place, {folder}, does not hold what the run read (its sha256 differs)"
     return None
 
 
-def rerecord_stage(run_dir: Path, dirname: str, record: dict[str, Any]) -> None:
+def rerecord_stage(run_dir: Path, dirname: str, record: StageFile) -> None:
     """Rewrite a finished stage's record after a later command added to its folder (``compress build-engine``): its
     files are recorded again and the manifest names the new record."""
     folder = stage_folder(run_dir, dirname)
-    record["files"] = record_folder(folder, skip=frozenset({STAGE_RECORD}))
-    atomic_write_json(folder / STAGE_RECORD, record)
+    record = record.model_copy(update={"files": record_folder(folder, skip=frozenset({STAGE_RECORD}))})
+    record.write(folder / STAGE_RECORD)
     manifest = read_manifest_file(Path(run_dir) / MANIFEST_FILE)
     for entry in manifest["stages"]:
         if entry["dir"] == dirname:
-            entry["output_sha256"] = record["output"]["sha256"]
+            entry["output_sha256"] = record.output.sha256
             entry["record_sha256"] = sha256_file(folder / STAGE_RECORD)
     atomic_write_json(Path(run_dir) / MANIFEST_FILE, manifest)
 
@@ -437,13 +419,13 @@ def clean_for_run(out: Path, manifest: dict[str, Any] | None, identity: dict[str
 def require_only_recorded(folder: Path) -> None:
     """Refuse to remove or replace a stage folder holding files its record does not name (someone else's files)."""
     record_path = folder / STAGE_RECORD
-    records = _read_record(record_path).get("files") if record_path.is_file() else {}
+    record = StageFile.read(record_path) if record_path.is_file() else None
+    records = {} if record is None else record.files
     if records is None:
         raise ProvenanceError(
             f"{record_path} lists no files (written by an older compress); remove {folder} yourself to rerun"
         )
-    later = tuple(_read_record(record_path).get("device_files") or ()) if record_path.is_file() else ()
-    allowed = frozenset({STAGE_RECORD, *later})
+    allowed = frozenset({STAGE_RECORD, *(record.device_files if record else ())})
     unrecorded = [
         p for p in folder_problems(folder, records, allowed_extra=allowed) if "not a file compress wrote" in p
     ]

@@ -28,6 +28,7 @@ from pydantic import PositiveInt
 
 from compress.backends.onnx.runtime import DecoderLayout, OnnxDecoder
 from compress.backends.onnx.slices import SlicedDecoder, slices_over
+from compress.core.artifact import DeployedQuantization, Deployment
 from compress.core.config import StrictModel, Target
 from compress.core.memory import phase_peak
 from compress.core.text import (
@@ -539,33 +540,23 @@ def gate_checks(
     return require_measured(checks) if must_measure else checks
 
 
-def deployment_meta(meta: dict[str, Any]) -> dict[str, Any]:
-    """What the latency model reads of an exported model's artifact ``meta``: how its linears ship (the quantization's
-    group size and KV cache, the share of linears left FP16)."""
-    return {key: meta[key] for key in ("quantization", "float_linear_fraction") if key in meta}
-
-
 def target_predictions(model: dict[str, Any] | Path, precision: str, target: Target, power_mode: str,
-                       meta: dict[str, Any] | None = None) -> dict[str, Any]:
+                       deployment: Deployment | None = None) -> dict[str, Any]:
     """Latency-model predictions for every power mode and the chosen one, for a decoder (its ``config.json`` mapping, or
     the folder holding it) shipping as its artifact's ``meta`` says (the share of linears left FP16, the weight group
     size, the KV-cache precision), and the same model in FP16 for reference."""
     config = model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
-    meta = meta or {}
-    quantization = meta.get("quantization") or {}
-    shape = replace(
-        ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.get("kv_cache", "fp16")]
-    )
-    if quantization.get("mix"):  # a mixed-precision plan: each precision's share of the linears
-        head = quantization.get("lm_head", "fp16")
-        all_modes = [
-            predict_mixed(target, shape, quantization["mix"], mode.name, head=head) for mode in target.power_modes
-        ]
-        chosen = predict_mixed(target, shape, quantization["mix"], power_mode, head=head).to_json()
+    deployment = deployment or Deployment()
+    quantization = deployment.quantization or DeployedQuantization(method="none", format="float")
+    shape = replace(ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.kv_cache])
+    if quantization.mix:  # a mixed-precision plan: each precision's share of the linears
+        head = quantization.lm_head or "fp16"
+        all_modes = [predict_mixed(target, shape, quantization.mix, m.name, head=head) for m in target.power_modes]
+        chosen = predict_mixed(target, shape, quantization.mix, power_mode, head=head).to_json()
     else:
         options = {
-            "float_fraction": meta.get("float_linear_fraction", 0.0),
-            "group_size": quantization.get("group_size") or 128,
+            "float_fraction": deployment.float_linear_fraction or 0.0,
+            "group_size": quantization.group_size or 128,
         }
         all_modes = predict_all_modes(target, shape, precision, **options)
         chosen = predict(target, shape, precision, power_mode, **options).to_json()

@@ -99,8 +99,8 @@ def _build_edgellm_on_device(run_dir: Path, folder: Path) -> dict[str, Any]:
 def _record_built_engine(run_dir: Path, engine_path: str, manifest: dict[str, Any]) -> None:
     """The engine stage's record now lists the built files; a finished run's report names the engine, its stage done."""
     folder, record = RunDir(run_dir).require_stage_producing(ENGINE, "an engine")
-    record["output"]["sha256"] = sha256_path(folder / record["output"]["path"])
-    rerecord_stage(run_dir, folder.name, record)
+    output = record.output.model_copy(update={"sha256": sha256_path(folder / record.output.path)})
+    rerecord_stage(run_dir, folder.name, record.model_copy(update={"output": output}))
     report_path = run_dir / REPORT_JSON
     if not report_path.is_file():
         return

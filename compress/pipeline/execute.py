@@ -44,7 +44,6 @@ from compress.core.memory import device_peak_mb, peak_mb, reset_peak
 from compress.core.records import FileRecords, record_file, record_folder
 from compress.core.rundir import (
     MANIFEST_FILE,
-    READ_IN_PLACE,
     RUN_LOG,
     STAGE_RECORD,
     RunDirLock,
@@ -54,6 +53,7 @@ from compress.core.rundir import (
     require_only_recorded,
     stage_check,
 )
+from compress.core.stage_record import StageFile, StageInput, StageOutput
 from compress.core.versions import library_versions
 from compress.models.sources import DEFAULT_MODEL
 from compress.pipeline.plan import (
@@ -81,7 +81,7 @@ class StageRecord:
     dirname: str
     status: str
     artifact: Artifact
-    record: dict[str, Any]
+    record: StageFile
 
 
 @dataclass
@@ -108,19 +108,15 @@ def _stage_children_peak(before: float) -> float | None:
 
 
 def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
-           earlier: dict[str, Any] | None) -> tuple[Artifact, dict[str, Any]] | None:
+           earlier: dict[str, Any] | None) -> tuple[Artifact, StageFile] | None:
     """The finished output of ``planned`` if it may stand: same fingerprint, made from this very input, and its folder
     still holding what its record (and the earlier manifest's entry, ``earlier``) say was written."""
     if not (run_dir / planned.dirname / STAGE_RECORD).is_file():
         return None
     record, problems = stage_check(run_dir, planned.dirname, earlier)
-    if (
-        record is None
-        or record.get("fingerprint") != planned.fingerprint
-        or record.get("status") not in ("done", "deferred")
-    ):
+    if record is None or record.fingerprint != planned.fingerprint:
         return None
-    if record.get("input", {}).get("sha256") != previous.sha256:
+    if record.input.sha256 != previous.sha256:
         log.info("%s: its input changed since it ran; redoing the stage", planned.dirname)
         return None
     in_place = read_in_place_problem(record)
@@ -128,14 +124,12 @@ def _reuse(run_dir: Path, planned: PlannedStage, previous: Artifact,
     if problems:
         log.warning("%s: %s; redoing the stage", planned.dirname, problems[0])
         return None
-    stage_dir = run_dir / planned.dirname
-    artifact = Artifact.from_json(record["output"], base=stage_dir)
-    return artifact, record
+    return record.output.artifact(run_dir / planned.dirname), record
 
 
 def _run_stage(
     planned: PlannedStage, previous: Artifact, ctx: RunContext, final_dir: Path
-) -> tuple[Artifact, dict[str, Any]]:
+) -> tuple[Artifact, StageFile]:
     if final_dir.is_dir():
         require_only_recorded(final_dir)
     with staging_dir(final_dir) as tmp:
@@ -151,29 +145,30 @@ def _run_stage(
         duration = time.perf_counter() - started
         files = record_folder(tmp, skip=frozenset({STAGE_RECORD}))
         relative, output_sha = _output_location(planned, artifact, tmp, files)
-        status = "deferred" if artifact.meta.get("deferred") else "done"
-        record = {
-            "stage": planned.stage.name,
-            "status": status,
-            "fingerprint": planned.fingerprint,
-            "config": config_json(planned.config),
-            "input": {"kind": previous.kind, "path": str(previous.path), "sha256": previous.sha256},
-            "output": {"kind": artifact.kind, "path": str(relative), "meta": artifact.meta, "sha256": output_sha,
-                       READ_IN_PLACE: relative.is_absolute()},
-            "files": files,
-            "device_files": list(result.device_files),
-            "device": ctx.device,
-            "duration_s": round(duration, 3),
-            "peak_rss_mb": round(peak_mb(), 1),
-            "peak_subprocess_rss_mb": _stage_children_peak(children_before),
-            "peak_device_memory_mb": None if (device_mb := device_peak_mb(ctx.device)) is None else round(device_mb, 1),
-            "metrics": artifact.meta.get("metrics", {}),
-            "summary": result.summary,
-            "figures": result.figures,
-            "versions": library_versions(),
-            "finished_at": datetime.now(timezone.utc).isoformat(),
-        }
-        atomic_write_json(tmp / STAGE_RECORD, record)
+        status = "deferred" if getattr(artifact.meta, "deferred", False) else "done"
+        device_mb = device_peak_mb(ctx.device)
+        record = StageFile(
+            stage=planned.stage.name,
+            status=status,
+            fingerprint=planned.fingerprint,
+            config=config_json(planned.config),
+            input=StageInput(kind=previous.kind, path=str(previous.path), sha256=previous.sha256),
+            output=StageOutput(kind=artifact.kind, path=str(relative), meta=artifact.meta.to_json(), sha256=output_sha,
+                               read_in_place=relative.is_absolute()),
+            files=files,
+            device_files=list(result.device_files),
+            device=ctx.device,
+            duration_s=round(duration, 3),
+            peak_rss_mb=round(peak_mb(), 1),
+            peak_subprocess_rss_mb=_stage_children_peak(children_before),
+            peak_device_memory_mb=None if device_mb is None else round(device_mb, 1),
+            metrics=artifact.metrics,
+            summary=result.summary,
+            figures=result.figures,
+            versions=library_versions(),
+            finished_at=datetime.now(timezone.utc).isoformat(),
+        )
+        record.write(tmp / STAGE_RECORD)
     final = Artifact(artifact.kind, final_dir / relative, artifact.meta, output_sha)
     return final, record
 
@@ -225,7 +220,7 @@ def _manifest(plan: Plan, status: str, records: list[StageRecord], error: str | 
         "data": data_record(plan),
         "versions": {**library_versions(), **deployment_versions(plan)},
         "stages": [
-            {"name": r.name, "dir": r.dirname, "status": r.status, "fingerprint": r.record.get("fingerprint"),
+            {"name": r.name, "dir": r.dirname, "status": r.status, "fingerprint": r.record.fingerprint,
              "output_sha256": r.artifact.sha256, "record_sha256": sha256_file(plan.out_dir / r.dirname / STAGE_RECORD)}
             for r in records
         ],
@@ -319,16 +314,16 @@ def execute(plan: Plan) -> RunResult:
             else:
                 log.info("[%d/%d] %s: running", planned.index, total, planned.stage.name)
                 artifact, record = _run_stage(planned, previous, ctx, final_dir)
-                status = record["status"]
+                status = record.status
                 log.info(
-                    "[%d/%d] %s: %s in %.1fs", planned.index, total, planned.stage.name, status, record["duration_s"]
+                    "[%d/%d] %s: %s in %.1fs", planned.index, total, planned.stage.name, status, record.duration_s
                 )
             records.append(StageRecord(planned.stage.name, planned.dirname, status, artifact, record))
             ctx.artifacts[planned.stage.name] = artifact
             previous = artifact
             atomic_write_json(out / MANIFEST_FILE, _manifest(plan, "running", records))
-            if record.get("summary"):
-                log.info("[%d/%d] %s: %s", planned.index, total, planned.stage.name, record["summary"])
+            if record.summary:
+                log.info("[%d/%d] %s: %s", planned.index, total, planned.stage.name, record.summary)
         current = out
         raise_pending_interrupt()
         _require_read_in_place_unchanged(records)

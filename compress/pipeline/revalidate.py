@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compress.core.artifact import REPORT
+from compress.core.artifact import REPORT, Deployment
 from compress.core.config import Target, apply_budget_overrides, load_target, parse_target, select_power_mode
 from compress.core.errors import EXIT_NOT_MEASURED, MissingBackendError, UsageError
 from compress.core.files import atomic_write_json, atomic_write_text, read_json
@@ -139,7 +139,7 @@ def _decoder_checks(run_dir: Path, stored: dict[str, Any], target, mode: str,
                     on_device: bool) -> tuple[list[Check], dict[str, Any], dict[str, Any] | None]:
     """A decoder run's gate for ``target``: stored quality, predictions recomputed, latency measured when asked."""
     predictions = decoder_gate.target_predictions(
-        stored["model_config"], stored["precision"], target, mode, stored["deployment"]
+        stored["model_config"], stored["precision"], target, mode, Deployment.model_validate(stored["deployment"])
     )
     checks = decoder_gate.gate_checks(stored["metrics"], predictions, target, must_measure=False)
     device_result = None
@@ -162,7 +162,7 @@ def _revalidate(
     mode = (select_power_mode(target, pairs["power"]) if "power" in pairs else target.power_mode()).name
     validation_dir, record = RunDir(run_dir).require_stage_producing(REPORT, "a validation")
     # The measurements as the stage recorded them; what they were made on (shape, precision) from its output.
-    stored = {**read_json(validation_dir / record["output"]["path"]), "metrics": record["metrics"]}
+    stored = {**read_json(validation_dir / record.output.path), "metrics": record.metrics}
     gate_for = _encoder_checks if stored.get("model_kind") == "encoder" else _decoder_checks
     checks, predictions, device_result = gate_for(run_dir, stored, target, mode, on_device)
     gate = gate_json(require_measured_checks(checks) if require_measured else checks)

@@ -16,7 +16,7 @@ from pathlib import Path
 from compress.backends.edgellm.bundle import check_custody
 from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL
 from compress.core.errors import MissingBackendError, StageError
-from compress.core.rundir import READ_IN_PLACE, RunDir, locked, read_in_place_problem
+from compress.core.rundir import RunDir, locked, read_in_place_problem
 
 
 @dataclass
@@ -43,7 +43,7 @@ def verify_run(run_dir: Path) -> Verification:
         with tempfile.TemporaryDirectory(prefix="compress-verify-") as work:
             try:
                 custody = check_custody(
-                    run.output_path(HF_MODEL, "a quantized model"), folder / record["output"]["path"], Path(work)
+                    run.output_path(HF_MODEL, "a quantized model"), folder / record.output.path, Path(work)
                 )
             except MissingBackendError as exc:
                 result.not_checked = f"the bundle's custody was not checked: {exc}"
@@ -58,7 +58,7 @@ def _model_read_in_place(run: RunDir) -> str | None:
     """What became of the model the run read in place (None when the run copied it): still what the run read, changed,
     or not on this machine."""
     for _, record in run.stages():
-        if record is not None and record["output"].get(READ_IN_PLACE):
+        if record is not None and record.output.read_in_place:
             problem = read_in_place_problem(record, full=True)
-            return problem or f"the model read in place, {record['output']['path']}, still holds what the run read"
+            return problem or f"the model read in place, {record.output.path}, still holds what the run read"
     return None

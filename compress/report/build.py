@@ -15,6 +15,7 @@ from typing import Any
 from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, REPORT
 from compress.core.files import atomic_write_json, atomic_write_text
 from compress.core.rundir import MODEL_CARD, PLOTS_DIR, REPORT_HTML, REPORT_JSON, REPORT_MD, RunDir
+from compress.core.stage_record import StageFile
 from compress.eval.gate import NOT_MEASURED, exit_code_for
 from compress.report.html import render_html
 from compress.report.markdown import render_markdown
@@ -36,16 +37,23 @@ def _artifact_path(stages: list[dict[str, Any]], kind: str, run_dir: Path, defer
     return None
 
 
+_UNFINISHED = {"duration_s": None, "peak_rss_mb": None, "peak_device_memory_mb": None, "metrics": {}, "summary": "",
+               "figures": {}, "output": {"kind": None, "path": "", "meta": {}}}
+
+
+def _stage_figures(record: StageFile) -> dict[str, Any]:
+    """What the report shows of a finished stage's record."""
+    output = record.output.model_dump(mode="json", include={"kind", "path", "meta", "sha256", "read_in_place"})
+    figures = record.model_dump(mode="json", include={"duration_s", "peak_rss_mb", "peak_device_memory_mb", "metrics",
+                                                      "summary", "figures"})
+    return {**figures, "output": output}
+
+
 def _stage_entries(run: RunDir) -> list[dict[str, Any]]:
     entries = []
     for entry, record in run.stages():
-        record = record or {}
         entries.append({"name": entry["name"], "dir": entry["dir"], "status": entry["status"],
-                        "duration_s": record.get("duration_s"), "peak_rss_mb": record.get("peak_rss_mb"),
-                        "peak_device_memory_mb": record.get("peak_device_memory_mb"),
-                        "metrics": record.get("metrics", {}), "summary": record.get("summary", ""),
-                        "figures": record.get("figures", {}),
-                        "output": record.get("output", {"kind": None, "path": "", "meta": {}})})
+                        **(_stage_figures(record) if record else _UNFINISHED)})
     return entries
 
 

@@ -154,8 +154,8 @@ def _check_onnx_provenance(run: RunDir) -> tuple[Path, dict]:
         raise ProvenanceError(f"{run.path} has no exported ONNX model")
     run.require_intact()
     stage_dir, record = found
-    onnx_dir = stage_dir / record["output"]["path"]
-    return onnx_dir, {"run": str(run.path), "onnx_sha256": record["output"]["sha256"], "target": manifest["target"]}
+    onnx_dir = stage_dir / record.output.path
+    return onnx_dir, {"run": str(run.path), "onnx_sha256": record.output.sha256, "target": manifest["target"]}
 
 
 def load(path: str | Path, backend: Literal["auto", "edgellm", "onnxruntime", "tensorrt"] = "auto",
@@ -233,7 +233,7 @@ def _try_tensorrt(run: RunDir, required: bool) -> tuple[Path, bool] | None:
             raise ProvenanceError(f"{run.path}'s engine is built by TensorRT Edge-LLM; load it with backend='edgellm'")
         return None
     found = run.stage_producing(ENGINE)
-    engine_dir = found[0] / found[1]["output"]["path"] if found else None
+    engine_dir = found[0] / found[1].output.path if found else None
     if engine_dir is None or not (engine_dir / ENGINE_MANIFEST).is_file():
         if required:
             raise ProvenanceError(

@@ -33,7 +33,6 @@ from compress.transforms.quantize.saved import (
     attach_activation_quant,
     dequantized_weight,
     input_quantizer,
-    kv_cache_scales,
     load_quantization,
     quantization_meta,
 )
@@ -130,7 +129,7 @@ class _Deployed(BlockVisitor):
             return {}
         meta, linears = load_quantization(self.folder, block_prefix + ".")
         self.block_linears = {name.removeprefix(block_prefix + "."): quant for name, quant in linears.items()}
-        return {f"{name}.weight": dequantized_weight(meta, quant) for name, quant in linears.items()}
+        return {f"{name}.weight": dequantized_weight(quant) for name, quant in linears.items()}
 
     def propagation_hooks(self, index: int, block) -> list:
         return attach_activation_quant(block, self.block_linears)
@@ -160,10 +159,10 @@ def window_logits(folder: Path, windows: torch.Tensor, device: torch.device | st
         hidden = [norm(h) for h in visitor.outputs]
     head = model.get_output_embeddings()
     head_name = module_prefix(model, head)
-    quantized_head = load_quantization(folder, head_name) if meta is not None and head_name in meta["linears"] else None
+    quantized_head = load_quantization(folder, head_name) if meta is not None and head_name in meta.linears else None
     if quantized_head is not None:  # the head as deployed: its weight rebuilt from its levels, its input quantized
-        head_meta, (quant,) = quantized_head[0], quantized_head[1].values()
-        return WindowLogits(hidden, dequantized_weight(head_meta, quant).to(device), None,
+        (quant,) = quantized_head[1].values()
+        return WindowLogits(hidden, dequantized_weight(quant).to(device), None,
                             getattr(model.config, "final_logit_softcapping", None), input_quantizer(quant))
     if f"{head_name}.weight" in reader:
         head_tensors = reader.read(name for name in (f"{head_name}.weight", f"{head_name}.bias") if name in reader)
@@ -177,7 +176,7 @@ def window_logits(folder: Path, windows: torch.Tensor, device: torch.device | st
 @contextlib.contextmanager
 def _kv_cache_simulated(model, meta: dict | None) -> Iterator[None]:
     """An FP8 KV cache rounded as the deployed graph rounds it, for the duration."""
-    scales = kv_cache_scales(meta) if meta else None
+    scales = meta.kv_cache_scales() if meta else None
     if not scales:
         yield
         return

@@ -32,3 +32,30 @@ def test_an_earlier_run_directory_with_a_changed_file_still_fails_verification(c
     report = earlier_run / "report.md"
     report.write_text(report.read_text() + "\nedited\n")
     assert main(["verify", str(earlier_run)]) == 2
+
+
+def test_stage_records_read_through_one_type_and_refuse_what_it_does_not_know(tmp_path):
+    from compress.core.errors import ProvenanceError
+    from compress.core.stage_record import STAGE_RECORD_SCHEMA, StageFile
+
+    assert StageFile.read(FIXTURE / "01_load" / "stage.json").output.read_in_place
+    earlier = FIXTURE / "02_export_onnx" / "stage.json"
+    record = StageFile.read(earlier)
+    assert record.schema_version == 1  # written before the record was versioned
+    assert record.output.kind == "onnx" and "model.onnx" in {Path(name).name for name in record.files}
+    written = tmp_path / "stage.json"
+    record.write(written)
+    again = StageFile.read(written)
+    assert again.schema_version == STAGE_RECORD_SCHEMA
+    assert again.model_dump(exclude={"schema_version"}) == record.model_dump(exclude={"schema_version"})
+
+    data = json.loads(earlier.read_text())
+    renamed = {**data, "durations": data.pop("duration_s")}
+    written.write_text(json.dumps(renamed))
+    with pytest.raises(ProvenanceError, match=r"stage\.json is not a stage record \((duration_s|durations)"):
+        StageFile.read(written)
+    data = json.loads(earlier.read_text())
+    data["output"]["sha256"] = 7
+    written.write_text(json.dumps(data))
+    with pytest.raises(ProvenanceError, match=r"output\.sha256"):
+        StageFile.read(written)

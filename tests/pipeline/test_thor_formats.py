@@ -423,7 +423,7 @@ def test_nvfp4_weight_only_bundle_keeps_every_input_in_fp16(runs):
     custody = json.loads((run / "04_export_edgellm" / "custody.json").read_text())
     assert sum("weight-only" in c["tensor"] for c in custody["compared"]) == 14 and not custody["mismatches"]
     meta, linears = load_quantization(run / "02_quantize" / "model")
-    assert meta["activations"] == "float" and all(q.input_scale is None for q in linears.values())
+    assert meta.activations == "float" and all(q.input_scale is None for q in linears.values())
     # Distinct per-tensor scales keep q, k and v apart: Edge-LLM 0.11's fused GEMM would quantize their input.
     layer = "model.layers.0.self_attn"
     assert len({linears[f"{layer}.{p}"].global_scale for p in ("q_proj", "k_proj", "v_proj")}) == 3
@@ -434,8 +434,8 @@ def _our_weight(run: Path, module: str) -> torch.Tensor:
     meta, linears = load_quantization(run / "02_quantize" / "model")
     if module.endswith("qkv_proj_fused"):
         parent = module.rsplit(".", 1)[0]
-        return torch.cat([dequantized_weight(meta, linears[f"{parent}.{p}"]) for p in ("q_proj", "k_proj", "v_proj")])
-    return dequantized_weight(meta, linears[module])
+        return torch.cat([dequantized_weight(linears[f"{parent}.{p}"]) for p in ("q_proj", "k_proj", "v_proj")])
+    return dequantized_weight(linears[module])
 
 
 def _input_scale(run: Path, module: str) -> float | None:

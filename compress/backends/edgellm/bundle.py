@@ -37,7 +37,7 @@ from compress.core.errors import StageError
 from compress.core.files import path_size, read_json
 from compress.models.families import Family, decoder_shape, family_of, is_decoder_linear, part_rows
 from compress.models.weights import CheckpointReader
-from compress.transforms.quantize.saved import kv_cache_scales, load_quantization, quantization_meta
+from compress.transforms.quantize.saved import load_quantization, quantization_meta
 
 log = logging.getLogger(__name__)
 
@@ -65,7 +65,7 @@ def expected_numbers(quantized_dir: Path) -> dict[str, torch.Tensor]:
         for part_name, rows in _parts(family, config, name):
             numbers.update({f"{part_name}.{kind}": tensor[rows].contiguous() for kind, tensor in per_row.items()})
             numbers.update({f"{part_name}.{kind}": tensor for kind, tensor in scalars.items()})
-    for layer, scales in (kv_cache_scales(meta) or {}).items():
+    for layer, scales in (meta.kv_cache_scales() or {}).items():
         numbers[f"model.layers.{layer}.self_attn.kv_scales"] = torch.tensor(scales, dtype=torch.float32)
     for key in stored:
         module = key.rsplit(".", 1)[0]
@@ -199,9 +199,10 @@ def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False
     ``work`` for the exporter) is removed once the bundle is checked unless ``keep_checkpoint``: it holds the quantized
     folder's numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""
     checkpoint, bundle = work / "checkpoint", work / "bundle"
-    meta = quantization_meta(quantized_dir) or {}
-    check_mixed_plan([*(name for points in (meta.get("plan") or {}).values() for name in points.values()),
-                      meta.get("lm_head", "fp16")])
+    meta = quantization_meta(quantized_dir)
+    if meta is not None:
+        plan = meta.plan or {}
+        check_mixed_plan([*(name for points in plan.values() for name in points.values()), meta.lm_head or "fp16"])
     summary = write_unified_checkpoint(quantized_dir, checkpoint)
     arguments = exporter_arguments(summary.quant_algo)
     seconds = run_export(checkpoint, bundle, work / "export.log", arguments)

@@ -48,9 +48,7 @@ from compress.core.versions import __version__
 from compress.models.families import Family, family_of, is_decoder_linear
 from compress.models.weights import SAFETENSORS_INDEX, CheckpointReader
 from compress.transforms.quantize.saved import (
-    MIXED,
     LinearQuant,
-    kv_cache_scales,
     level_values,
     load_quantization,
     quantization_meta,
@@ -173,19 +171,19 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
     meta = quantization_meta(quantized_dir)
     if meta is None:
         raise UsageError(f"{quantized_dir} holds no quantization to write (run a quantize stage first)")
-    if meta["weight_bits"] == 8 and meta.get("activations") == "float":
+    if meta.weight_bits == 8 and meta.activations == "float":
         raise UsageError("INT8 weight-only has no unified-checkpoint format that Edge-LLM reads; use W8A8 or INT4")
     config = json.loads((quantized_dir / "config.json").read_text(encoding="utf-8"))
-    kv_scales = kv_cache_scales(meta)
+    kv_scales = meta.kv_cache_scales()
     layers = int(config["num_hidden_layers"])
     prefixes = [f"model.layers.{layer}." for layer in range(layers)]
     shards = _Shards()
     out.mkdir(parents=True, exist_ok=True)
-    outside = [name for name in meta["linears"] if not any(name.startswith(p) for p in prefixes)]  # a quantized LM head
+    outside = [name for name in meta.linears if not any(name.startswith(p) for p in prefixes)]  # a quantized LM head
     source, family = CheckpointReader(quantized_dir), family_of(config)
     for number, prefix in enumerate([*prefixes, None], start=1):
         linears = load_quantization(quantized_dir, prefix)[1] if prefix else _outside_blocks(quantized_dir, outside)
-        tensors = _quantized_tensors(linears, meta.get("format", "int"), shards)
+        tensors = _quantized_tensors(linears, meta.format, shards)
         keys = [
             k
             for k in source.names()
@@ -203,8 +201,8 @@ def write_unified_checkpoint(quantized_dir: Path, out: Path) -> CheckpointSummar
                                                      "weight_map": shards.weight_map}, indent=2) + "\n")
     quant_block = _quantization_block(meta, bool(kv_scales), outside, shards)
     _write_configs(quantized_dir, out, config, quant_block)
-    group = meta.get("group_size") if meta["weight_bits"] == 4 else None
-    return CheckpointSummary(quant_block["quant_algo"], group, len(meta["linears"]), shards.quantized_bytes,
+    group = meta.group_size if meta.weight_bits == 4 else None
+    return CheckpointSummary(quant_block["quant_algo"], group, len(meta.linears), shards.quantized_bytes,
                              shards.fp16_bytes, len(shards.float_linears))
 
 
@@ -247,10 +245,10 @@ def _quantization_block(
     """The ``quantization`` block of ``hf_quant_config.json`` (and of ``config.json``'s ``quantization_config``)."""
     block = {"quant_algo": quant_algorithm(meta), "kv_cache_quant_algo": "FP8" if fp8_kv_cache else None,
              "exclude_modules": [*(["lm_head"] if "lm_head" not in outside else []), *sorted(shards.float_linears)]}
-    if meta["precision"] == MIXED:  # each quantized linear with its own algorithm; any linear not listed is FP16
+    if meta.is_mixed():  # each quantized linear with its own algorithm; any linear not listed is FP16
         block["quantized_layers"] = shards.quantized_layers
-    elif meta["weight_bits"] == 4:
-        block["group_size"] = meta.get("group_size")
+    elif meta.weight_bits == 4:
+        block["group_size"] = meta.group_size
     return block
 
 
@@ -278,4 +276,4 @@ def _outside_blocks(quantized_dir: Path, names: list[str]) -> dict[str, LinearQu
 
 def quant_algorithm(meta: dict[str, Any]) -> str:
     """The unified checkpoint's ``quant_algo`` for a saved quantization's metadata (``MIXED_PRECISION`` for a plan)."""
-    return MIXED_PRECISION if meta["precision"] == MIXED else PRECISIONS[meta["precision"]].quant_algo
+    return MIXED_PRECISION if meta.is_mixed() else PRECISIONS[meta.precision].quant_algo

@@ -43,7 +43,6 @@ from compress.models.weights import CheckpointReader, empty_causal_lm, module_pr
 from compress.transforms.quantize.saved import (
     LinearQuant,
     dequantized_weight,
-    kv_cache_scales,
     load_quantization,
     quantization_meta,
 )
@@ -153,7 +152,7 @@ class _BlockLevels:
     def __init__(self, folder: Path, model) -> None:
         self.folder = folder
         self.meta = quantization_meta(folder)
-        self.names = sorted(self.meta["linears"]) if self.meta else []
+        self.names = sorted(self.meta.linears) if self.meta else []
         self.prefixes = [module_prefix(model, block) + "." for block in decoder_blocks(model)]
         self._prefix: str | None = None
         self._linears: dict[str, LinearQuant] = {}
@@ -183,7 +182,7 @@ def write_weights(graph_model: onnx.ModelProto, model, folder: Path, path: Path,
         for name, graph_input in parameters.items():
             if name in quantized:
                 linear = levels.get(quantized[name])
-                _add_quantized(rewrite, graph_input.name, _for_export(quantized[name], levels.meta, linear))
+                _add_quantized(rewrite, graph_input.name, _for_export(quantized[name], linear))
             else:
                 _add_float(rewrite, graph_input.name, floats.read(name))
         stats = rewrite.finish(levels.names)
@@ -192,14 +191,14 @@ def write_weights(graph_model: onnx.ModelProto, model, folder: Path, path: Path,
     kept = [i for i in graph.input if not i.name.startswith(PARAMETER_PREFIX)]
     del graph.input[:]
     graph.input.extend(kept)
-    scales = kv_cache_scales(levels.meta) if levels.meta else None
+    scales = levels.meta.kv_cache_scales() if levels.meta else None
     if scales:
         stats["kv_cache_qdq_pairs"] = apply_kv_cache_qdq(graph_model, scales)
     return stats
 
 
-def _for_export(name: str, meta: dict, quant: LinearQuant) -> LinearForExport:
-    weight = dequantized_weight(meta, quant)
+def _for_export(name: str, quant: LinearQuant) -> LinearForExport:
+    weight = dequantized_weight(quant)
     return LinearForExport(
         name,
         weight.numpy(),

@@ -38,7 +38,6 @@ from compress.models.loading import chat_prompt_ids, load_tokenizer
 from compress.transforms.checkpoint_logits import window_logits
 from compress.transforms.quantize.saved import (
     held_deployed_causal_lm,
-    kv_cache_scales,
     load_quantization,
     load_quantized_causal_lm,
     quantization_meta,
@@ -277,10 +276,10 @@ def rewrite_graph(path: Path, model, quantized: tuple[dict, dict] | None) -> dic
     if quantized:
         meta, linears = quantized
         log.info(
-            "writing Q/DQ nodes (%s: %s)", meta["method"], ", ".join(sorted({q.precision for q in linears.values()}))
+            "writing Q/DQ nodes (%s: %s)", meta.method, ", ".join(sorted({q.precision for q in linears.values()}))
         )
         qdq_stats = write_qdq(graph_model, model, linears)
-        scales = kv_cache_scales(meta)
+        scales = meta.kv_cache_scales()
         if scales:
             qdq_stats["kv_cache_qdq_pairs"] = apply_kv_cache_qdq(graph_model, scales)
     if tied and share_tied_embedding(graph_model):
@@ -318,7 +317,7 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     tokenizer = load_tokenizer(source)
     meta = quantization_meta(source)
     formats = (
-        [PRECISIONS[info.get("precision", meta["precision"])] for info in meta["linears"].values()] if meta else []
+        [PRECISIONS[meta.linear_precision(name)] for name in meta.linears] if meta else []
     )
     out.mkdir(parents=True, exist_ok=True)
     path = out / ONNX_FILE

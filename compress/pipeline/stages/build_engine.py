@@ -22,7 +22,7 @@ from compress.backends.tensorrt.builder import build_engine, local_build_support
 from compress.backends.tensorrt.engine_graph import write_engine_input
 from compress.backends.tensorrt.plan import parity_feeds, plan_for_export, write_plan
 from compress.backends.tensorrt.static_check import check_parses_fp4
-from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, Artifact
+from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, ONNX, Artifact, EngineMeta
 from compress.core.config import StrictModel, Target
 from compress.core.errors import MissingBackendError
 from compress.core.files import atomic_write_json, atomic_write_text
@@ -56,12 +56,8 @@ def run_edgellm_build(source: Artifact, config: BuildEngineConfig, ctx: RunConte
         out / DEVICE_SCRIPT, edgellm_tools.device_script(ctx.target, profile, plan["onnx_dir"], plan["engine_dir"])
     )
     (out / DEVICE_SCRIPT).chmod(0o755)
-    meta = {
-        "runtime": "edgellm",
-        "bundle": str(source.path),
-        "profile": plan["profile"],
-        "precision": source.meta.get("precision"),
-    }
+    meta = EngineMeta(runtime="edgellm", bundle=str(source.path), profile=plan["profile"],
+                      precision=source.meta.precision)
     line = (f"Edge-LLM engine profile: batch {profile.max_batch_size}, input {profile.max_input_len}, "
             f"KV capacity {profile.max_kv_cache_capacity}")
     try:
@@ -70,14 +66,16 @@ def run_edgellm_build(source: Artifact, config: BuildEngineConfig, ctx: RunConte
         built = edgellm_tools.build_edgellm_engine(out, plan)
     except MissingBackendError as exc:
         log.info("Edge-LLM engine build deferred: %s; commands written to %s", exc, DEVICE_SCRIPT)
-        meta.update(
-            deferred=True, metrics={"status": "deferred", "reason": str(exc), "runtime": "edgellm", **plan["profile"]}
-        )
+        meta = meta.model_copy(update={
+            "deferred": True,
+            "metrics": {"status": "deferred", "reason": str(exc), "runtime": "edgellm", **plan["profile"]},
+        })
         later = (f"engine/{plan['engine_dir']}/", f"engine/{ENGINE_MANIFEST}", "engine/llm_build.log")
         return StageResult(Artifact(ENGINE, out, meta), f"{line}; {DEFERRED.format(reason=exc)}", device_files=later)
-    meta.update(
-        engine_file=plan["engine_dir"], metrics={"status": "built", "runtime": "edgellm", **plan["profile"], **built}
-    )
+    meta = meta.model_copy(update={
+        "engine_file": plan["engine_dir"],
+        "metrics": {"status": "built", "runtime": "edgellm", **plan["profile"], **built},
+    })
     return StageResult(Artifact(ENGINE, out, meta), line)
 
 
@@ -88,10 +86,10 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
     onnx_dir = Path(source.path)
     plan, facts = plan_for_export(
         onnx_dir,
-        source.meta.get("model_kind", DECODER),
+        source.meta.model_kind,
         target,
         config.max_batch,
-        sparse_24=bool(source.meta.get("sparse_24", False)),
+        sparse_24=source.meta.sparse_24,
         workspace_fraction=config.workspace_fraction,
         optimization_level=config.optimization_level,
         version_compatible=config.version_compatible,
@@ -106,14 +104,14 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
     )
     write_plan(out, plan)
     support = local_build_support(target.gpu.sm)
-    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "onnx": str(source.path),
-            "trtexec": plan.trtexec_command(), "static_check": "passed", **engine_input}
+    meta = source.meta.carried_as(EngineMeta, onnx=str(source.path), trtexec=plan.trtexec_command(),
+                                  static_check="passed", **engine_input)
     if config.build == "defer" or not support.can_build:
         reason = "deferred by configuration" if config.build == "defer" else support.reason
         log.info("engine build deferred: %s; plan written to %s", reason, BUILD_PLAN)
-        meta.update(
-            deferred=True,
-            metrics={
+        meta = meta.model_copy(update={
+            "deferred": True,
+            "metrics": {
                 "status": "deferred",
                 "reason": reason,
                 "trtexec": plan.trtexec_command(),
@@ -123,14 +121,16 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
                 "profiles": [p.name for p in plan.profiles],
                 **engine_input,
             },
-        )
+        })
         later = tuple(f"engine/{name}" for name in (plan.engine_file, ENGINE_MANIFEST, TRTEXEC_LOG))
         return StageResult(Artifact(ENGINE, out, meta), DEFERRED.format(reason=reason), device_files=later)
     cache = timing_cache_path(target.name, support.tensorrt_version or "unknown")
     cache.parent.mkdir(parents=True, exist_ok=True)
     built = build_engine(plan, out / plan.engine_onnx_file, out / plan.engine_file, cache)
-    meta.update(engine_file=plan.engine_file, device=support.device, tensorrt_version=built["tensorrt_version"],
-                metrics={"status": "built", "device": support.device, **built, **engine_input})
+    meta = meta.model_copy(update={
+        "engine_file": plan.engine_file, "device": support.device, "tensorrt_version": built["tensorrt_version"],
+        "metrics": {"status": "built", "device": support.device, **built, **engine_input},
+    })
     return StageResult(
         Artifact(ENGINE, out, meta), f"TensorRT {built['tensorrt_version']} engine built on {support.device}"
     )

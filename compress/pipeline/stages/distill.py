@@ -97,7 +97,7 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
         "train_data": [str(spec) for spec in ctx.train_data] or "the calibration text",
         "train_windows": int(train.shape[0]),
     }
-    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "metrics": metrics}
+    meta = source.meta.carried(metrics=metrics)
     line = (
         f"{student_params:,} parameters; student {shape}, ppl {before['perplexity']:.1f} → {after['perplexity']:.1f} "
         f"after {config.steps} {config.loss} steps (teacher {teacher_figures['perplexity']:.1f})"

@@ -17,7 +17,7 @@ from compress.algorithms.formats import PRECISIONS
 from compress.backends.edgellm import contracts
 from compress.backends.edgellm.bundle import export_bundle
 from compress.backends.edgellm.env import EDGELLM_VERSION
-from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL, ONNX, Artifact
+from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL, ONNX, Artifact, BundleMeta
 from compress.core.config import StrictModel, Target
 from compress.core.errors import UsageError
 from compress.pipeline.auto_precision import candidate_formats
@@ -73,8 +73,7 @@ def run_export_edgellm(source: Artifact, config: ExportEdgeLLMConfig, ctx: RunCo
     quantized = ctx.last_artifact(HF_MODEL)
     metrics = export_bundle(Path(quantized.path), ctx.stage_dir, config.keep_checkpoint)
     bundle = ctx.stage_dir / "bundle"
-    meta = {"precision": source.meta.get("precision", "fp16"), "quant_algo": metrics["checkpoint"]["quant_algo"],
-            "metrics": metrics}
+    meta = BundleMeta(precision=source.meta.precision, quant_algo=metrics["checkpoint"]["quant_algo"], metrics=metrics)
     custody = metrics["custody"]
     line = (
         f"Edge-LLM bundle {metrics['checkpoint']['quant_algo']}, {custody['tensors_compared']} tensors checked against "

@@ -70,25 +70,23 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> S
             f"ONNX greedy tokens {parity['greedy_tokens_onnx']} differ from torch {parity['greedy_tokens_torch']}"
         )
     qdq_stats = dict(exported.qdq)
-    if source.meta.get("sparse_24"):
+    if source.meta.sparse_24:
         vocab = int(read_json(out / "config.json")["vocab_size"])
         qdq_stats["onnx_pattern_24_fraction"] = onnx_24_fraction(out / ONNX_FILE, skip_output_dim=vocab)
         log.info(
             "2:4 pattern holds for %.4f%% of the exported linear weights", 100 * qdq_stats["onnx_pattern_24_fraction"]
         )
-    meta = {
-        **{k: v for k, v in source.meta.items() if k != "metrics"},
-        "sparse_24": bool(source.meta.get("sparse_24"))
-        and qdq_stats.get("onnx_pattern_24_fraction", 0) >= PATTERN_COMPLETE,
-        "layout": exported.layout.to_json(),
-        "opset": config.opset,
-        "metrics": {
+    meta = source.meta.carried(
+        sparse_24=source.meta.sparse_24 and qdq_stats.get("onnx_pattern_24_fraction", 0) >= PATTERN_COMPLETE,
+        layout=exported.layout.to_json(),
+        opset=config.opset,
+        metrics={
             "onnx_size_bytes": exported.onnx_size_bytes,
             "parity": parity,
             **qdq_stats,
             "phase_peak_rss_mb": exported.phase_peak_rss_mb,
         },
-    }
+    )
     line = (f"ONNX {exported.onnx_size_bytes / 1e6:.1f} MB; max logit diff {parity['max_abs_logit_diff']:.2e}, "
             f"greedy {'identical' if parity['greedy_match'] else 'DIFFERENT'}")
     return StageResult(Artifact(ONNX, out, meta), line, {SIZE_MB: exported.onnx_size_bytes / 1e6})
@@ -138,8 +136,7 @@ def run_export_encoder(source: Artifact, config: ExportEncoderConfig, ctx: RunCo
         "parity_min_cosine": round(cosine, 6),
         **qdq,
     }
-    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "precision": precision, "model_kind": "encoder",
-            "metrics": metrics}
+    meta = source.meta.carried(precision=precision, model_kind="encoder", metrics=metrics)
     line = f"ONNX {size / 1e6:.1f} MB; {precision}, parity minimum cosine {cosine:.6f}"
     return StageResult(Artifact(ONNX, out, meta), line, {SIZE_MB: size / 1e6})
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 
-from compress.core.artifact import HF_MODEL, SOURCE, Artifact
+from compress.core.artifact import HF_MODEL, SOURCE, Artifact, ModelMeta
 from compress.core.config import StrictModel
 from compress.core.errors import UsageError
 from compress.core.files import read_json, top_level_sha256
@@ -61,14 +61,14 @@ def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResu
             "the model cannot read its own tokens"
         )
     parameters = count_parameters(model)
-    meta = {
-        "architecture": (cfg.architectures or [type(model).__name__])[0],
-        "model_type": cfg.model_type,
-        "model_kind": kind,
-        "license": ctx.model_source.license,
-        "source": ctx.model_spec,
-        "precision": "fp32",
-        "metrics": {
+    meta = ModelMeta(
+        architecture=(cfg.architectures or [type(model).__name__])[0],
+        model_type=cfg.model_type,
+        model_kind=kind,
+        license=ctx.model_source.license,
+        source=ctx.model_spec,
+        precision="fp32",
+        metrics={
             "parameters": parameters,
             "layers": cfg.num_hidden_layers,
             "attention_heads": cfg.num_attention_heads,
@@ -76,8 +76,8 @@ def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResu
             "hidden_size": cfg.hidden_size,
             "vocab_size": cfg.vocab_size,
         },
-    }
-    log.info("loaded %s: %s parameters", meta["architecture"], f"{parameters:,}")
+    )
+    log.info("loaded %s: %s parameters", meta.architecture, f"{parameters:,}")
     return StageResult(
         Artifact(HF_MODEL, out, meta, sha256), f"{parameters:,} parameters", {SIZE_MB: parameters * 4 / 1e6 or None}
     )

@@ -46,13 +46,11 @@ def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx: RunContext)
     out = ctx.stage_dir / "model"
     save_model_folder(model, tokenizer, source.path, out)
     after = count_parameters(model)
-    meta = {
-        **{k: v for k, v in source.meta.items() if k != "metrics"},
-        "metrics": {"parameters": after, "parameters_before": before, "heads_before": heads, "heads_after": kv * keep,
-                    "pruned_fraction": 1 - kv * keep / heads, "importance": config.importance, "mode": config.mode,
-                    "heads_kept_per_layer": plan,
-                    "importance_scores": [[round(float(v), 6) for v in row] for row in scores]},
-    }
+    meta = source.meta.carried(metrics={
+        "parameters": after, "parameters_before": before, "heads_before": heads, "heads_after": kv * keep,
+        "pruned_fraction": 1 - kv * keep / heads, "importance": config.importance, "mode": config.mode,
+        "heads_kept_per_layer": plan, "importance_scores": [[round(float(v), 6) for v in row] for row in scores],
+    })
     return StageResult(Artifact(HF_MODEL, out, meta), f"{after:,} parameters; heads {heads} → {kv * keep} per layer")
 
 
@@ -91,9 +89,8 @@ def run_prune_encoder_heads(source: Artifact, config: PruneEncoderHeadsConfig, c
     log.info(
         "kept %d of %d heads per layer: %s -> %s parameters", len(plan[0]), heads_before, f"{before:,}", f"{after:,}"
     )
-    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"},
-            "metrics": {"heads_before": heads_before, "heads_after": len(plan[0]), "heads_kept_per_layer": plan,
-                        "parameters_before": before, "parameters": after}}
+    meta = source.meta.carried(metrics={"heads_before": heads_before, "heads_after": len(plan[0]),
+                                        "heads_kept_per_layer": plan, "parameters_before": before, "parameters": after})
     return StageResult(
         Artifact(HF_MODEL, out, meta), f"{after:,} parameters; heads {heads_before} → {len(plan[0])} per layer"
     )

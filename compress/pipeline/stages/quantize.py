@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from compress.core.artifact import HF_MODEL, Artifact
+from compress.core.artifact import HF_MODEL, Artifact, DeployedQuantization
 from compress.core.config import Target
 from compress.core.errors import UsageError
 from compress.core.files import read_json
@@ -80,7 +80,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
         raise UsageError(
             f"too little calibration text: {windows.numel()} tokens, need at least {config.min_calib_tokens}"
         )
-    if config.rotation_limit() and source.meta.get("sparse_24"):
+    if config.rotation_limit() and source.meta.sparse_24:
         log.warning("hadamard_block ignored: rotating down_proj inputs would break the model's 2:4 sparsity")
         config = config.model_copy(update={"hadamard_block": 0})
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
@@ -111,20 +111,15 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
         "rotated_linears": result.rotated_linears(),
         "kv_cache_scales": {str(i): list(scales) for i, scales in result.kv_scales.items()} or None,
     }
-    meta = {
-        **{k: v for k, v in source.meta.items() if k != "metrics"},
-        "precision": precision.name,
-        "float_linear_fraction": linear_parameter_fraction(model_config, config.float_linears),
-        "quantization": {
-            "method": config.method,
-            "format": config.weight_format(),
-            "weight_bits": bits,
-            "group_size": group,
-            "activations": activation.name if activation else "float",
-            "kv_cache": config.kv_cache,
-        },
-        "metrics": metrics,
-    }
+    quantization = DeployedQuantization(method=config.method, format=config.weight_format(), weight_bits=bits,
+                                        group_size=group, activations=activation.name if activation else "float",
+                                        kv_cache=config.kv_cache)
+    meta = source.meta.carried(
+        precision=precision.name,
+        float_linear_fraction=linear_parameter_fraction(model_config, config.float_linears),
+        quantization=quantization,
+        metrics=metrics,
+    )
     parts = [f"{metrics['scheme']} ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} dB, "
              f"{len(metrics['outlier_layers'])} outlier linears"]
     if metrics["rotated_linears"]:
@@ -169,22 +164,10 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
         "rotated_linears": [],
         "kv_cache_scales": None,
     }
-    meta = {
-        **{k: v for k, v in source.meta.items() if k != "metrics"},
-        "precision": MIXED,
-        "float_linear_fraction": found["mix"].get(FLOAT, 0.0),
-        "quantization": {
-            "method": config.method,
-            "format": MIXED,
-            "weight_bits": None,
-            "group_size": 128,
-            "activations": "per linear",
-            "kv_cache": "fp16",
-            "mix": found["mix"],
-            "lm_head": found["lm_head"],
-        },
-        "metrics": metrics,
-    }
+    quantization = DeployedQuantization(method=config.method, format=MIXED, group_size=128, activations="per linear",
+                                        mix=found["mix"], lm_head=found["lm_head"])
+    meta = source.meta.carried(precision=MIXED, float_linear_fraction=found["mix"].get(FLOAT, 0.0),
+                               quantization=quantization, metrics=metrics)
     chosen = next(c for c in found["candidates"] if c["chosen"])
     line = (f"a format per group: {', '.join(f'{count} {name}' for name, count in counts.items())}; predicted "
             f"{chosen['predicted_tokens_per_s']:.1f} tok/s; held-out worst domain {chosen['measured']['worst_domain']} "
@@ -247,7 +230,7 @@ def run_quantize_encoder(source: Artifact, config: EncoderQuantizeConfig, ctx: R
     }
     if metrics["float_input_linears"]:
         log.info("linears keeping float inputs (INT8 weights only): %s", ", ".join(metrics["float_input_linears"]))
-    meta = {**{k: v for k, v in source.meta.items() if k != "metrics"}, "precision": "int8", "metrics": metrics}
+    meta = source.meta.carried(precision="int8", metrics=metrics)
     line = (
         f"INT8 weights and static INT8 activations ({metrics['algorithm']}), median SQNR {metrics['median_sqnr_db']} "
         f"dB, {len(metrics['float_input_linears'])} linears with float inputs"

@@ -33,14 +33,11 @@ def run_sparsify(source: Artifact, config: SparsifyConfig, ctx: RunContext) -> S
     zeros = sum(float((w == 0).sum()) for w in weights)
     linear = sum(w.numel() for w in weights)
     parameters = count_parameters(model)
-    meta = {
-        **{k: v for k, v in source.meta.items() if k != "metrics"},
-        "sparse_24": sparse_24,
-        "metrics": {"pattern": config.pattern, "method": config.method, "pattern_24_fraction": fraction,
-                    "linear_sparsity": zeros / linear, "parameters": parameters,
-                    "nonzero_parameters": int(parameters - zeros), "calibration_tokens": int(windows.numel()),
-                    "seconds": round(result["seconds"], 2), "layers": result["layers"]},
-    }
+    metrics = {"pattern": config.pattern, "method": config.method, "pattern_24_fraction": fraction,
+               "linear_sparsity": zeros / linear, "parameters": parameters,
+               "nonzero_parameters": int(parameters - zeros), "calibration_tokens": int(windows.numel()),
+               "seconds": round(result["seconds"], 2), "layers": result["layers"]}
+    meta = source.meta.carried(sparse_24=sparse_24, metrics=metrics)
     line = f"{parameters:,} parameters"
     if fraction is not None:
         line += f"; 2:4 pattern {100 * fraction:.2f}% ({config.method})"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, HF_MODEL, ONNX, REPORT, Artifact
+from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, HF_MODEL, ONNX, REPORT, Artifact, ReportMeta
 from compress.core.files import atomic_write_json, path_size, read_json
 from compress.core.rundir import DEVICE_REFERENCE, VALIDATION
 from compress.eval import decoder, encoder
@@ -32,26 +32,24 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     model_dir = Path(exported_from.path)
     onnx_dir = Path(onnx.path) if onnx is not None else None
     tokenizer = load_tokenizer(model_dir)
-    cases, _ = resolve_prompts(
-        ctx.prompts, tokenizer
-    )  # checked before any pass: a prompt the device cannot take is refused
+    # checked before any pass: a prompt the device cannot take is refused
+    cases, _ = resolve_prompts(ctx.prompts, tokenizer)
     check_prompt_lengths(cases, tokenizer, config.prompt_new_tokens, ctx.target.budgets.context_length)
     files = decoder.DeployedFiles(model_dir, Path(teacher.path) if teacher else None, onnx_dir)
     metrics = decoder.measure(files, ctx.evaluation, config, ctx.progress, ctx.unseen_domains, ctx.prompts, ctx.device)
     metrics["model_size_bytes"] = _deployed_size(ctx, onnx_dir, model_dir)
-    if onnx is not None and "onnx_pattern_24_fraction" in onnx.meta.get("metrics", {}):
-        metrics["onnx_pattern_24_fraction"] = onnx.meta["metrics"]["onnx_pattern_24_fraction"]
+    if onnx is not None and "onnx_pattern_24_fraction" in onnx.metrics:
+        metrics["onnx_pattern_24_fraction"] = onnx.metrics["onnx_pattern_24_fraction"]
     if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
         _write_device_reference(ctx, config, model_dir, metrics)
-    meta = exported_from.meta
-    precision = meta.get("precision", "fp32")
+    precision = exported_from.meta.precision
     model_config = read_json(model_dir / "config.json")
-    deployment = decoder.deployment_meta(meta)
+    deployment = exported_from.meta.deployment()
     predictions = decoder.target_predictions(model_config, precision, ctx.target, ctx.power_mode, deployment)
     gate = gate_json(decoder.gate_checks(metrics, predictions, ctx.target, ctx.require_measured))
     out = ctx.stage_dir / VALIDATION
     atomic_write_json(out, {"model_kind": DECODER, "metrics": metrics, "predictions": predictions, "gate": gate,
-                            "model_config": model_config, "precision": precision, "deployment": deployment})
+                            "model_config": model_config, "precision": precision, "deployment": deployment.to_json()})
     for name, row in metrics.get("domains", {}).items():
         log.info("%-12s %s perplexity %.3f vs teacher %.3f (%+.2f%%), top-1 agreement %.1f%%, KL %.4f", name,
                  "seen  " if row["seen"] else "unseen", row["perplexity_model"], row["perplexity_reference"],
@@ -84,7 +82,7 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
             key: metrics.get(key) for key in ("domains", "mixed", "worst_domain", "unseen_domains", "window_prefix")
         }
     return StageResult(
-        Artifact(REPORT, out, {"metrics": metrics, "predictions": predictions, "gate": gate}), line, figures
+        Artifact(REPORT, out, ReportMeta(metrics=metrics, predictions=predictions, gate=gate)), line, figures
     )
 
 
@@ -120,7 +118,7 @@ def run_validate_encoder(source: Artifact, config: encoder.ValidateEncoderConfig
     onnx_dir = Path(exported.path)
     metrics = encoder.measure(onnx_dir, Path(teacher.path), ctx.evaluation, config, ctx.eval_labels)
     shape = encoder.encoder_shape(load_encoder(Path(ctx.last_artifact(HF_MODEL).path)))
-    precision = exported.meta.get("precision", "fp16")
+    precision = exported.meta.precision
     predicted = encoder.predictions(shape, precision, ctx.target, ctx.power_mode, metrics["median_tokens"])
     gate = gate_json(encoder.gate_checks(metrics, predicted, ctx.target, ctx.require_measured))
     out = ctx.stage_dir / VALIDATION
@@ -154,7 +152,7 @@ def run_validate_encoder(source: Artifact, config: encoder.ValidateEncoderConfig
     else:
         line = f"{metrics['sentences']} sentences: label agreement {metrics['label_agreement']:.4f}"
     line += "; host " + ", ".join(f"batch {row['batch']} p50 {row['p50_ms']:.1f} ms" for row in metrics["host_latency"])
-    return StageResult(Artifact(REPORT, out, {"metrics": metrics, "predictions": predicted, "gate": gate}), line)
+    return StageResult(Artifact(REPORT, out, ReportMeta(metrics=metrics, predictions=predicted, gate=gate)), line)
 
 
 STAGE = register(

@@ -27,9 +27,10 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 from safetensors.torch import save_file
 
 from compress.algorithms import kv_cache
@@ -45,7 +46,7 @@ from compress.algorithms.formats import (
     levels_on_grid,
 )
 from compress.algorithms.rotation import rotate
-from compress.core.errors import UsageError
+from compress.core.errors import UsageError, first_line
 from compress.core.files import atomic_write_json, read_json
 from compress.models.compute import holding_device, largest_part_float32_bytes, tensor_bytes
 from compress.models.loading import load_causal_lm
@@ -62,6 +63,90 @@ ACTIVATION_DESCRIPTIONS = {"int8": "int8-static-per-tensor", "fp8": "fp8-static-
                            "nvfp4": "nvfp4-dynamic-block16-static-global"}
 OUTLIER_MARGIN_DB = 10.0
 MIXED = "mixed"  # the precision of a quantization whose linears each have their own
+
+
+QUANTIZATION_SCHEMA = 2
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SavedLinear(_Record):
+    """One quantized linear's settings in ``quantization.json`` (its levels and scales are in the safetensors)."""
+
+    input_scale: float | None
+    sqnr_db: float
+    migration_ratio: float | None = None
+    rotation: int = 0
+    global_scale: float | None = None
+    input_format: str = "int8"
+    # None in a file written before each linear named its own (the file's precision and group then hold)
+    precision: str | None = None
+    group_size: int | None = None
+
+
+class SavedKvCache(_Record):
+    """An FP8 KV cache: per layer (by index) its key and value scales."""
+
+    format: Literal["fp8"] = "fp8"
+    scales: dict[str, tuple[float, float]]
+
+
+class QuantizationFile(_Record):
+    """``quantization.json``: how a quantized folder was quantized, written and read through this one type.
+
+    ``schema_version`` is 2 since the file became this type; one without it reads as version 1 (same layout)."""
+
+    schema_version: Literal[1, 2] = 1
+    method: str
+    config: dict[str, Any]
+    precision: str
+    format: str
+    weight_bits: int | None
+    group_size: int | None
+    activations: str
+    plan: dict[str, Any] | None = None  # a mixed plan (MixedPlan.to_json)
+    lm_head: str | None = None  # a mixed plan's LM head format
+    kv_cache: SavedKvCache | None = None
+    linears: dict[str, SavedLinear]
+
+    def is_mixed(self) -> bool:
+        return self.precision == MIXED
+
+    def linear_precision(self, name: str) -> str:
+        """How the linear ``name`` ships (its own precision; in an older file, the file's)."""
+        return self.linears[name].precision or self.precision
+
+    def kv_cache_scales(self) -> dict[int, tuple[float, float]] | None:
+        """The per-layer ``(k_scale, v_scale)`` of an FP8 KV cache, or None."""
+        if self.kv_cache is None:
+            return None
+        return {int(i): (float(k), float(v)) for i, (k, v) in self.kv_cache.scales.items()}
+
+    def write(self, folder: Path) -> None:
+        data = self.model_copy(update={"schema_version": QUANTIZATION_SCHEMA}).model_dump(mode="json")
+        atomic_write_json(Path(folder) / QUANT_CONFIG_FILE, data)
+
+    @classmethod
+    def read(cls, folder: Path) -> QuantizationFile | None:
+        """``quantization.json`` of a quantized folder, or None for a float model; a usage error naming the file when
+        it is not one this compress reads."""
+        path = Path(folder) / QUANT_CONFIG_FILE
+        if not path.is_file():
+            return None
+        try:
+            return cls.model_validate(read_json(path))
+        except (OSError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+            reason = _validation_reason(exc) if isinstance(exc, ValidationError) else first_line(exc)
+            raise UsageError(
+                f"{path} is not a quantization this compress reads ({reason}); rerun the quantize stage"
+            ) from None
+
+
+def _validation_reason(exc: ValidationError) -> str:
+    problem = exc.errors()[0]
+    return f"{'.'.join(str(part) for part in problem['loc'])}: {problem['msg'].lower()}"
 
 
 @dataclass
@@ -206,7 +291,7 @@ class QuantizedCheckpointWriter:
                                                             "weight_map": self.model_map})
         atomic_write_json(self.folder / QUANT_WEIGHTS_INDEX, {"metadata": {"total_size": self.sizes["levels"]},
                                                               "weight_map": self.level_map})
-        atomic_write_json(self.folder / QUANT_CONFIG_FILE, _quantization_json(result))
+        _quantization_file(result).write(self.folder)
 
     def _write(self, kind: str, file: str, tensors: dict[str, torch.Tensor], weight_map: dict[str, str]) -> None:
         save_file(tensors, str(self.folder / file), metadata={"format": "pt"})
@@ -219,64 +304,42 @@ def _stored(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return value.detach().to("cpu", dtype=dtype if value.is_floating_point() else None).contiguous()
 
 
-def _quantization_json(result: QuantResult) -> dict[str, Any]:
+def _quantization_file(result: QuantResult) -> QuantizationFile:
     if result.plan is not None:
-        uniform = {
-            "precision": MIXED,
-            "format": MIXED,
-            "weight_bits": None,
-            "group_size": None,
-            "activations": "per linear",
-            "plan": result.plan.to_json(),
-            "lm_head": result.plan.head,
-        }
+        uniform = {"precision": MIXED, "format": MIXED, "weight_bits": None, "group_size": None,
+                   "activations": "per linear", "plan": result.plan.to_json(), "lm_head": result.plan.head}
     else:
         bits, _, group = result.config.scheme()
         activation = result.config.activation_format()
-        uniform = {
-            "precision": result.config.precision().name,
-            "format": result.config.weight_format(),
-            "weight_bits": bits,
-            "group_size": group,
-            "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float",
-        }
-    return {
-        "method": result.config.method,
-        "config": result.config.model_dump(mode="json"),
-        **uniform,
-        "kv_cache": {"format": "fp8", "scales": {str(i): list(s) for i, s in result.kv_scales.items()}}
-        if result.kv_scales
-        else None,
-        "linears": {
-            name: {
-                "input_scale": q.input_scale,
-                "input_format": q.input_format,
-                "sqnr_db": q.sqnr_db,
-                "migration_ratio": q.migration_ratio,
-                "rotation": q.rotation,
-                "global_scale": q.global_scale,
-                "precision": q.precision,
-                "group_size": q.group_size,
-            }
-            for name, q in result.linears.items()
-        },
+        uniform = {"precision": result.config.precision().name, "format": result.config.weight_format(),
+                   "weight_bits": bits, "group_size": group,
+                   "activations": ACTIVATION_DESCRIPTIONS[activation.name] if activation else "float"}
+    kv_cache = SavedKvCache(scales={str(i): s for i, s in result.kv_scales.items()}) if result.kv_scales else None
+    linears = {
+        name: SavedLinear(input_scale=q.input_scale, input_format=q.input_format, sqnr_db=q.sqnr_db,
+                          migration_ratio=q.migration_ratio, rotation=q.rotation, global_scale=q.global_scale,
+                          precision=q.precision, group_size=q.group_size)
+        for name, q in result.linears.items()
     }
+    return QuantizationFile(method=result.config.method, config=result.config.model_dump(mode="json"), **uniform,
+                            kv_cache=kv_cache, linears=linears)
 
 
-def quantization_meta(folder: Path) -> dict[str, Any] | None:
+def quantization_meta(folder: Path) -> QuantizationFile | None:
     """``quantization.json`` of a quantized folder (every linear's settings, no tensors), or None for a float model."""
-    path = Path(folder) / QUANT_CONFIG_FILE
-    return read_json(path) if path.is_file() else None
+    return QuantizationFile.read(folder)
 
 
-def load_quantization(folder: Path, prefix: str | None = None) -> tuple[dict[str, Any], dict[str, LinearQuant]] | None:
+def load_quantization(
+    folder: Path, prefix: str | None = None
+) -> tuple[QuantizationFile, dict[str, LinearQuant]] | None:
     """Read what :class:`QuantizedCheckpointWriter` wrote (``prefix``: only the linears under it, e.g. one block's), or
     None for a float model."""
     folder = Path(folder)
     meta = quantization_meta(folder)
     if meta is None:
         return None
-    names = [name for name in meta["linears"] if prefix is None or name.startswith(prefix)]
+    names = [name for name in meta.linears if prefix is None or name.startswith(prefix)]
     try:
         reader = CheckpointReader(folder, QUANT_WEIGHTS_FILE, QUANT_WEIGHTS_INDEX)
     except UsageError as exc:
@@ -288,23 +351,16 @@ def load_quantization(folder: Path, prefix: str | None = None) -> tuple[dict[str
             "rerun the quantize stage"
         )
     stored = reader.read(key for name in names for key in (f"{name}.weight_scale", f"{name}.weight_levels"))
-    linears = {
-        name: LinearQuant(
-            stored[f"{name}.weight_scale"],
-            info["input_scale"],
-            info["sqnr_db"],
-            info.get("migration_ratio"),
-            info.get("rotation", 0),
-            info.get("global_scale"),
-            info.get("input_format", "int8"),
-            stored[f"{name}.weight_levels"],
-            info.get("precision", meta["precision"]),
-            info.get("group_size", meta.get("group_size")),
-        )
-        for name, info in meta["linears"].items()
-        if name in set(names)
-    }
-    return meta, linears
+    return meta, {name: _linear_quant(meta, name, stored) for name in names}
+
+
+def _linear_quant(meta: QuantizationFile, name: str, stored: dict[str, torch.Tensor]) -> LinearQuant:
+    info = meta.linears[name]
+    # a file written before each linear named its own precision holds one group size for all
+    group_size = info.group_size if info.precision is not None else meta.group_size
+    return LinearQuant(stored[f"{name}.weight_scale"], info.input_scale, info.sqnr_db, info.migration_ratio,
+                       info.rotation, info.global_scale, info.input_format, stored[f"{name}.weight_levels"],
+                       meta.linear_precision(name), group_size)
 
 
 def grid_levels(weight: torch.Tensor, grid: WeightGrid, scales: torch.Tensor, weight_format: str) -> torch.Tensor:
@@ -318,11 +374,11 @@ def level_values(quant: LinearQuant) -> torch.Tensor:
     return quant.levels.float()
 
 
-def dequantized_weight(meta: dict[str, Any], quant: LinearQuant) -> torch.Tensor:
+def dequantized_weight(quant: LinearQuant) -> torch.Tensor:
     """The float32 weight a saved linear computes with: its levels times its scales, rotated back when its input is
     rotated (the quantizer computes it this way, so the result is the same number for number)."""
     levels = level_values(quant)
-    weight = stored_grid(meta, quant).dequantize(levels, expand_scales(quant.weight_scales.float(), levels.shape[1]))
+    weight = stored_grid(quant).dequantize(levels, expand_scales(quant.weight_scales.float(), levels.shape[1]))
     return rotate(weight, quant.rotation) if quant.rotation else weight
 
 
@@ -349,7 +405,7 @@ def held_quantized_causal_lm(folder: Path, trust_remote_code: bool = False,
     The model is built empty and given the checkpoint's tensors (no initialisation, no float copy of a quantized
     weight is ever made); its generation settings are the folder's. ``loaded``: what :func:`load_quantization` read, if
     the caller has it."""
-    meta, linears = loaded or load_quantization(folder)
+    _, linears = loaded or load_quantization(folder)
     quantized = _weight_names(linears)
     model = empty_causal_lm(folder, trust_remote_code=trust_remote_code)
     if getattr(model.config, "tie_word_embeddings", False):
@@ -371,7 +427,7 @@ def held_quantized_causal_lm(folder: Path, trust_remote_code: bool = False,
         from transformers import GenerationConfig
 
         model.generation_config = GenerationConfig.from_pretrained(folder)
-    rebuilt = {f"{name}.weight": functools.partial(dequantized_weight, meta, quant) for name, quant in linears.items()}
+    rebuilt = {f"{name}.weight": functools.partial(dequantized_weight, quant) for name, quant in linears.items()}
     return model, rebuilt
 
 
@@ -405,30 +461,23 @@ def load_quantized_causal_lm(folder: Path, trust_remote_code: bool = False):
     left_out = _weight_names(loaded[1]) if loaded is not None else frozenset()
     model = load_causal_lm(folder, trust_remote_code=trust_remote_code, left_out=left_out)
     if loaded is not None:
-        meta, linears = loaded
+        _, linears = loaded
         with torch.no_grad():
             for name, quant in linears.items():
-                model.get_submodule(name).weight.copy_(dequantized_weight(meta, quant))
+                model.get_submodule(name).weight.copy_(dequantized_weight(quant))
     return model
 
 
-def kv_cache_scales(meta: dict[str, Any]) -> dict[int, tuple[float, float]] | None:
-    """The per-layer ``(k_scale, v_scale)`` of a saved quantization with an FP8 KV cache, or None."""
-    cache = meta.get("kv_cache")
-    return {int(i): (float(k), float(v)) for i, (k, v) in cache["scales"].items()} if cache else None
-
-
-def attach_quantization(model, meta: dict[str, Any], linears: dict[str, LinearQuant]) -> None:
+def attach_quantization(model, meta: QuantizationFile, linears: dict[str, LinearQuant]) -> None:
     """Everything a saved quantization simulates at run time: quantized inputs and the FP8 KV cache."""
     attach_activation_quant(model, linears)
-    scales = kv_cache_scales(meta)
+    scales = meta.kv_cache_scales()
     if scales:
         kv_cache.attach_kv_cache_quant(model, scales)
 
 
-def stored_grid(meta: dict[str, Any], quant: LinearQuant) -> WeightGrid:
-    """The bound grid a saved linear's weight lies on (each linear its own precision; ``meta`` as
-    :func:`load_quantization` returns it)."""
+def stored_grid(quant: LinearQuant) -> WeightGrid:
+    """The bound grid a saved linear's weight lies on (each linear its own precision)."""
     weight_format = quant.format.weight_format
     if weight_format == "nvfp4":
         return Nvfp4Grid(quant.global_scale)

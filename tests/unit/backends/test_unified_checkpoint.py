@@ -100,7 +100,7 @@ def _our_integers(quantized: Path) -> tuple[dict[str, torch.Tensor], dict[str, L
         ratio = weight / expand_scales(quant.weight_scales.double(), weight.shape[1])
         assert float((ratio - ratio.round()).abs().max()) < 1e-3, name
         integers[name] = ratio.round().to(torch.int8)
-    return integers, linears, meta["weight_bits"]
+    return integers, linears, meta.weight_bits
 
 
 def test_int8_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wide, tmp_path):

@@ -29,7 +29,6 @@ from compress.transforms.quantize.mixed import (
     sensitivity,
 )
 from compress.transforms.quantize.saved import (
-    MIXED,
     attach_quantization,
     dequantized_weight,
     held_quantized_causal_lm,
@@ -61,7 +60,7 @@ def test_a_plan_quantizes_each_group_in_its_own_format_and_validation_computes_i
     config = QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED})
     quantize_folder(wide, tmp_path / "q", windows, config, progress=False, plan=plan)
     meta, linears = load_quantization(tmp_path / "q")
-    assert meta["precision"] == MIXED and meta["plan"] == plan.to_json()
+    assert meta.is_mixed() and meta.plan == plan.to_json()
     family = family_of(load_causal_lm(wide).config)
     expected = {}
     for index, points in plan.formats.items():
@@ -99,7 +98,7 @@ def test_a_plan_may_quantize_the_tied_lm_head_as_a_linear_of_its_own(wide, windo
     saved = load_quantized_causal_lm(tmp_path / "q")
     assert source.config.tie_word_embeddings and not saved.config.tie_word_embeddings
     assert torch.equal(saved.model.embed_tokens.weight, source.model.embed_tokens.weight)  # the table is not touched
-    head_weight = dequantized_weight(meta, quant)
+    head_weight = dequantized_weight(quant)
     error = float((head_weight - source.lm_head.weight).norm() / source.lm_head.weight.norm())
     assert 0 < error < (0.1 if head == "fp8" else 0.25), error  # on the format's grid, near the float head
     model, rebuilt = held_quantized_causal_lm(tmp_path / "q")
@@ -127,7 +126,7 @@ def test_a_plan_saves_the_weights_the_quantizer_computed_with(wide, windows):
     assert {q.migration_ratio is not None for q in result.linears.values()} == {True}  # every input had scales folded
     for name, quant in result.linears.items():
         torch.testing.assert_close(
-            dequantized_weight({}, quant),
+            dequantized_weight(quant),
             model.get_submodule(name).weight.detach(),
             atol=1e-6,
             rtol=1e-5,
