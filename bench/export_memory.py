@@ -37,9 +37,10 @@ def main() -> None:
     args = parser.parse_args()
     source = args.run_dir / "02_quantize" / "model"
     loaded = json.loads((args.run_dir / "01_load" / "stage.json").read_text())["output"]["path"]
+    # read in place, or a copy
     model = (
         Path(loaded) if Path(loaded).is_absolute() else args.run_dir / "01_load" / loaded
-    )  # read in place, or a copy
+    )
     checkpoint = sum(f.stat().st_size for f in model.glob("*.safetensors"))
     with tempfile.TemporaryDirectory() as work:
         proc = subprocess.run(

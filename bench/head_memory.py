@@ -49,7 +49,7 @@ plan = MixedPlan({index: dict(points) for index in range(layers)}, candidate_con
                  head=FLOAT if head == "fp16" else head)
 windows = calibration_windows(load_tokenizer(folder), load_calibration(DEFAULT_CALIBRATION), 256, 8, min_tokens=1)
 started = time.perf_counter()
-quantize_folder(folder, out, windows, config, progress=False, plan=plan)
+quantize_folder(folder, out, windows, config, plan=plan)
 print(f"SECONDS {time.perf_counter() - started:.1f}")
 """
 
@@ -68,9 +68,10 @@ def quantize(folder: Path, head: str, code: Path, label: str, blocks: str) -> di
     proc = subprocess.run(["/usr/bin/time", "-v", sys.executable, "-c", _CHILD, str(folder), str(out), head, blocks],
                           cwd=code, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(code)})
     if proc.returncode != 0:
+        # before /usr/bin/time's own lines
         program = (
             proc.stderr.split("\tCommand being timed:")[0].strip().splitlines()
-        )  # before /usr/bin/time's own lines
+        )
         return {"head": head, "code": label, "error": (program or ["?"])[-1]}
     peak_kb = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr).group(1))
     written = sum(p.stat().st_size for p in out.glob("*.safetensors"))

@@ -56,17 +56,26 @@ OUT = REPO / "bench_runs" / "peers"
 PEERS_PYTHON = REPO / ".venv-peers" / "bin" / "python"
 EDGELLM_QUANT_PYTHON = REPO / ".venv-edgellm-quant" / "bin" / "python"
 GROUP = 64
-AUTOROUND_ITERS = 50  # AutoRound's "light" setting; its default (200) takes hours on two cores
+AUTOROUND_ITERS = 50  # AutoRound's "light" setting; its default is 200 (the autoround-200 row)
+TUNE_ITERS = 100  # compress's learned rounding (quantize.tune_iters) in the *-tuned rows
 
 ROWS = {
     "compress-rtn-int4": ("compress", {"method": "rtn", "bits": 4, "group_size": GROUP, "hadamard_block": 0}),
     "compress-int4": ("compress", {"method": "int4", "group_size": GROUP}),
     "llm-compressor-rtn": ("peer", {"tool": "llmcompressor-rtn"}),
     "llm-compressor-gptq": ("peer", {"tool": "llmcompressor-gptq"}),
+    "compress-int4-tuned": ("compress", {"method": "int4", "group_size": GROUP, "tune_iters": TUNE_ITERS}),
+    "compress-int4-rotated-tuned": ("compress", {"method": "int4", "group_size": GROUP, "tune_iters": TUNE_ITERS,
+                                                 "rotate": "hadamard"}),
     "autoround": ("peer", {"tool": "autoround", "iters": AUTOROUND_ITERS}),
+    "autoround-200": ("peer", {"tool": "autoround", "iters": 200}),
     "llm-compressor-w8a8": ("simulated", {"tool": "llmcompressor", "option": "W8A8"}),
     "compress-int8": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq", "hadamard_block": 0}),
     "edgellm-int8_sq": ("simulated", {"tool": "edgellm", "option": "int8_sq"}),
+    "compress-int8-rotated": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq",
+                                           "hadamard_block": 0, "rotate": "hadamard"}),
+    "compress-int8-rotated-tuned": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq",
+                                                 "hadamard_block": 0, "rotate": "hadamard", "tune_iters": TUNE_ITERS}),
     "compress-fp8": ("compress", {"method": "fp8"}),
     "edgellm-fp8": ("simulated", {"tool": "edgellm", "option": "fp8"}),
     # Edge-LLM's int4_awq groups 128 inputs, which SmolLM2's 576-wide inputs do not divide: the table's group of 64
@@ -260,10 +269,23 @@ except AssertionError as exc:
 """
 
 
-def _teacher() -> Path:
+MODELS = {"smollm2": ("SmolLM2-135M-Instruct", 64), "gemma3-270m": ("Gemma-3-270M", 128)}  # name, INT4 group
+
+
+def _teacher(model: str) -> Path:
+    if model == "gemma3-270m":
+        sys.path.insert(0, str(REPO / "bench"))
+        from gemma import gemma_folder
+
+        return gemma_folder()
     from compress.models.sources import materialize, resolve_model
 
     return materialize(resolve_model("smollm2-135m-instruct"))
+
+
+def _grouped(options: dict, group: int) -> dict:
+    """A row's options with its INT4 group size (compress's ``group_size``, a peer's ``group``) set to ``group``."""
+    return {**options, **{key: group for key in ("group_size", "group") if key in options}}
 
 
 def _calibration(teacher: Path):
@@ -276,11 +298,10 @@ def _calibration(teacher: Path):
                                config.calib_windows, min_tokens=config.min_calib_tokens)
 
 
-def quantize_row(name: str, teacher: Path, windows, out: Path) -> tuple[Path, float]:
-    """The row's quantized model folder (ours: the quantize stage's folder; a peer's: its dense weights) and seconds."""
+def quantize_row(kind: str, options: dict, teacher: Path, windows, out: Path) -> tuple[Path, float]:
+    """A row's quantized model folder (ours: the quantize stage's folder; a peer's: its dense weights) and seconds."""
     import torch
 
-    kind, options = ROWS[name]
     started = time.perf_counter()
     if kind == "compress":
         from compress.models.loading import load_tokenizer, save_side_files
@@ -288,17 +309,17 @@ def quantize_row(name: str, teacher: Path, windows, out: Path) -> tuple[Path, fl
         from compress.transforms.quantize.decoder import quantize_folder
 
         folder = out / "model"
-        quantize_folder(teacher, folder, windows, QUANTIZE_CONFIG.validate_python(options), progress=False)
+        quantize_folder(teacher, folder, windows, QUANTIZE_CONFIG.validate_python(options))
         save_side_files(load_tokenizer(teacher), teacher, folder)
         return folder, time.perf_counter() - started
     if not PEERS_PYTHON.is_file():
-        raise SystemExit(f"{name}: {PEERS_PYTHON} is missing; create it as this script's docstring says")
+        raise SystemExit(f"{options['tool']}: {PEERS_PYTHON} is missing; create it as this script's docstring says")
     windows_file = out / "windows.pt"
     torch.save(windows, windows_file)
     proc = subprocess.run([str(PEERS_PYTHON), "-c", _PEER, str(teacher), str(out), str(windows_file),
-                           json.dumps({**options, "group": GROUP})], capture_output=True, text=True, cwd=out)
+                           json.dumps({"group": GROUP, **options})], capture_output=True, text=True, cwd=out)
     if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-3000:]}")
+        raise SystemExit(f"{options['tool']} failed:\n{proc.stderr[-3000:]}")
     return out / "model", time.perf_counter() - started
 
 
@@ -375,7 +396,7 @@ def simulated_row(
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     if "not_run" in result:
         return None, 0.0, result["not_run"]
-    teacher_ids = teacher_answers(cases, tokenizer, teacher, eos, config.prompt_new_tokens, progress=False)
+    teacher_ids = teacher_answers(cases, tokenizer, teacher, eos, config.prompt_new_tokens)
     prompts = compare_answers(
         cases, tokenizer, teacher_ids, result["answers"], config.prompt_new_tokens, "the shipped app prompts"
     )
@@ -387,20 +408,35 @@ def simulated_row(
     return quality, result["seconds"], None
 
 
+def _value(text: str):
+    """A ``--set`` value as JSON where it parses (numbers, true, null), else the string."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     parser.add_argument("--windows", type=int, help="calibrate every row on the first N windows only (default: all 32)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
+                        help="the packaged SmolLM2 (INT4 group 64) or Gemma-3-270M (group 128, bench/gemma.py)")
+    parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                        help="quantize options for every compress row (e.g. tune_iters=50); the row is named with them")
     args = parser.parse_args()
+    overrides = {key: _value(value) for key, value in (item.split("=", 1) for item in args.set)}
     sys.path.insert(0, str(REPO))
-    teacher = _teacher()
+    label, group = MODELS[args.model]
+    teacher = _teacher(args.model)
     windows = _calibration(teacher)[: args.windows]
     results = []
     for name in args.rows:
-        out = OUT / name
+        out = OUT / args.model / name
         subprocess.run(["rm", "-rf", str(out)], check=True)  # this script's own earlier row
         out.mkdir(parents=True)
         kind, options = ROWS[name]
+        options = _grouped({**options, "group": group} if kind == "peer" else options, group)
         if kind == "simulated":
             metrics, seconds, why = simulated_row(options["tool"], options["option"], teacher, windows, out,
                                                  options.get("group", 0))
@@ -409,7 +445,10 @@ def main() -> None:
                 results.append({"row": name, "not_run": why})
                 continue
         else:
-            folder, seconds = quantize_row(name, teacher, windows, out)
+            if kind == "compress" and overrides:
+                options = {**options, **overrides}
+                name = name + "".join(f" {key}={value}" for key, value in overrides.items())
+            folder, seconds = quantize_row(kind, options, teacher, windows, out)
             metrics = measure_row(folder, teacher)
         row = {
             "row": name,
@@ -425,7 +464,7 @@ def main() -> None:
         results.append(row)
         print(json.dumps(row), flush=True)
     print(
-        f"\nSmolLM2-135M-Instruct, {len(windows)} calibration windows of {windows.shape[1]} tokens; measured by "
+        f"\n{label}, {len(windows)} calibration windows of {windows.shape[1]} tokens; measured by "
         "compress's "
         "validation code against the unquantized model (edgellm rows: on Model Optimizer's fake quantization)\n"
     )

@@ -46,7 +46,7 @@ config = QUANTIZE_CONFIG.validate_python({**options, **overrides} if "method" no
 windows = calibration_windows(load_tokenizer(folder), load_calibration(DEFAULT_CALIBRATION), config.calib_window,
                               config.calib_windows, min_tokens=config.min_calib_tokens)
 started = time.perf_counter()
-quantize_folder(folder, out, windows, config, progress=False)
+quantize_folder(folder, out, windows, config)
 print(f"SECONDS {time.perf_counter() - started:.1f}")
 """
 

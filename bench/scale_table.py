@@ -165,9 +165,10 @@ def estimate(folder: Path, recipe: str, extra: list[str]) -> list[dict]:
     plan = json.loads(proc.stdout)
     rows = plan["estimates"]
     if not plan["fits_this_machine"]:
+        # a real run is refused; the dry run only says so
         rows.append(
             {"stage": "refused", "reason": plan["fit_problem"]}
-        )  # a real run is refused; the dry run only says so
+        )
     return rows
 
 

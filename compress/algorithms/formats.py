@@ -98,9 +98,8 @@ def _nonzero(scales: torch.Tensor) -> torch.Tensor:
     return torch.where(scales == 0, torch.ones_like(scales), scales)
 
 
-ROWS_AT_A_TIME = (
-    8192  # rows of a weight taken to float32 at a time where a whole copy would be large (a 150k-word LM head)
-)
+# rows of a weight taken to float32 at a time where a whole copy would be large (a 150k-word LM head)
+ROWS_AT_A_TIME = 8192
 
 
 def tensor_absmax(weights: list[torch.Tensor]) -> float:
@@ -131,6 +130,9 @@ class WeightGrid(Protocol):
 
     def group_scale(self, columns: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
         """``(out,)`` scales of one group's ``(out, group)`` columns."""
+
+    def snap_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        """``scales`` as this grid stores them (FP16 numbers for FP8, FP8 numbers for NVFP4 blocks)."""
 
     def levels(self, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         """Grid values of ``weight`` under broadcast ``scales``."""
@@ -164,6 +166,9 @@ class IntGrid:
     def group_scale(self, columns: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
         return (columns.abs().amax(dim=1) * clip).clamp(min=1e-8) / self.qmax
 
+    def snap_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        return scales.clamp(min=1e-8 / self.qmax)
+
     def levels(self, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return torch.clamp(torch.round(weight / scales), -self.qmax - 1, self.qmax)
 
@@ -192,7 +197,9 @@ class Fp8Grid:
             absmax = weight.abs().amax(dim=1)
         else:
             absmax = weight.abs().amax() if self.absmax is None else weight.new_tensor(self.absmax)
-        scales = (absmax * clip).clamp(min=1e-8) / FP8_MAX
+        return self.snap_scales((absmax * clip).clamp(min=1e-8) / FP8_MAX)
+
+    def snap_scales(self, scales: torch.Tensor) -> torch.Tensor:
         return scales.half().float().clamp(min=_SMALLEST_FP16)
 
     def group_scale(self, columns: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
@@ -235,6 +242,9 @@ class Nvfp4Grid:
 
     def group_scale(self, columns: torch.Tensor, clip: torch.Tensor | float = 1.0) -> torch.Tensor:
         return round_fp8(columns.abs().amax(dim=1) * clip / FP4_MAX / self._global())
+
+    def snap_scales(self, scales: torch.Tensor) -> torch.Tensor:
+        return round_fp8(scales)
 
     def levels(self, weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return round_e2m1(weight / (_nonzero(scales) * self._global()))

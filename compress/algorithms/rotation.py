@@ -48,3 +48,23 @@ def rotate_gram(gram: torch.Tensor, block: int) -> torch.Tensor:
 def rotate_numpy(x: np.ndarray, block: int) -> np.ndarray:
     """:func:`rotate` for float32 NumPy arrays (the exporter's side)."""
     return rotate(torch.from_numpy(np.ascontiguousarray(x, dtype=np.float64)), block).numpy().astype(np.float32)
+
+
+def random_orthogonal(size: int, seed: int) -> torch.Tensor:
+    """A ``size x size`` orthogonal matrix drawn uniformly (Haar) from a seeded generator, in float64."""
+    generator = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(size, size, generator=generator, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))[None, :]
+
+
+def randomized_hadamard(size: int, seed: int = 0) -> torch.Tensor:
+    """An orthogonal ``size x size`` rotation that spreads every coordinate over all others: random signs times the
+    Kronecker product of the largest normalized Hadamard matrix whose order divides ``size`` and a random orthogonal
+    matrix of the odd rest (``576 = 64 x 9``; a power of two is a plain Hadamard matrix). Float64."""
+    power = size & -size  # the largest power of two dividing size
+    rest = size // power
+    matrix = hadamard(power) if power > 1 else torch.ones(1, 1, dtype=torch.float64)
+    if rest > 1:
+        matrix = torch.kron(matrix.contiguous(), random_orthogonal(rest, seed + 1).contiguous())
+    signs = torch.randint(0, 2, (size,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64) * 2 - 1
+    return signs.to(torch.float64)[:, None] * matrix

@@ -12,7 +12,9 @@ from compress.core.config import load_target, parse_override_value, select_power
 from compress.core.errors import UsageError
 from compress.eval.perf_model import (
     KV_CACHE_ELEMENT_BYTES,
+    Lengths,
     ModelShape,
+    Storage,
     lowest_power_mode_meeting_budget,
     mode_tops,
     predict_all_modes,
@@ -65,9 +67,9 @@ def predict_command(pairs: dict[str, str]) -> dict[str, Any]:
     if kv_cache == "fp8":
         mode_tops(target, target.power_mode(), "fp8")  # refuses a target without FP8, naming its precisions
     shape = replace(shape, kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[kv_cache])
-    kwargs = {"prompt_len": _positive_int(pairs, "prompt_len"), "context": _positive_int(pairs, "context"),
-              "group_size": _positive_int(pairs, "group_size") or 128}
-    modes = predict_all_modes(target, shape, precision, **kwargs)
+    lengths = Lengths(_positive_int(pairs, "prompt_len"), _positive_int(pairs, "context"))
+    storage = Storage(group_size=_positive_int(pairs, "group_size") or 128)
+    modes = predict_all_modes(target, shape, precision, lengths, storage)
     result: dict[str, Any] = {
         "target": target.name,
         "precision": precision,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from compress.core.errors import UsageError
 
@@ -27,3 +28,14 @@ def resolve_device(spec: str) -> str:
         seen = f"torch sees {count} CUDA device{'s' if count != 1 else ''}" if count else "torch sees no CUDA device"
         raise UsageError(f"device={spec}: {seen}; use device=cpu (or device=auto)")
     return f"cuda:{index}"
+
+
+@dataclass(frozen=True)
+class Compute:
+    """Where block-by-block work is computed (a torch device name) and whether it shows progress bars."""
+
+    device: str = "cpu"
+    progress: bool = False
+
+
+ON_CPU = Compute()  # the default: on the CPU, no progress bars

@@ -49,9 +49,8 @@ _SHIPPED_DOMAINS = {path: domain for domain, path in DEFAULT_CALIBRATION_DOMAINS
 DEFAULT_CALIBRATION = tuple(path for _, path in DEFAULT_CALIBRATION_DOMAINS)
 DEFAULT_EVALUATION = tuple(path for _, path in DEFAULT_EVALUATION_DOMAINS)
 EVAL_SKIP_CHARS = 5000
-EVALUATED_CHARS_PER_TOKEN = (
-    6  # generous: English BPE averages about 4, so the span checked covers all that is evaluated
-)
+# generous: English BPE averages about 4, so the span checked covers all that is evaluated
+EVALUATED_CHARS_PER_TOKEN = 6
 SHINGLE_WORDS = 8
 MAX_EVALUATION_DOMAINS = 64  # each domain is evaluated on its own; the gate takes the worst
 _OVERLAP_PROBES = 2000

@@ -30,6 +30,7 @@ from compress.backends.onnx.runtime import DecoderLayout, OnnxDecoder
 from compress.backends.onnx.slices import SlicedDecoder, slices_over
 from compress.core.artifact import DeployedQuantization, Deployment
 from compress.core.config import StrictModel, Target
+from compress.core.devices import ON_CPU, Compute
 from compress.core.memory import phase_peak
 from compress.core.text import (
     TextSource,
@@ -47,6 +48,7 @@ from compress.eval.latency import measure_decoder_latency
 from compress.eval.perf_model import (
     KV_CACHE_ELEMENT_BYTES,
     ModelShape,
+    Storage,
     lowest_power_mode_meeting_budget,
     predict,
     predict_all_modes,
@@ -228,32 +230,11 @@ def measure(files: DeployedFiles, evaluation: list[TextSource], config: Validate
     domains = evaluation_windows(tokenizer, evaluation, config)
     windows = torch.cat([w for _, w in domains])
     names = ", ".join(name for name, _ in domains)
-    log.info(
-        "measuring the deployed numbers in torch (%s) on %d domains (%s), %d windows of %d tokens, block by block",
-        device,
-        len(domains),
-        names,
-        windows.shape[0],
-        config.window,
-    )
+    log.info("measuring the deployed numbers in torch (%s) on %d domains (%s), %d windows of %d tokens, block by block",
+             device, len(domains), names, windows.shape[0], config.window)
     peaks: dict[str, float] = {}  # MB, per phase: which of them sets the stage's peak
     with phase_peak(peaks, "passes"):
-        deployed = window_logits(model_dir, windows, device, progress, desc="model")
-        teacher = None
-        if teacher_dir is not None:  # a float export measures the teacher itself
-            teacher = (
-                deployed
-                if Path(teacher_dir) == Path(model_dir)
-                else window_logits(teacher_dir, windows, device, progress, "teacher")
-            )
-        quality = _quality(deployed, teacher, domains, windows, unseen or [], progress)
-        measured = (
-            torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows))
-            if onnx_dir is not None
-            else {}
-        )
-        deployed = teacher = None
-        release_freed_memory()
+        quality, measured = _torch_passes(files, domains, windows, (unseen or [], config, progress, device))
     cases, prompt_source = resolve_prompts(prompts, tokenizer)
     answers = None
     if cases and teacher_dir is not None:
@@ -262,10 +243,8 @@ def measure(files: DeployedFiles, evaluation: list[TextSource], config: Validate
     if onnx_dir is not None:  # ONNX Runtime's session (float32 copies of the 16-bit tensors) is alone in memory
         with phase_peak(peaks, "onnx_runtime"):
             parity, latency = _onnx_runtime_side(onnx_dir, measured, windows, evaluation, tokenizer, config)
-    log.info(
-        "validation's peak resident memory by phase: %s",
-        ", ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in peaks.items()),
-    )
+    log.info("validation's peak resident memory by phase: %s",
+             ", ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in peaks.items()))
     return {
         "eval_tokens": int(windows.numel()),
         "eval_windows": int(windows.shape[0]),
@@ -284,6 +263,26 @@ def measure(files: DeployedFiles, evaluation: list[TextSource], config: Validate
         "host_latency": latency,
         "phase_peak_rss_mb": peaks,
     }
+
+
+def _torch_passes(files: DeployedFiles, domains: list, windows: torch.Tensor,
+                  how: tuple[list[str], ValidateConfig, bool, str]) -> tuple[dict[str, Any], dict]:
+    """The deployed model's and the teacher's logits block by block in torch (``how``: unseen domains, config,
+    progress, device): the quality figures, and torch's side of the ONNX parity sample where there is an ONNX."""
+    unseen, config, progress, device = how
+    model_dir, teacher_dir = files.model_dir, files.teacher_dir
+    deployed = window_logits(model_dir, windows, device, progress, desc="model")
+    teacher = None
+    if teacher_dir is not None:  # a float export measures the teacher itself
+        same = Path(teacher_dir) == Path(model_dir)
+        teacher = deployed if same else window_logits(teacher_dir, windows, device, progress, "teacher")
+    quality = _quality(deployed, teacher, domains, windows, unseen, progress)
+    measured = {}
+    if files.onnx_dir is not None:
+        measured = torch_side(deployed, windows, parity_sample(domains, config.onnx_parity_windows))
+    deployed = teacher = None
+    release_freed_memory()
+    return quality, measured
 
 
 def _onnx_runtime_side(
@@ -370,7 +369,8 @@ def _prompt_answers(cases, source: str, tokenizer, files: DeployedFiles, config:
     )
     eos = model_eos_ids(model_dir, tokenizer)
     with phase_peak(peaks, "prompts_teacher"):
-        answers = teacher_answers(cases, tokenizer, teacher_dir, eos, config.prompt_new_tokens, progress, device=device)
+        on = Compute(device, progress)
+        answers = teacher_answers(cases, tokenizer, teacher_dir, eos, config.prompt_new_tokens, on)
     with (
         phase_peak(peaks, "prompts_deployed"),
         deployed_generator(model_dir, eos, pad_id_of(tokenizer, eos), device) as generate,
@@ -379,20 +379,14 @@ def _prompt_answers(cases, source: str, tokenizer, files: DeployedFiles, config:
     return compare_answers(cases, tokenizer, answers, deployed, config.prompt_new_tokens, source)
 
 
-def teacher_answers(cases, tokenizer, teacher_dir: Path, eos: list[int], new_tokens: int, progress: bool,
-                    trust_remote_code: bool = False, device: str = "cpu") -> list[list[int]]:
-    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype (on ``device`` where it
-    fits there), computed in float32."""
-    teacher, _ = held_deployed_causal_lm(teacher_dir, trust_remote_code, device)
+def teacher_answers(cases, tokenizer, teacher_dir: Path, eos: list[int], new_tokens: int, compute: Compute = ON_CPU,
+                    trust_remote_code: bool = False) -> list[list[int]]:
+    """The teacher's greedy answers (token ids) to ``cases``: the model held in its own dtype (on the compute device
+    where it fits there), computed in float32."""
+    teacher, _ = held_deployed_causal_lm(teacher_dir, trust_remote_code, compute.device)
     with computed_in_float32(teacher):
-        answers = answer_prompts(
-            cases,
-            tokenizer,
-            torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos)),
-            new_tokens,
-            progress,
-            "teacher",
-        )
+        generate = torch_greedy_batched(teacher, eos, pad_id_of(tokenizer, eos))
+        answers = answer_prompts(cases, tokenizer, generate, new_tokens, compute.progress, "teacher")
     del teacher
     release_freed_memory()
     return answers
@@ -451,93 +445,60 @@ def gate_checks(
     metrics: dict[str, Any], predictions: dict[str, Any], target: Target, must_measure: bool
 ) -> list[Check]:
     """Compare measurements and predictions with the target's budgets."""
-    budgets = target.budgets
-    chosen = predictions["chosen"]
-    mode = chosen["power_mode"]
-    worst = metrics.get("worst_domain")
-    where = (
-        (
-            f"worst of {len(metrics['domains'])} evaluation domains: {worst}"
-            + (" (unseen)" if worst in metrics.get("unseen_domains", []) else "")
-        )
-        if worst
-        else "the evaluation text"
-    )
     checks = [
-        upper_bound_check(
-            "perplexity_increase_pct",
-            metrics.get("perplexity_increase_pct"),
-            budgets.max_ppl_increase_pct,
-            "measured",
-            "%",
-            f"the deployed numbers vs the teacher, {where}",
-        ),
-        lower_bound_check(
-            "top1_agreement",
-            metrics.get("top1_agreement"),
-            budgets.min_top1_agreement,
-            "measured",
-            "",
-            "next-token argmax equal to the teacher's, mixed evaluation text",
-        ),
-        upper_bound_check(
-            "mean_kl",
-            metrics.get("mean_kl"),
-            budgets.max_mean_kl,
-            "measured",
-            "nats",
-            "mean KL(teacher || model) per token, mixed evaluation text",
-        ),
-        upper_bound_check(
-            "decode_latency_ms",
-            chosen["decode_latency_ms"],
-            budgets.max_decode_latency_ms,
-            "predicted",
-            "ms",
-            f"{target.name} {mode}, {chosen['precision']}, context {budgets.context_length}",
-        ),
-        upper_bound_check(
-            "ttft_ms",
-            chosen["ttft_ms"],
-            budgets.max_ttft_ms,
-            "predicted",
-            "ms",
-            f"{target.name} {mode}, prompt {budgets.prompt_length} tokens",
-        ),
-        upper_bound_check(
-            "memory_gb",
-            chosen["memory_gb"],
-            budgets.max_memory_gb,
-            "predicted",
-            "GB",
-            f"weights + KV cache at {budgets.context_length} + runtime",
-        ),
+        *_quality_checks(metrics, target.budgets),
+        *_predicted_checks(predictions["chosen"], target),
+        *prompt_checks(metrics.get("prompts"), target.budgets),
+        *_export_checks(metrics),
     ]
-    checks += prompt_checks(metrics.get("prompts"), budgets)
+    return require_measured(checks) if must_measure else checks
+
+
+def _quality_checks(metrics: dict[str, Any], budgets) -> list[Check]:
+    """The measured quality against the teacher: the worst domain's perplexity, top-1 agreement and KL."""
+    worst = metrics.get("worst_domain")
+    where = "the evaluation text"
+    if worst:
+        unseen = " (unseen)" if worst in metrics.get("unseen_domains", []) else ""
+        where = f"worst of {len(metrics['domains'])} evaluation domains: {worst}{unseen}"
+    return [
+        upper_bound_check("perplexity_increase_pct", metrics.get("perplexity_increase_pct"),
+                          budgets.max_ppl_increase_pct, "measured", "%",
+                          f"the deployed numbers vs the teacher, {where}"),
+        lower_bound_check("top1_agreement", metrics.get("top1_agreement"), budgets.min_top1_agreement, "measured", "",
+                          "next-token argmax equal to the teacher's, mixed evaluation text"),
+        upper_bound_check("mean_kl", metrics.get("mean_kl"), budgets.max_mean_kl, "measured", "nats",
+                          "mean KL(teacher || model) per token, mixed evaluation text"),
+    ]
+
+
+def _predicted_checks(chosen: dict[str, Any], target: Target) -> list[Check]:
+    """The latency model's decode latency, TTFT and memory in the chosen power mode against the budgets."""
+    budgets, mode = target.budgets, chosen["power_mode"]
+    return [
+        upper_bound_check("decode_latency_ms", chosen["decode_latency_ms"], budgets.max_decode_latency_ms,
+                          "predicted", "ms",
+                          f"{target.name} {mode}, {chosen['precision']}, context {budgets.context_length}"),
+        upper_bound_check("ttft_ms", chosen["ttft_ms"], budgets.max_ttft_ms, "predicted", "ms",
+                          f"{target.name} {mode}, prompt {budgets.prompt_length} tokens"),
+        upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
+                          f"weights + KV cache at {budgets.context_length} + runtime"),
+    ]
+
+
+def _export_checks(metrics: dict[str, Any]) -> list[Check]:
+    """What the export must keep: the 2:4 pattern where the model is sparse, ONNX Runtime agreeing with torch."""
+    checks = []
     if metrics.get("onnx_pattern_24_fraction") is not None:
-        checks.append(
-            upper_bound_check(
-                "sparsity_24_violations_pct",
-                100.0 * (1.0 - metrics["onnx_pattern_24_fraction"]),
-                0.0,
-                "measured",
-                "%",
-                "share of exported linear weight 4-groups outside the 2:4 pattern",
-            )
-        )
+        checks.append(upper_bound_check(
+            "sparsity_24_violations_pct", 100.0 * (1.0 - metrics["onnx_pattern_24_fraction"]), 0.0, "measured", "%",
+            "share of exported linear weight 4-groups outside the 2:4 pattern"))
     parity = metrics.get("onnx_parity")
     if parity:
-        checks.append(
-            upper_bound_check(
-                "onnx_vs_torch_quantized_pct",
-                parity["difference_pct"],
-                ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT,
-                "measured",
-                "%",
-                f"|ppl ONNX Runtime / ppl torch - 1| of the deployed numbers on {parity['windows']} windows",
-            )
-        )
-    return require_measured(checks) if must_measure else checks
+        checks.append(upper_bound_check(
+            "onnx_vs_torch_quantized_pct", parity["difference_pct"], ONNX_VS_TORCH_QUANTIZED_LIMIT_PCT, "measured", "%",
+            f"|ppl ONNX Runtime / ppl torch - 1| of the deployed numbers on {parity['windows']} windows"))
+    return checks
 
 
 def target_predictions(model: dict[str, Any] | Path, precision: str, target: Target, power_mode: str,
@@ -554,12 +515,9 @@ def target_predictions(model: dict[str, Any] | Path, precision: str, target: Tar
         all_modes = [predict_mixed(target, shape, quantization.mix, m.name, head=head) for m in target.power_modes]
         chosen = predict_mixed(target, shape, quantization.mix, power_mode, head=head).to_json()
     else:
-        options = {
-            "float_fraction": deployment.float_linear_fraction or 0.0,
-            "group_size": quantization.group_size or 128,
-        }
-        all_modes = predict_all_modes(target, shape, precision, **options)
-        chosen = predict(target, shape, precision, power_mode, **options).to_json()
+        storage = Storage(quantization.group_size or 128, float_fraction=deployment.float_linear_fraction or 0.0)
+        all_modes = predict_all_modes(target, shape, precision, storage=storage)
+        chosen = predict(target, shape, precision, power_mode, storage=storage).to_json()
     lowest = lowest_power_mode_meeting_budget(all_modes, target.budgets.max_decode_latency_ms)
     return {"target": target.name, "modes": [p.to_json() for p in all_modes], "chosen": chosen,
             "lowest_power_mode_meeting_latency_budget": lowest.power_mode if lowest else None,

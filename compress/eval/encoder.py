@@ -117,76 +117,42 @@ def predictions(shape: dict[str, int], precision: str, target: Target, power_mod
 def gate_checks(metrics: dict[str, Any], predicted: dict[str, Any], target: Target, must_measure: bool) -> list[Check]:
     """Compare measurements and predictions with the target's budgets."""
     budgets = target.budgets
-    chosen = predicted["chosen"]
     where = f"{metrics['sentences']} evaluation sentences"
-    if metrics["output"] == HIDDEN_OUTPUT:
-        checks = [
-            lower_bound_check(
-                "embedding_cosine_mean",
-                metrics["embedding_cosine_mean"],
-                budgets.min_embedding_cosine,
-                "measured",
-                "",
-                f"ONNX Runtime vs fp32 torch, {where} (worst domain {metrics['worst_domain']})",
-            ),
-            lower_bound_check(
-                "embedding_cosine_min",
-                metrics["embedding_cosine_min"],
-                budgets.min_embedding_cosine_worst,
-                "measured",
-                "",
-                f"lowest over {where}",
-            ),
-            lower_bound_check(
-                "neighbour_agreement",
-                metrics["neighbour_agreement"],
-                budgets.min_neighbour_agreement,
-                "measured",
-                "",
-                f"overlap of each sentence's 5 nearest neighbours with the fp32 model's, {where}",
-            ),
-        ]
-    else:
-        checks = [
-            lower_bound_check(
-                "label_agreement",
-                metrics["label_agreement"],
-                budgets.min_label_agreement,
-                "measured",
-                "",
-                f"argmax equal to the fp32 model's, {where}",
-            )
-        ]
-        if "labelled" in metrics:
-            labelled = metrics["labelled"]
-            drop = 100.0 * (labelled["accuracy_fp32"] - labelled["accuracy"])
-            checks.append(
-                upper_bound_check(
-                    "accuracy_drop_pct",
-                    drop,
-                    budgets.max_accuracy_drop_pct,
-                    "measured",
-                    "points",
-                    f"{labelled['sentences']} labelled sentences of {labelled['file']}",
-                )
-            )
-    checks += [
-        upper_bound_check(
-            "encoder_batch_ms",
-            chosen["batch_ms"],
-            budgets.max_encoder_batch_ms,
-            "predicted",
-            "ms",
-            f"{target.name} {chosen['power_mode']}, {chosen['precision']}, batch {chosen['batch']} x "
-            f"{chosen['tokens']} tokens",
-        ),
-        upper_bound_check(
-            "memory_gb",
-            chosen["memory_gb"],
-            budgets.max_memory_gb,
-            "predicted",
-            "GB",
-            "weights + activations + runtime",
-        ),
+    quality = _embedding_checks(metrics, budgets, where) if metrics["output"] == HIDDEN_OUTPUT else _label_checks(
+        metrics, budgets, where)
+    chosen = predicted["chosen"]
+    shape = f"batch {chosen['batch']} x {chosen['tokens']} tokens"
+    checks = [
+        *quality,
+        upper_bound_check("encoder_batch_ms", chosen["batch_ms"], budgets.max_encoder_batch_ms, "predicted", "ms",
+                          f"{target.name} {chosen['power_mode']}, {chosen['precision']}, {shape}"),
+        upper_bound_check("memory_gb", chosen["memory_gb"], budgets.max_memory_gb, "predicted", "GB",
+                          "weights + activations + runtime"),
     ]
     return require_measured(checks) if must_measure else checks
+
+
+def _embedding_checks(metrics: dict[str, Any], budgets, where: str) -> list[Check]:
+    """An embedding model's sentence vectors against the fp32 model's."""
+    return [
+        lower_bound_check("embedding_cosine_mean", metrics["embedding_cosine_mean"], budgets.min_embedding_cosine,
+                          "measured", "",
+                          f"ONNX Runtime vs fp32 torch, {where} (worst domain {metrics['worst_domain']})"),
+        lower_bound_check("embedding_cosine_min", metrics["embedding_cosine_min"], budgets.min_embedding_cosine_worst,
+                          "measured", "", f"lowest over {where}"),
+        lower_bound_check("neighbour_agreement", metrics["neighbour_agreement"], budgets.min_neighbour_agreement,
+                          "measured", "",
+                          f"overlap of each sentence's 5 nearest neighbours with the fp32 model's, {where}"),
+    ]
+
+
+def _label_checks(metrics: dict[str, Any], budgets, where: str) -> list[Check]:
+    """A classifier's labels against the fp32 model's, and its accuracy where the text is labelled."""
+    checks = [lower_bound_check("label_agreement", metrics["label_agreement"], budgets.min_label_agreement, "measured",
+                                "", f"argmax equal to the fp32 model's, {where}")]
+    if "labelled" in metrics:
+        labelled = metrics["labelled"]
+        drop = 100.0 * (labelled["accuracy_fp32"] - labelled["accuracy"])
+        checks.append(upper_bound_check("accuracy_drop_pct", drop, budgets.max_accuracy_drop_pct, "measured", "points",
+                                        f"{labelled['sentences']} labelled sentences of {labelled['file']}"))
+    return checks

@@ -44,9 +44,8 @@ NVFP4_BLOCK = 16
 KV_CACHE_BYTES = 2  # FP16 KV cache on the device, unless quantized
 KV_CACHE_ELEMENT_BYTES = {"fp16": 2, "fp8": 1}
 RUNTIME_OVERHEAD_GB = 0.35  # CUDA context + TensorRT runtime, typical on Jetson
-PREFILL_UTILISATION = (
-    0.5  # share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
-)
+# share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
+PREFILL_UTILISATION = 0.5
 MIN_FIT_ANCHORS = 3  # anchors a group needs for its own (efficiency, per-layer) fit
 
 
@@ -620,26 +619,42 @@ class Prediction:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in asdict(self).items()}
 
 
-def predict(
-    target: Target,
-    shape: ModelShape,
-    precision: str,
-    mode_name: str | None = None,
-    prompt_len: int | None = None,
-    context: int | None = None,
-    group_size: int = 128,
-    sparse: bool = False,
-    float_fraction: float = 0.0,
-) -> Prediction:
-    """Predict decode speed, TTFT, memory and energy for one power mode (``float_fraction`` of the linears in FP16)."""
+@dataclass(frozen=True)
+class Lengths:
+    """The prompt and context a prediction is for (None: the target's budgets)."""
+
+    prompt_len: int | None = None
+    context: int | None = None
+
+    def of(self, target: Target) -> tuple[int, int]:
+        """(prompt length, context) for ``target``."""
+        return self.prompt_len or target.budgets.prompt_length, self.context or target.budgets.context_length
+
+
+@dataclass(frozen=True)
+class Storage:
+    """How the decoder linears are stored beyond their precision: the weight group size (INT4), 2:4 sparsity, and the
+    share of linear parameters left FP16."""
+
+    group_size: int = 128
+    sparse: bool = False
+    float_fraction: float = 0.0
+
+
+BUDGET_LENGTHS, DENSE = Lengths(), Storage()
+
+
+def predict(target: Target, shape: ModelShape, precision: str, mode_name: str | None = None,
+            lengths: Lengths = BUDGET_LENGTHS, storage: Storage = DENSE) -> Prediction:
+    """Predict decode speed, TTFT, memory and energy for one power mode."""
     mode = target.power_mode(mode_name)
-    prompt_len = prompt_len or target.budgets.prompt_length
-    context = context or target.budgets.context_length
+    prompt_len, context = lengths.of(target)
+    group_size, float_fraction = storage.group_size, storage.float_fraction
     fit = decode_fit_for(target, precision)
     # Decode reads the cache at the end of the prompt plus half the generated span on average; the
     # budget's context length is the pessimistic bound used here.
     tokens_per_s = 1000.0 / decode_ms(target, mode, shape, precision, group_size, context, float_fraction)
-    ttft_s = prefill_ms(target, mode, shape, precision, prompt_len, sparse) / 1000
+    ttft_s = prefill_ms(target, mode, shape, precision, prompt_len, storage.sparse) / 1000
     memory = stored_weight_bytes(shape, precision, group_size, float_fraction) + shape.kv_bytes_read(context)
     latency_s = 1.0 / tokens_per_s
     return Prediction(
@@ -677,16 +692,14 @@ def _mix_precisions(mix: dict[str, float]) -> list[tuple[str, float]]:
 
 
 def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode_name: str | None = None,
-                  prompt_len: int | None = None, context: int | None = None, group_size: int = 128,
-                  head: str = "fp16") -> Prediction:
+                  lengths: Lengths = BUDGET_LENGTHS, group_size: int = 128, head: str = "fp16") -> Prediction:
     """:func:`predict` for decoder linears in several precisions: ``mix`` maps each precision (``fp16`` included) to the
     share of the decoder-linear parameters it holds. Each share's bytes move at its precision's fitted efficiency; the
     fixed per-layer cost and the KV cache's reads are those of the precision holding most parameters; prefill runs each
     share's FLOPs at its precision's tensor-core rate. ``head``: the LM head's precision; a quantized head is a linear
     of its own beside the FP16 embedding table, read at its precision's efficiency."""
     mode = target.power_mode(mode_name)
-    prompt_len = prompt_len or target.budgets.prompt_length
-    context = context or target.budgets.context_length
+    prompt_len, context = lengths.of(target)
     parts = _mix_precisions(mix)
     dominant = max(parts, key=lambda part: part[1])[0]
     fit = decode_fit_for(target, dominant)
@@ -719,9 +732,10 @@ def predict_mixed(target: Target, shape: ModelShape, mix: dict[str, float], mode
     )
 
 
-def predict_all_modes(target: Target, shape: ModelShape, precision: str, **kwargs: Any) -> list[Prediction]:
+def predict_all_modes(target: Target, shape: ModelShape, precision: str, lengths: Lengths = BUDGET_LENGTHS,
+                      storage: Storage = DENSE) -> list[Prediction]:
     """One prediction per power mode, in the order the target lists them."""
-    return [predict(target, shape, precision, mode.name, **kwargs) for mode in target.power_modes]
+    return [predict(target, shape, precision, mode.name, lengths, storage) for mode in target.power_modes]
 
 
 def lowest_power_mode_meeting_budget(predictions: list[Prediction], max_latency_ms: float) -> Prediction | None:

@@ -36,9 +36,8 @@ SELECTION_EXPECT_PROMPTS = catalog_dir(TEXT) / "chat" / "prompts_selection.jsonl
 PROMPTS_OFF = "off"
 Generate = Callable[[list[int], int], list[int]]  # one prompt's ids, new tokens -> the greedy answer's ids
 BatchGenerate = Callable[[list[list[int]], int], list[list[int]]]  # the same for a list of prompts at once
-PROMPT_BATCH = (
-    16  # prompts decoded together by a batched generator (one pass over the weights per token for all of them)
-)
+# prompts decoded together by a batched generator (one pass over the weights per token for all of them)
+PROMPT_BATCH = 16
 
 
 @dataclass(frozen=True)

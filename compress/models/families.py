@@ -50,6 +50,8 @@ class Family:
     qkv_bias: bool = False
     qk_norm: bool = False
     sliding_window_key: str | None = None  # config key of a sliding attention window, when the family has one
+    # each branch's output normalised before the residual add (Gemma 3): no rotation of the residual stream passes
+    post_norms: bool = False
 
     @property
     def attention(self) -> str:
@@ -204,7 +206,7 @@ FAMILIES = {
     "qwen2": Family(("qwen2",), LLAMA_POINTS, "mlp_hidden", qkv_bias=True, sliding_window_key="sliding_window"),
     "qwen3": Family(("qwen3",), LLAMA_POINTS, "mlp_hidden", qk_norm=True, sliding_window_key="sliding_window"),
     "gemma3": Family(("gemma3_text",), GEMMA3_POINTS, "mlp_hidden", norm_offset=1.0, qk_norm=True,
-                     sliding_window_key="sliding_window"),
+                     sliding_window_key="sliding_window", post_norms=True),
     "phi3": Family(("phi3",), PHI3_POINTS, "mlp_hidden",
                    fused=(("self_attn.qkv_proj", ("q", "k", "v")), ("mlp.gate_up_proj", ("gate", "up"))),
                    sliding_window_key="sliding_window"),

@@ -38,6 +38,7 @@ import torch
 from compress.algorithms.formats import PRECISIONS
 from compress.backends.edgellm import contracts
 from compress.core.config import Target
+from compress.core.devices import Compute
 from compress.core.files import read_json
 from compress.core.memory import phase_peak
 from compress.core.text import TextSource, has_chat_template, held_out_windows
@@ -178,7 +179,7 @@ def run_search(run: SearchRun, windows: torch.Tensor, calibration: list[TextSour
 
     def quantize(plan: MixedPlan, folder: Path) -> QuantResult:
         log.info("auto precision: quantizing a plan (%s)", ", ".join(f"{n} {c}" for n, c in plan.counts().items()))
-        return quantize_folder(run.source, folder, windows, config, progress=run.progress, device=run.device,
+        return quantize_folder(run.source, folder, windows, config, Compute(run.device, run.progress),
                                trust_remote_code=run.trust_remote_code, plan=plan)
 
     format_sets = contracts.mixed_format_sets(formats)
@@ -307,7 +308,8 @@ def _held_out_answers(config: AutoConfig, tokenizer, teacher: Path, progress: bo
         config.expect_prompts,
         config.answer_tokens,
     )
-    answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, progress, trust_remote_code, device)
+    answers = teacher_answers(cases, tokenizer, teacher, eos, config.answer_tokens, Compute(device, progress),
+                              trust_remote_code)
     passes = [
         passes_expect(case.expect, tokenizer.decode(ids, skip_special_tokens=True))
         for case, ids in zip(cases, answers, strict=True)

@@ -386,20 +386,17 @@ def run(options: RunOptions) -> RunResult:
     return execute(build_plan(options))
 
 
-def run_python(
-    target: str,
-    recipe: str = "default",
-    model: str = DEFAULT_MODEL,
-    out: str | Path | None = None,
-    progress: bool = True,
-    require_measured: bool = False,
-    force: bool = False,
-    **overrides: Any,
-) -> RunResult:
-    """Drive a run from Python with the CLI's options: ``stage__option=value`` for ``stage.option=value``."""
+RUN_FLAGS = {"progress": True, "require_measured": False, "force": False}  # the CLI's flags, with their defaults
+
+
+def run_python(target: str, recipe: str = "default", model: str = DEFAULT_MODEL, out: str | Path | None = None,
+               **options: Any) -> RunResult:
+    """Drive a run from Python with the CLI's options: ``stage__option=value`` for ``stage.option=value``, and the
+    CLI's flags as booleans (``progress=False``, ``require_measured=True``, ``force=True``)."""
+    flags = {name: bool(options.pop(name, default)) for name, default in RUN_FLAGS.items()}
     pairs = {"target": target, "recipe": recipe, "model": model}
     if out is not None:
         pairs["out"] = str(out)
-    for key, value in overrides.items():
+    for key, value in options.items():
         pairs[key.replace("__", ".")] = value if isinstance(value, str) else json.dumps(value)
-    return run(RunOptions.from_pairs(pairs, require_measured=require_measured, progress=progress, force=force))
+    return run(RunOptions.from_pairs(pairs, **flags))

@@ -12,6 +12,7 @@ run, which may plan for another machine, reports it instead).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from dataclasses import dataclass
@@ -99,6 +100,8 @@ SENSITIVITY_SECONDS_PER_PARAM_TOKEN = 4.1e-10  # per candidate format
 PLAN_SECONDS_PER_PARAM_TOKEN = 3.2e-10
 PLAN_MEASURE_SECONDS_PER_PARAM = 4.0e-7
 TEACHER_SECONDS_PER_PARAM = 2.6e-7
+# learned rounding: a forward and backward pass costs about this many times the quantize rate per parameter-token
+TUNE_FACTOR = 3.0
 SEARCH_PLANS = 3  # what a search usually measures: the first plan, a back-off, a refinement
 SECONDS_PER_PARAM = {"load": 8e-9, "prune_heads": 1e-7, "export_onnx": 5e-8, "export_edgellm": 3e-8}
 FIXED_SECONDS = {"export_onnx": 15.0, "export_edgellm": 30.0}
@@ -164,72 +167,100 @@ def estimate_stages(stages: list[tuple[str, Any]], model_config: dict[str, Any],
     ``checkpoint_bytes``; ``device``: where the block-by-block stages compute (on CUDA their blocks and activations live
     there); ``search_formats``: the candidate formats of a ``method: auto`` quantize stage's search;
     ``evaluation_domains``: how many domains validation evaluates (the shipped text has six)."""
-    params = parameter_count(model_config)
-    fp32 = 4.0 * params
-    shape = ModelShape.from_config(model_config) if model_kind(model_config) == "decoder" else None
-    hidden = int(model_config.get("hidden_size") or (model_config.get("text_config") or {}).get("hidden_size") or 0)
-    per_param = checkpoint_bytes / max(params, 1)
+    model = _Sized(model_config, checkpoint_bytes)
     on_device = device.startswith("cuda")
+    quantized = any(other == "quantize" for other, _ in stages)
+    exported = any(other == "export_onnx" for other, _ in stages)
     estimates = []
     for name, config in stages:
         base = name.removesuffix("_encoder")
         tokens = _tokens_read(base, config, evaluation_domains)
-        phased = base == "export_onnx" and shape is not None
-        known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES or phased
-        host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * fp32
-                + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes + HOST_FIXED_BYTES.get(base, 0.0))
-        work = 0.0  # what the block-by-block work holds: blocks, hidden states, heads; on the device where there is one
-        if base in ("quantize", "sparsify"):
-            work += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
-        if base in STREAMED_BLOCK_COPIES and shape is not None:
-            block = 4.0 * (shape.decoder_linear_params() / shape.num_layers + 2 * hidden)
-            work += STREAMED_BLOCK_COPIES[base] * block
-            embeddings = per_param * shape.vocab_size * hidden
-            host += (
-                EMBEDDING_COPIES.get(base, 1.0) * embeddings
-            )  # read in the checkpoint's dtype for the first block's inputs
-            if base == "validate":  # both models' hidden states over every window (on the device where there is one)
-                work += 2 * 4 * tokens * hidden
-        if on_device:
-            device_bytes = work
-        else:
-            host += work
-            device_bytes = 0.0
-        quantized = any(other == "quantize" for other, _ in stages)
-        graph_bytes = _disk_bytes("export_onnx", model_config, params, checkpoint_bytes, quantized)
-        if phased:  # one after the other: the largest of what each phase holds
-            session = _onnx_session(
-                checkpoint_bytes, graph_bytes, _session_limit(config, "session_mb"), shape, per_param
-            )
-            trace = max(
-                2 * 4.0 * shape.vocab_size * shape.hidden_size, EXPORT_GRAPH_CHECKPOINT_COPIES * checkpoint_bytes
-            )
-            host = max(host, PROCESS_BASE_BYTES + max(session, trace))
-        if base == "validate" and shape is not None and any(other == "export_onnx" for other, _ in stages):
-            session = _onnx_session(
-                checkpoint_bytes, graph_bytes, _session_limit(config, "onnx_session_mb"), shape, per_param
-            )
-            host = max(host, PROCESS_BASE_BYTES + session)
+        host, device_bytes = _stage_memory(base, config, tokens, model, (quantized, exported, on_device))
         disk_rate = DISK_BYTES_PER_PARAM.get(base, 4.0)
-        disk = (
-            _disk_bytes(base, model_config, params, checkpoint_bytes, quantized)
-            if disk_rate is None
-            else disk_rate * params
-        )
-        disk = _kept_copies(base, config, disk, model_config, params, checkpoint_bytes)
-        rates = CUDA_SECONDS_PER_PARAM_TOKEN if on_device else SECONDS_PER_PARAM_TOKEN
-        seconds = (
-            rates.get(base, SECONDS_PER_PARAM_TOKEN.get(base, 0.0)) * params * tokens
-            + SECONDS_PER_PARAM.get(base, 0.0) * params
-            + FIXED_SECONDS.get(base, 0.0)
-        )
-        if base == "quantize" and getattr(config, "method", None) == "auto" and shape is not None:
-            search_host, search_seconds = _search(config, params, checkpoint_bytes, shape, search_formats)
+        disk = (_disk_bytes(base, model_config, model.params, checkpoint_bytes, quantized) if disk_rate is None
+                else disk_rate * model.params)
+        disk = _kept_copies(base, config, disk, model_config, model.params, checkpoint_bytes)
+        seconds = _stage_seconds(base, config, tokens, model, on_device)
+        if base == "quantize" and getattr(config, "method", None) == "auto" and model.shape is not None:
+            search_host, search_seconds = _search(config, model.params, checkpoint_bytes, model.shape, search_formats)
             rate = CUDA_SECONDS_PER_PARAM_TOKEN["quantize"] / SECONDS_PER_PARAM_TOKEN["quantize"] if on_device else 1.0
             host = max(host, search_host)
             seconds = rate * search_seconds  # the chosen plan is one of those measured: it is not quantized again
         estimates.append(StageEstimate(name, host, disk, seconds, device_bytes))
     return estimates
+
+
+@dataclass(frozen=True)
+class _Sized:
+    """What the estimates read of a model: its config, parameters, checkpoint bytes and decoder shape."""
+
+    config: dict[str, Any]
+    checkpoint_bytes: float
+
+    @functools.cached_property
+    def params(self) -> int:
+        return parameter_count(self.config)
+
+    @functools.cached_property
+    def shape(self) -> ModelShape | None:
+        return ModelShape.from_config(self.config) if model_kind(self.config) == "decoder" else None
+
+    @functools.cached_property
+    def hidden(self) -> int:
+        text = self.config.get("text_config") or {}
+        return int(self.config.get("hidden_size") or text.get("hidden_size") or 0)
+
+    @property
+    def per_param(self) -> float:
+        return self.checkpoint_bytes / max(self.params, 1)
+
+
+def _stage_memory(base: str, config: Any, tokens: int, model: _Sized,
+                  run: tuple[bool, bool, bool]) -> tuple[float, float]:
+    """A stage's peak host memory and device memory; ``run``: whether the run quantizes, exports ONNX, and computes
+    its block-by-block work on a CUDA device (which then holds that work)."""
+    quantized, exported, on_device = run
+    shape, hidden, checkpoint_bytes = model.shape, model.hidden, model.checkpoint_bytes
+    phased = base == "export_onnx" and shape is not None
+    known = base in HOST_FP32_COPIES or base in HOST_CHECKPOINT_COPIES or base in STREAMED_BLOCK_COPIES or phased
+    host = (PROCESS_BASE_BYTES + HOST_FP32_COPIES.get(base, 0.0 if known else 2.0) * 4.0 * model.params
+            + HOST_CHECKPOINT_COPIES.get(base, 0.0) * checkpoint_bytes + HOST_FIXED_BYTES.get(base, 0.0))
+    work = 0.0  # what the block-by-block work holds: blocks, hidden states, heads
+    if base in ("quantize", "sparsify"):
+        work += 3 * 4 * tokens * hidden  # the hidden states entering a block, its outputs and the hooks' copies
+    if base in STREAMED_BLOCK_COPIES and shape is not None:
+        work += STREAMED_BLOCK_COPIES[base] * 4.0 * (shape.decoder_linear_params() / shape.num_layers + 2 * hidden)
+        # the embedding, read in the checkpoint's dtype for the first block's inputs
+        host += EMBEDDING_COPIES.get(base, 1.0) * model.per_param * shape.vocab_size * hidden
+        if base == "validate":  # both models' hidden states over every window (on the device where there is one)
+            work += 2 * 4 * tokens * hidden
+    device_bytes = work if on_device else 0.0
+    host += 0.0 if on_device else work
+    if shape is None or not (phased or (base == "validate" and exported)):
+        return host, device_bytes
+    graph_bytes = _disk_bytes("export_onnx", model.config, model.params, checkpoint_bytes, quantized)
+    key = "session_mb" if phased else "onnx_session_mb"
+    session = _onnx_session(checkpoint_bytes, graph_bytes, _session_limit(config, key), shape, model.per_param)
+    if phased:  # one after the other: the largest of what each phase holds
+        trace = max(2 * 4.0 * shape.vocab_size * shape.hidden_size, EXPORT_GRAPH_CHECKPOINT_COPIES * checkpoint_bytes)
+        session = max(session, trace)
+    return max(host, PROCESS_BASE_BYTES + session), device_bytes
+
+
+def _stage_seconds(base: str, config: Any, tokens: int, model: _Sized, on_device: bool) -> float:
+    """A stage's time from the rates measured on this class of machine (or a CUDA device)."""
+    rates = CUDA_SECONDS_PER_PARAM_TOKEN if on_device else SECONDS_PER_PARAM_TOKEN
+    rate = rates.get(base, SECONDS_PER_PARAM_TOKEN.get(base, 0.0))
+    seconds = rate * model.params * tokens + SECONDS_PER_PARAM.get(base, 0.0) * model.params
+    seconds += FIXED_SECONDS.get(base, 0.0)
+    tuning = getattr(config, "tuning", None)
+    settings = tuning() if callable(tuning) else None
+    if base == "quantize" and settings is not None and model.shape is not None:
+        # each iteration a forward and backward pass of every block over its windows; before and after, one forward
+        # pass over all calibration windows
+        tuned_tokens = settings.iters * settings.windows * config.calib_window + 3 * tokens
+        seconds += TUNE_FACTOR * rate * model.shape.decoder_linear_params() * tuned_tokens
+    return seconds
 
 
 def _search(config: Any, params: int, checkpoint_bytes: float, shape: ModelShape, formats: int) -> tuple[float, float]:

@@ -9,23 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 SIZE_MB = "size_mb"  # size of the stage's model (MB), for the size-and-perplexity plot
-PERPLEXITY_BY_STAGE = (
-    "perplexity_by_stage"  # {stage name: perplexity of that stage's model} (the validation measures them)
-)
+# {stage name: perplexity of that stage's model} (the validation measures them)
+PERPLEXITY_BY_STAGE = "perplexity_by_stage"
 LAYER_SQNR = "layer_sqnr_db"  # [{"name": linear, "sqnr_db": ...}]: quantization error per linear
 QUANTIZATION = "quantization"  # one line: method, algorithm, formats, calibration tokens (the model card's)
-DOMAIN_QUALITY = (
-    "domain_quality"  # a decoder's {"domains", "mixed", "worst_domain", "unseen_domains"} against its teacher
-)
-PRECISION_SEARCH = (
-    "precision_search"  # quantize.method=auto: candidates measured, references, sensitivities, the plan, its mix
-)
-PROMPT_ANSWERS = (
-    "prompt_answers"  # the app prompts' comparison: {"rows": [teacher vs deployed answer, worst first], shares}
-)
-TRAINING_CURVE = (
-    "training_curve"  # {"loss", "before", "teacher", "before_unseen", "teacher_unseen", "stopped_early_at", "points"}
-)
+# a decoder's {"domains", "mixed", "worst_domain", "unseen_domains"} against its teacher
+DOMAIN_QUALITY = "domain_quality"
+# quantize.method=auto: candidates measured, references, sensitivities, the plan, its mix
+PRECISION_SEARCH = "precision_search"
+# the app prompts' comparison: {"rows": [teacher vs deployed answer, worst first], shares}
+PROMPT_ANSWERS = "prompt_answers"
+# {"loss", "before", "teacher", "before_unseen", "teacher_unseen", "stopped_early_at", "points"}
+TRAINING_CURVE = "training_curve"
 
 
 def figure(report: dict[str, Any], name: str) -> Any:

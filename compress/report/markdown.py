@@ -164,12 +164,19 @@ def _search_section(report: dict[str, Any]) -> list[str]:
             else "."
         ),
         "",
-        "| plan | formats (groups) | predicted KL | predicted tok/s | predicted GB | predicted J/token | held-out "
-        "worst domain | "
-        "top-1 | KL | answer prefix | accepted |",
+        "| plan | formats (groups) | predicted KL | predicted tok/s | predicted GB | predicted J/token "
+        "| held-out worst domain | top-1 | KL | answer prefix | accepted |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for c in search["candidates"]:
+    lines += _search_candidates(search["candidates"])
+    lines += _search_references(search)
+    return lines
+
+
+def _search_candidates(candidates: list[dict[str, Any]]) -> list[str]:
+    """One row per plan measured, and what the next-faster plan lost."""
+    lines = []
+    for c in candidates:
         measured = c["measured"]
         prefix = measured.get("answer_prefix_agreement")
         lines.append(
@@ -180,13 +187,18 @@ def _search_section(report: dict[str, Any]) -> list[str]:
             f"{100 * measured['top1_agreement']:.1f}% | {measured['mean_kl']:.4f} | "
             f"{'-' if prefix is None else f'{100 * prefix:.1f}%'} | {_verdict(c)} |"
         )
-    chosen = next(c for c in search["candidates"] if c["chosen"])
-    faster = [c for c in search["candidates"] if c["predicted_tokens_per_s"] > chosen["predicted_tokens_per_s"]]
+    chosen = next(c for c in candidates if c["chosen"])
+    faster = [c for c in candidates if c["predicted_tokens_per_s"] > chosen["predicted_tokens_per_s"]]
     if faster:
         nearest = min(faster, key=lambda c: c["predicted_tokens_per_s"])
         lines += ["", f"The next-faster plan measured ({nearest['predicted_tokens_per_s']:.1f} tok/s predicted) lost "
                       f"{nearest['measured']['worst_increase_pct']:+.2f}% on {nearest['measured']['worst_domain']}."]
-    lines += [
+    return lines
+
+
+def _search_references(search: dict[str, Any]) -> list[str]:
+    """The uniform references and the chosen plan per block."""
+    lines = [
         "",
         "Uniform references (each format wherever the shapes allow it, FP16 elsewhere; predicted):",
         "",

@@ -309,6 +309,9 @@ class StreamedBlocks:
             release(block)
 
 
+COMPUTE_DTYPE = torch.float32  # what a block computes in while the walker visits it
+
+
 def walk_blocks(
     model,
     calibration: Calibration | None,
@@ -317,26 +320,24 @@ def walk_blocks(
     device: torch.device | str | None = None,
     progress: bool = False,
     desc: str = "blocks",
-    compute_dtype: torch.dtype | None = torch.float32,
     blocks: HeldBlocks | StreamedBlocks | None = None,
 ) -> None:
     """Drive ``model``'s decoder blocks once, in order, through ``visitors`` (see the module docstring).
 
     ``device`` is where each block and its inputs are computed (None: where the model is); between
-    blocks the hidden states stay there too. ``compute_dtype`` is what each block computes in while
-    it is visited (a model held in bf16 is computed on in float32 one block at a time, and each block
-    returns to bf16 after; None: the model's own dtype). ``blocks``: where the blocks come from
-    (:class:`HeldBlocks` by default).
+    blocks the hidden states stay there too. Each block computes in float32 (:data:`COMPUTE_DTYPE`) while it
+    is visited: a model held in bf16 is computed on in float32 one block at a time, and each block returns to bf16
+    after. ``blocks``: where the blocks come from (:class:`HeldBlocks` by default).
     """
     home = blocks or HeldBlocks()
     propagate = any(v.needs_inputs for v in visitors)
     hidden: list[torch.Tensor] = []
     kwargs = BlockKwargs([], [])
     if propagate:
-        with _embeddings_in(model, compute_dtype):
+        with _embeddings_in(model, COMPUTE_DTYPE):
             captured = capture_block_inputs(model, calibration)
-        hidden = _move(captured.hidden, device, compute_dtype)
-        kwargs = captured.kwargs.to(device, compute_dtype)
+        hidden = _move(captured.hidden, device, COMPUTE_DTYPE)
+        kwargs = captured.kwargs.to(device, COMPUTE_DTYPE)
         del captured
     layers = decoder_blocks(model)
     started = time.perf_counter()
@@ -344,7 +345,7 @@ def walk_blocks(
         _log_progress(desc, index, len(layers), started)
         block = layers[index]
         inputs = BlockInputs(hidden, kwargs.for_block(index))
-        with home.onloaded(index, block, device, compute_dtype):
+        with home.onloaded(index, block, device, COMPUTE_DTYPE):
             for visitor in visitors:
                 visitor.visit(index, block, inputs)
             if not propagate:

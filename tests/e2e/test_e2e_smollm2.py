@@ -79,9 +79,10 @@ def test_smoke_gate_holds_the_shipped_app_prompts_against_the_teacher(smoke_run)
     checks = {c["name"]: c["value"] for c in report["gate"]["checks"]}
     for name in ("answer_prefix_agreement", "first_token_agreement", "identical_answers"):
         assert checks[name] == prompts[name] and 0.0 <= checks[name] <= 1.0
+    # an identical answer starts with the same token
     assert (
         prompts["first_token_agreement"] >= prompts["identical_answers"]
-    )  # an identical answer starts with the same token
+    )
 
 
 def test_baseline_onnx_matches_torch_teacher(tmp_path):

@@ -172,9 +172,10 @@ def test_a_plan_the_measurement_rejects_is_backed_off_and_its_folder_removed(tmp
     plan, folder, candidates = _search(rounds=5, quantize=quantize, measure=measure, work=tmp_path)
     assert "int4" in candidates[0].plan.quantized_formats() and not candidates[0].passed
     assert candidates[-1].passed and candidates[-1].chosen and "int4" not in plan.quantized_formats()
+    # each back-off halves it
     assert [c.budget for c in candidates] == sorted(
         (c.budget for c in candidates), reverse=True
-    )  # each back-off halves it
+    )
     assert folder.is_dir() and not any(f.exists() for _, f in written[:-1])  # rejected plans leave nothing behind
 
 
@@ -272,10 +273,11 @@ def test_a_plan_s_expected_answers_are_those_of_its_own_greedy_answers(tmp_path)
         }
     )
     windows = torch.randint(0, 400, (3, 24), generator=torch.Generator().manual_seed(0))
+    # answers differently
     other = build_tiny_llama(
         tmp_path / "other", chat_template=True, seed=1, initializer_range=0.3
-    )  # answers differently
-    quantize_folder(other, tmp_path / "plan", windows, config, progress=False)
+    )
+    quantize_folder(other, tmp_path / "plan", windows, config)
     tokenizer = load_tokenizer(teacher)
     prompts = [tokenizer(text).input_ids for text in ("the sea", "a house", "one two", "we went", "she said", "in the")]
     with deployed_generator(teacher, [], 0) as generate:

@@ -174,9 +174,10 @@ def test_a_library_failure_outside_a_stage_exits_4_not_the_gates_fail_code(capsy
     capsys.readouterr()
 
     def driver_failure():
+        # what cuda-python raises without a driver
         raise RuntimeError(
             "cuInit failed: CUDA_ERROR_NO_DEVICE\n(more lines)"
-        )  # what cuda-python raises without a driver
+        )
 
     monkeypatch.setattr(compress.pipeline.device, "cuda_device", driver_failure)
     assert main(["build-engine", str(run)]) == 4

@@ -223,7 +223,7 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
     """At a context three times the window, ONNX Runtime computes what transformers computes (prefill logits, greedy
     decoding and chunked prefill through the KV cache), and that is not what full attention would give: the band is in
     the graph. A sliding layer's cache stops at its window."""
-    from compress.backends.onnx.export import export_decoder_folder
+    from compress.backends.onnx.export import ParityCheck, export_decoder_folder
     from compress.backends.onnx.runtime import OnnxDecoder
     from compress.backends.onnx.slices import SlicedDecoder, plan_slices
 
@@ -241,7 +241,7 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
         chat_template=True,
         **options,
     )
-    export_decoder_folder(folder, tmp_path / "onnx", exporter=exporter, parity_new_tokens=2)
+    export_decoder_folder(folder, tmp_path / "onnx", exporter=exporter, parity=ParityCheck(new_tokens=2))
     decoder = OnnxDecoder(tmp_path / "onnx")
     model = load_causal_lm(folder)
     ids = torch.randint(0, 400, (1, 3 * window), generator=torch.Generator().manual_seed(1))
@@ -253,9 +253,10 @@ def test_sliding_window_layers_are_exported_with_their_banded_mask(family, expor
     ours = decoder.logits(ids.numpy())
     scale = float(np.abs(sliding).max())
     assert float(np.abs(ours - sliding).max()) < 1e-4 * scale
+    # past the window the band changes the numbers
     assert (
         float(np.abs(full - sliding)[:, window:].max()) > 1e-2 * scale
-    )  # past the window the band changes the numbers
+    )
     prompt = ids[0, :window].tolist()
     expected = model.generate(ids[:, :window], max_new_tokens=2 * window, do_sample=False, eos_token_id=None,
                               pad_token_id=0)[0, window:].tolist()

@@ -327,9 +327,10 @@ def test_a_disk_that_fills_while_plotting_fails_the_run_naming_the_plot(tmp_path
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("compress: error: cannot write to ") and "plots/stages.png" in last
     manifest = json.loads((run / "manifest.json").read_text())
+    # the disk was full, the failure is recorded
     assert (
         manifest["status"] == "failed" and "stages.png" in manifest["error"]
-    )  # the disk was full, the failure is recorded
+    )
     assert not list((run / "plots").glob(".*partial*"))
 
 

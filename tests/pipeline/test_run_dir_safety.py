@@ -250,9 +250,10 @@ def _limit_file_size(limit: int):
 def test_full_model_cache_is_a_usage_error_naming_the_cache(tmp_path, tiny_llama):
     from tests.support.gguf_files import write_gguf
 
+    # its conversion writes ~0.4 MB of weights; the limit stops it
     gguf = write_gguf(
         tiny_llama, tmp_path / "tiny.gguf"
-    )  # its conversion writes ~0.4 MB of weights; the limit stops it
+    )
     cache = tmp_path / "cache"
     proc = subprocess.run(
         [

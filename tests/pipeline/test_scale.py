@@ -82,9 +82,10 @@ def test_the_plan_estimates_each_stage_from_the_models_size(capsys, tmp_path):
     bf16 = 2 * 0.6  # GB: the Qwen3-0.6B checkpoint
     # One block at a time: less than the model in float32, which it never holds; and not instant.
     assert quantize["peak_host_gb"] < 2 * bf16 and quantize["minutes"] > 1
+    # flat in depth
     assert (
         deeper["peak_host_gb"] == quantize["peak_host_gb"] and deeper["disk_gb"] > quantize["disk_gb"]
-    )  # flat in depth
+    )
     assert quantize["disk_gb"] < 0.8 * bf16  # int8 linears beside the bf16 embedding: less than the checkpoint
     assert quantize["peak_device_gb"] == 0.0  # this plan computes on the CPU
 
@@ -182,9 +183,10 @@ def test_a_bundle_ships_without_the_portable_onnx_and_is_measured_as_deployed(tm
     answers = {row["id"]: row["model_ids"] for row in metrics["prompts"]["rows"]}
     for prompt, expected in zip(reference["prompts"][6:], reference["host_output_ids"][6:], strict=True):
         ids = answers[prompt["domain"].removeprefix("prompt ")]
+        # the measured answer (8 tokens), continued to the device's 24 where it did not end
         common = min(
             len(ids), len(expected)
-        )  # the measured answer (8 tokens), continued to the device's 24 where it did not end
+        )
         assert expected[:common] == ids[:common] and len(expected) == (len(ids) if len(ids) < 8 else 24)
 
 

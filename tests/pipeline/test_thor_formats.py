@@ -103,9 +103,10 @@ def test_gptq_and_awq_on_the_fp4_grid_beat_round_to_nearest():
     grid = Nvfp4Grid().bind([weight])
     rtn, _ = quantize_dequantize(weight, grid)
     gptq, gptq_scales = gptq_quantize(weight, 2 * x.T @ x / x.shape[0], grid)
+    # GPTQ's weights lie on the FP4 grid under its own block scales
     levels_on_grid(
         gptq, grid, gptq_scales, tolerance=0.0
-    )  # GPTQ's weights lie on the FP4 grid under its own block scales
+    )
     assert torch.equal(round_fp8(gptq_scales), gptq_scales)
     assert sqnr_db(reference, x @ gptq.T) > sqnr_db(reference, x @ rtn.T) + 1.0
     scales, ratio = awq_search_scales(x, [weight], Nvfp4Grid())
@@ -127,15 +128,17 @@ def test_the_global_scale_search_clips_where_it_helps_and_never_what_the_attenti
         return float(((delta @ h) * delta).sum())
 
     plain, searched = Nvfp4Grid().bind([weight]), _search_global_scale([weight], hessian)
+    # it clips the outlier
     assert (
         error(searched, hessian) <= error(plain, hessian) and searched.global_scale < plain.global_scale
-    )  # it clips the outlier
+    )
     sink = torch.zeros(1, x.shape[1])
     sink[0, 50] = 3000.0  # a massive activation on the channel that outlying weight reads, in one token
     with_sink = (torch.cat([x, sink]).T @ torch.cat([x, sink])) / (x.shape[0] + 1)
+    # clipping it would wreck that token
     assert (
         _search_global_scale([weight], with_sink).global_scale == plain.global_scale
-    )  # clipping it would wreck that token
+    )
 
 
 def test_nvfp4_activation_graph_in_onnx_runtime_equals_the_torch_fake_quantization():
@@ -350,9 +353,10 @@ def test_per_channel_fp8_weights_go_to_the_portable_onnx_and_not_to_edgellm(tiny
     inits = {i.name: i for i in graph.initializer}
     weight_dqs = [n for n in graph.node if n.op_type == "DequantizeLinear" and inits.get(n.input[0]) is not None
                   and inits[n.input[0]].data_type == onnx.TensorProto.FLOAT8E4M3FN]
+    # one scale per output channel
     assert len(weight_dqs) == 14 and all(
         len(inits[n.input[1]].dims) == 1 for n in weight_dqs
-    )  # one scale per output channel
+    )
     report = json.loads((out / "report.json").read_text())
     assert {c["name"]: c for c in report["gate"]["checks"]}["onnx_vs_torch_quantized_pct"]["value"] < 1.0
 
@@ -400,9 +404,10 @@ def test_nvfp4_w4a4_bundle_is_fused_by_edgellm_and_checked_row_by_row(runs):
     assert bundle["checkpoint"]["quant_algo"] == "NVFP4" and bundle["checkpoint"]["group_size"] == 16
     assert bundle["custody"]["tensors_compared"] == 14 * 4 and bundle["custody"]["mismatches"] == 0
     custody = json.loads((run / "04_export_edgellm" / "custody.json").read_text())
+    # v's rows of the fused GEMM
     assert any(
         "qkv_proj_fused.weight[128:192]" in c["tensor"] for c in custody["compared"]
-    )  # v's rows of the fused GEMM
+    )
     graph = onnx.load(str(run / "04_export_edgellm" / "bundle" / "llm" / "model.onnx"), load_external_data=False).graph
     assert "TRT_FP4DynamicQuantize" in {n.op_type for n in graph.node}
     ours = run / "03_export_onnx" / "onnx" / "model.onnx"

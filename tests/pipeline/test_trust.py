@@ -212,9 +212,10 @@ def test_a_flipped_byte_in_a_finished_onnx_is_refused_by_show_validate_build_eng
 
 def test_a_copied_run_directory_verifies_in_full(tmp_path, finished):
     out = tmp_path / "copied"
+    # new time stamps
     shutil.copytree(
         finished, out, copy_function=shutil.copyfile, ignore=shutil.ignore_patterns(LOCK_FILE)
-    )  # new time stamps
+    )
     assert main(["verify", str(out)]) == 0
     assert main(["show", str(out)]) == 0
 

@@ -189,9 +189,10 @@ def _session(model_bytes: bytes):
 
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    # plain arithmetic, no fused integer kernels
     options.graph_optimization_level = (
         ort.GraphOptimizationLevel.ORT_ENABLE_BASIC
-    )  # plain arithmetic, no fused integer kernels
+    )
     return ort.InferenceSession(model_bytes, options, providers=["CPUExecutionProvider"])
 
 

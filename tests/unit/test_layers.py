@@ -175,3 +175,26 @@ def _strongly_connected(edges: dict[str, set[str]]) -> list[list[str]]:
 ])
 def test_the_circle_finder_finds_circles(edges, expected):
     assert [c for c in _strongly_connected(edges) if len(c) > 1] == expected
+
+
+def _functions():
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                yield path.relative_to(PACKAGE.parent), node
+
+
+def _parameters(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    arguments = node.args
+    named = [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs]
+    count = len(named) + bool(arguments.vararg) + bool(arguments.kwarg)
+    return count - bool(named and named[0].arg in ("self", "cls"))
+
+
+def test_functions_are_short_and_take_few_parameters():
+    """No function over 60 lines or with more than 7 parameters (parameter objects group the rest)."""
+    too_long = [f"{path}:{node.lineno} {node.name}" for path, node in _functions()
+                if node.end_lineno - node.lineno + 1 > 60]
+    too_many = [f"{path}:{node.lineno} {node.name}" for path, node in _functions() if _parameters(node) > 7]
+    assert not too_long, too_long
+    assert not too_many, too_many

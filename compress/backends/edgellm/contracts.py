@@ -45,11 +45,8 @@ INT4_PLUGINS = ("Int4GroupwiseGemmPluginV2", "Int4GroupwiseGemmPlugin")  # the e
 HEAD_DIMS = (64, 128, 256, 512)
 SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
 LM_HEAD_QUANTIZATIONS = ("fp8", "int4_awq", "nvfp4", "mxfp8")
-LM_HEAD_FORMATS = (
-    "fp8",
-    "int4",
-    "nvfp4",
-)  # compress's formats among them (a target runs those its GPU has: Orin INT4 only)
+# compress's formats among them (a target runs those its GPU has: Orin INT4 only)
+LM_HEAD_FORMATS = ("fp8", "int4", "nvfp4")
 
 RULES: dict[str, KernelRule] = {
     rule.name: rule

@@ -300,9 +300,17 @@ class ExportedDecoder:
     phase_peak_rss_mb: dict[str, float]  # writing the graph, ONNX Runtime's side of the parity check, torch's reference
 
 
+@dataclass(frozen=True)
+class ParityCheck:
+    """The prompt ONNX Runtime and torch continue greedily side by side after an export, and for how many tokens."""
+
+    prompt: str = "What is the capital of France?"
+    new_tokens: int = 16
+
+
 def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript", opset: int = 18,
-                          parity_prompt: str = "What is the capital of France?", parity_new_tokens: int = 16,
-                          trust_remote_code: bool = False, session_limit_bytes: int | None = None) -> ExportedDecoder:
+                          parity: ParityCheck = ParityCheck(), trust_remote_code: bool = False,
+                          session_limit_bytes: int | None = None) -> ExportedDecoder:
     """Export the Hugging Face folder ``source`` (float, or quantized by the quantize stage) into ``out``: the graph,
     its KV-cache layout, the tokenizer and config beside it; then compare it with torch in ONNX Runtime.
 
@@ -329,25 +337,25 @@ def export_decoder_folder(source: Path, out: Path, exporter: str = "torchscript"
     for name in _SIDE_FILES:
         if (Path(source) / name).is_file():
             shutil.copy2(Path(source) / name, out / name)
-    prompt = chat_prompt_ids(tokenizer, parity_prompt)
+    prompt = chat_prompt_ids(tokenizer, parity.prompt)
     slices = slices_over(out, layout, session_limit_bytes)
     if slices is None:
         log.info("checking ONNX Runtime against torch")
         with phase_peak(peaks, "onnx_runtime"):
-            side = onnx_side(out, prompt, parity_new_tokens)
+            side = onnx_side(out, prompt, parity.new_tokens)
             release_freed_memory()
         continuation = side.tokens
     else:  # torch decodes first; ONNX Runtime, slice by slice, then reads its continuation
         log.info("checking ONNX Runtime against torch, the graph in %d slices of whole blocks", len(slices))
         with phase_peak(peaks, "torch_greedy"):
-            continuation = torch_greedy(source, prompt, parity_new_tokens, layout.eos_token_ids, trust_remote_code)
+            continuation = torch_greedy(source, prompt, parity.new_tokens, layout.eos_token_ids, trust_remote_code)
         with phase_peak(peaks, "onnx_runtime"):
             side = sliced_side(SlicedDecoder(out, slices), prompt, continuation, layout.eos_token_ids)
     with phase_peak(peaks, "torch_reference"):  # the deployed numbers, one block in memory at a time
         ids = torch.tensor([prompt + continuation])
         torch_logits = window_logits(source, ids, trust_remote_code=trust_remote_code).logits(0)
     parity = {**compare_with_torch(side, torch_logits, prompt, layout.eos_token_ids),
-              "greedy_text_onnx": tokenizer.decode(side.tokens, skip_special_tokens=True), "prompt": parity_prompt}
+              "greedy_text_onnx": tokenizer.decode(side.tokens, skip_special_tokens=True), "prompt": parity.prompt}
     log.info("parity: max |logit diff| %.2e, greedy tokens %s", parity["max_abs_logit_diff"],
              "identical" if parity["greedy_match"] else "DIFFER")
     return ExportedDecoder(layout, meta is not None, parity, qdq_stats, onnx_files_size(path), peaks)

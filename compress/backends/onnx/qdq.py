@@ -142,19 +142,7 @@ def _nvfp4_activation(
     multiplied back. Equal, value for value, to :meth:`compress.algorithms.formats.Nvfp4Activation.fake_quantize`.
     """
     t = f"{tag}_nvfp4"
-    values = {
-        "global": (scale, np.float32),
-        "blocks": ([-1, NVFP4_BLOCK], np.int64),
-        "axis": ([-1], np.int64),
-        "six": (6.0, np.float32),
-        "one": (1.0, np.float32),
-        "zero": (0.0, np.float32),
-        "tiny": (1e-20, np.float32),
-        "fp8_zero": (0, ml_dtypes.float8_e4m3fn),
-        "two": (2.0, np.float32),
-        "four": (4.0, np.float32),
-        "half": (0.5, np.float32),
-    }
+    values = {"global": (scale, np.float32), **_NVFP4_CONSTANTS}
     consts = [
         numpy_helper.from_array(np.array(value, dtype=dtype), f"{t}_{name}") for name, (value, dtype) in values.items()
     ]
@@ -163,7 +151,20 @@ def _nvfp4_activation(
     def node(op: str, inputs: list[str], output: str, **attributes) -> onnx.NodeProto:
         return helper.make_node(op, inputs, [f"{t}_{output}"], name=f"{t}_{output}_{op}", **attributes)
 
-    nodes = [
+    return consts, _nvfp4_scale_nodes(node, t, c, input_name) + _e2m1_nodes(node, t, c), f"{t}_dq"
+
+
+_NVFP4_CONSTANTS = {
+    "blocks": ([-1, NVFP4_BLOCK], np.int64), "axis": ([-1], np.int64), "six": (6.0, np.float32),
+    "one": (1.0, np.float32), "zero": (0.0, np.float32), "tiny": (1e-20, np.float32),
+    "fp8_zero": (0, ml_dtypes.float8_e4m3fn), "two": (2.0, np.float32), "four": (4.0, np.float32),
+    "half": (0.5, np.float32),
+}
+
+
+def _nvfp4_scale_nodes(node, t: str, c: dict[str, str], input_name: str) -> list[onnx.NodeProto]:
+    """The input in blocks of 16, each block's FP8 scale times the global scale, and the blocks divided by it."""
+    return [
         node("Shape", [input_name], "shape"),
         node("Reshape", [input_name, c["blocks"]], "x"),
         node("Abs", [f"{t}_x"], "abs"),
@@ -177,6 +178,12 @@ def _nvfp4_activation(
         node("Mul", [f"{t}_block", c["global"]], "scale_raw"),
         node("Max", [f"{t}_scale_raw", c["tiny"]], "scale"),
         node("Div", [f"{t}_x", f"{t}_scale"], "scaled"),
+    ]
+
+
+def _e2m1_nodes(node, t: str, c: dict[str, str]) -> list[onnx.NodeProto]:
+    """The scaled blocks rounded to E2M1 (half to even in each spacing), multiplied back and reshaped to the input."""
+    return [
         node("Abs", [f"{t}_scaled"], "magnitude"),
         node("Mul", [f"{t}_magnitude", c["two"]], "doubled"),
         node("Round", [f"{t}_doubled"], "doubled_round"),
@@ -195,7 +202,6 @@ def _nvfp4_activation(
         node("Mul", [f"{t}_levels", f"{t}_scale"], "dq_blocks"),
         node("Reshape", [f"{t}_dq_blocks", f"{t}_shape"], "dq"),
     ]
-    return consts, nodes, f"{t}_dq"
 
 
 def _rotation(input_name: str, linear: LinearForExport, tag: str, shared: dict[str, onnx.TensorProto]

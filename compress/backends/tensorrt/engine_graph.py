@@ -135,6 +135,34 @@ def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
     _name_nodes(graph)
     islands = fp32_islands(graph)
     floats = _float_tensors(model)
+    initializers, fp32, renamed = _split_initializers(graph, islands, floats)
+    casts: dict[tuple[str, int], str] = {}
+    nodes = []
+    for node in graph.node:
+        in_island = node.name in islands
+        if not in_island:
+            _convert_node_types(node)
+        for index, name in enumerate(node.input):
+            if in_island and name in renamed:
+                node.input[index] = renamed[name]
+            elif name in floats and (name in fp32) != in_island:
+                node.input[index] = _cast(name, in_island, casts, nodes)
+        nodes.append(node)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    del graph.initializer[:]
+    graph.initializer.extend(initializers)
+    _retype_values(list(graph.input) + list(graph.output), floats, fp32)
+    del graph.value_info[:]
+    log.info("engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles), %d casts",
+             len(islands), len(casts))
+    return model
+
+
+def _split_initializers(graph, islands: set[str], floats: set[str]
+                        ) -> tuple[list[onnx.TensorProto], set[str], dict[str, str]]:
+    """The initializers in FP16 where ordinary nodes read them and kept in FP32 where islands do (a copy named
+    ``<name>_fp32`` where both do); the tensors that stay FP32; the island inputs renamed to their copies."""
     island_consumed = {name for node in graph.node if node.name in islands for name in node.input}
     other_consumed = {name for node in graph.node if node.name not in islands for name in node.input}
     fp32 = {out for node in graph.node if node.name in islands for out in node.output if out in floats}
@@ -153,38 +181,16 @@ def to_engine_graph(model: onnx.ModelProto) -> onnx.ModelProto:
             fp32.add(kept.name)
     renamed = {i.name: f"{i.name}_fp32" for i in graph.initializer if i.name in floats and i.name in island_consumed
                and i.name in other_consumed}
-    casts: dict[tuple[str, int], str] = {}
-    nodes = []
-    for node in graph.node:
-        in_island = node.name in islands
-        if not in_island:
-            _convert_node_types(node)
-        for index, name in enumerate(node.input):
-            if in_island and name in renamed:
-                node.input[index] = renamed[name]
-                continue
-            if name not in floats or (name in fp32) == in_island:
-                continue
-            to = TensorProto.FLOAT if in_island else TensorProto.FLOAT16
-            if (name, to) not in casts:
-                casts[(name, to)] = f"{name}_to_{'fp32' if in_island else 'fp16'}"
-                nodes.append(
-                    helper.make_node("Cast", [name], [casts[(name, to)]], name=f"{casts[(name, to)]}_Cast", to=to)
-                )
-            node.input[index] = casts[(name, to)]
-        nodes.append(node)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    del graph.initializer[:]
-    graph.initializer.extend(initializers)
-    _retype_values(list(graph.input) + list(graph.output), floats, fp32)
-    del graph.value_info[:]
-    log.info(
-        "engine graph: FP16 with %d nodes kept in FP32 (normalization statistics, rotary angles), %d casts",
-        len(islands),
-        len(casts),
-    )
-    return model
+    return initializers, fp32, renamed
+
+
+def _cast(name: str, to_fp32: bool, casts: dict[tuple[str, int], str], nodes: list[onnx.NodeProto]) -> str:
+    """The name of ``name`` cast into (or out of) an FP32 island, adding the ``Cast`` node once."""
+    to = TensorProto.FLOAT if to_fp32 else TensorProto.FLOAT16
+    if (name, to) not in casts:
+        casts[(name, to)] = f"{name}_to_{'fp32' if to_fp32 else 'fp16'}"
+        nodes.append(helper.make_node("Cast", [name], [casts[(name, to)]], name=f"{casts[(name, to)]}_Cast", to=to))
+    return casts[(name, to)]
 
 
 def write_engine_graph(source: Path, destination: Path) -> dict:

@@ -11,7 +11,7 @@ import copy
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from compress.report.figures import TRAINING_CURVE
 from compress.transforms.distill.config import DistillConfig
 from compress.transforms.distill.student import build_student, plan_from_config, student_shape
 from compress.transforms.distill.train import Distiller, teacher_generations
-from compress.transforms.distill.worker import train_distributed
+from compress.transforms.distill.worker import JobFolders, train_distributed
 
 log = logging.getLogger(__name__)
 
@@ -43,75 +43,71 @@ def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> Sta
     log.info("building the student: %s", shape)
     built = build_student(student, calib, shape, ctx.device)
     student_params, teacher_params = count_parameters(student), count_parameters(teacher)
-    before = seen_and_unseen_perplexity(student, evaluation, unseen)()
-    teacher_figures = seen_and_unseen_perplexity(teacher, evaluation, unseen)()
-    log.info(
-        "student: %s parameters (teacher %s); perplexity before training %.2f seen / %s unseen domains (teacher %.2f / "
-        "%s)",
-        f"{student_params:,}",
-        f"{teacher_params:,}",
-        before["perplexity"],
-        _fmt(before.get("perplexity_unseen")),
-        teacher_figures["perplexity"],
-        _fmt(teacher_figures.get("perplexity_unseen")),
-    )
+    ppl = _Perplexities(seen_and_unseen_perplexity(teacher, evaluation, unseen)(),
+                        seen_and_unseen_perplexity(student, evaluation, unseen)())
+    log.info("student: %s parameters (teacher %s); perplexity before training %s (teacher %s)", f"{student_params:,}",
+             f"{teacher_params:,}", ppl.line(ppl.before), ppl.line(ppl.teacher))
     checkpoints = ctx.run_dir / CHECKPOINTS_DIR / f"{ctx.stage_name}-{ctx.fingerprint[:16]}"
     out = ctx.stage_dir / "model"
     started = time.perf_counter()
     torch.manual_seed(config.seed)
-    training = _Training(tokenizer, train, built["kept_layers"], (evaluation, unseen, before), checkpoints, out)
+    training = _Training(tokenizer, train, built["kept_layers"], (evaluation, unseen, ppl.before), checkpoints, out)
     student, history, stopped_early_at = _train(student, teacher, training, config, ctx, source)
     seconds = time.perf_counter() - started
-    after = seen_and_unseen_perplexity(student, evaluation, unseen)()
-    log.info(
-        "student after training: perplexity %.2f seen / %s unseen domains",
-        after["perplexity"],
-        _fmt(after.get("perplexity_unseen")),
-    )
-    shutil.rmtree(checkpoints, ignore_errors=True)
-    with contextlib.suppress(OSError):
-        checkpoints.parent.rmdir()  # only when no other stage keeps checkpoints there
+    ppl.after = seen_and_unseen_perplexity(student, evaluation, unseen)()
+    log.info("student after training: perplexity %s", ppl.line(ppl.after))
+    _remove_checkpoints(checkpoints)
     tokens = config.steps * config.batch_size * config.seq_len
     metrics = {
-        "parameters": student_params,
-        "teacher_parameters": teacher_params,
-        "student_shape": shape,
-        "kept_layers": built["kept_layers"],
-        "layer_influence": built["layer_influence"],
-        "loss": config.loss,
-        "steps": config.steps,
-        "tokens_trained": tokens,
-        "train_seconds": round(seconds, 1),
-        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-        "perplexity_teacher": teacher_figures["perplexity"],
-        "perplexity_before": before["perplexity"],
-        "perplexity_after": after["perplexity"],
-        "perplexity_teacher_unseen": teacher_figures.get("perplexity_unseen"),
-        "perplexity_before_unseen": before.get("perplexity_unseen"),
-        "perplexity_after_unseen": after.get("perplexity_unseen"),
-        "eval_tokens": int(evaluation.numel()),
-        "curve": history,
-        "unseen_domains": ctx.unseen_domains,
-        "stopped_early_at": stopped_early_at,
+        "parameters": student_params, "teacher_parameters": teacher_params, "student_shape": shape,
+        "kept_layers": built["kept_layers"], "layer_influence": built["layer_influence"], "loss": config.loss,
+        "steps": config.steps, "tokens_trained": tokens, "train_seconds": round(seconds, 1),
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1), **ppl.figures(), "eval_tokens": int(evaluation.numel()),
+        "curve": history, "unseen_domains": ctx.unseen_domains, "stopped_early_at": stopped_early_at,
         "teacher_generations": 0 if generated is None else int(generated.shape[0]),
         "train_data": [str(spec) for spec in ctx.train_data] or "the calibration text",
         "train_windows": int(train.shape[0]),
     }
-    meta = source.meta.carried(metrics=metrics)
     line = (
-        f"{student_params:,} parameters; student {shape}, ppl {before['perplexity']:.1f} → {after['perplexity']:.1f} "
-        f"after {config.steps} {config.loss} steps (teacher {teacher_figures['perplexity']:.1f})"
+        f"{student_params:,} parameters; student {shape}, ppl {ppl.before['perplexity']:.1f} → "
+        f"{ppl.after['perplexity']:.1f} after {config.steps} {config.loss} steps "
+        f"(teacher {ppl.teacher['perplexity']:.1f})"
     )
-    curve = {
-        "loss": config.loss,
-        "before": before["perplexity"],
-        "teacher": teacher_figures["perplexity"],
-        "before_unseen": before.get("perplexity_unseen"),
-        "teacher_unseen": teacher_figures.get("perplexity_unseen"),
-        "stopped_early_at": stopped_early_at,
-        "points": history,
-    }
-    return StageResult(Artifact(HF_MODEL, out, meta), line, {TRAINING_CURVE: curve})
+    curve = {"loss": config.loss, **ppl.curve_ends(), "stopped_early_at": stopped_early_at, "points": history}
+    return StageResult(Artifact(HF_MODEL, out, source.meta.carried(metrics=metrics)), line, {TRAINING_CURVE: curve})
+
+
+@dataclass
+class _Perplexities:
+    """The teacher's and the student's perplexity on the seen and unseen evaluation domains, before and after."""
+
+    teacher: dict[str, Any]
+    before: dict[str, Any]
+    after: dict[str, Any] = field(default_factory=dict)
+
+    @staticmethod
+    def line(figures: dict[str, Any]) -> str:
+        return f"{figures['perplexity']:.2f} seen / {_fmt(figures.get('perplexity_unseen'))} unseen domains"
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "perplexity_teacher": self.teacher["perplexity"], "perplexity_before": self.before["perplexity"],
+            "perplexity_after": self.after["perplexity"],
+            "perplexity_teacher_unseen": self.teacher.get("perplexity_unseen"),
+            "perplexity_before_unseen": self.before.get("perplexity_unseen"),
+            "perplexity_after_unseen": self.after.get("perplexity_unseen"),
+        }
+
+    def curve_ends(self) -> dict[str, Any]:
+        return {"before": self.before["perplexity"], "teacher": self.teacher["perplexity"],
+                "before_unseen": self.before.get("perplexity_unseen"),
+                "teacher_unseen": self.teacher.get("perplexity_unseen")}
+
+
+def _remove_checkpoints(checkpoints: Path) -> None:
+    shutil.rmtree(checkpoints, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        checkpoints.parent.rmdir()  # only when no other stage keeps checkpoints there
 
 
 def _training_windows(
@@ -173,7 +169,8 @@ def _train(student, teacher, training: _Training, config: DistillConfig, ctx: Ru
     if config.processes > 1:
         init = ctx.stage_dir / "student_init"
         save_model_folder(student, tokenizer, source.path, init)
-        history = train_distributed(init, source.path, train, config, checkpoints, out, kept_layers, ctx.stage_dir)
+        folders = JobFolders(checkpoints, out, ctx.stage_dir)
+        history = train_distributed(init, source.path, train, config, kept_layers, folders)
         shutil.rmtree(init)
         student = load_causal_lm(out)
         tokenizer.save_pretrained(out)

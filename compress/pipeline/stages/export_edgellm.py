@@ -29,9 +29,8 @@ log = logging.getLogger(__name__)
 class ExportEdgeLLMConfig(StrictModel):
     """Options of the Edge-LLM export (the pinned exporter's defaults otherwise)."""
 
-    keep_checkpoint: bool = (
-        False  # keep the unified checkpoint the bundle is exported from (the quantized numbers again)
-    )
+    # keep the unified checkpoint the bundle is exported from (the quantized numbers again)
+    keep_checkpoint: bool = False
 
 
 def check_plan(

@@ -20,7 +20,7 @@ from compress.backends.onnx.encoder import (
     torch_outputs,
     write_encoder_qdq,
 )
-from compress.backends.onnx.export import export_decoder_folder
+from compress.backends.onnx.export import ParityCheck, export_decoder_folder
 from compress.backends.onnx.runtime import ONNX_FILE
 from compress.core.artifact import HF_MODEL, ONNX, Artifact
 from compress.core.config import StrictModel
@@ -55,9 +55,9 @@ class ExportOnnxConfig(StrictModel):
 
 def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> StageResult:
     out = ctx.stage_dir / "onnx"
-    exported = export_decoder_folder(Path(source.path), out, config.exporter, config.opset, config.parity_prompt,
-                                     config.parity_new_tokens, trust_remote_code=ctx.trust_remote_code,
-                                     session_limit_bytes=config.session_mb * 2**20)
+    check = ParityCheck(config.parity_prompt, config.parity_new_tokens)
+    exported = export_decoder_folder(Path(source.path), out, config.exporter, config.opset, check,
+                                     ctx.trust_remote_code, session_limit_bytes=config.session_mb * 2**20)
     parity = exported.parity
     tolerance = config.max_logit_diff_quantized if exported.quantized else config.max_logit_diff
     if parity["max_abs_logit_diff"] > tolerance:
@@ -95,13 +95,11 @@ def run_export(source: Artifact, config: ExportOnnxConfig, ctx: RunContext) -> S
 class ExportEncoderConfig(StrictModel):
     """Options of the encoder export."""
 
-    precision: Literal["fp16", "fp32"] = (
-        "fp16"  # of a float model; a quantized one exports Q/DQ INT8 with FP32 activations
-    )
+    # of a float model; a quantized one exports Q/DQ INT8 with FP32 activations
+    precision: Literal["fp16", "fp32"] = "fp16"
     opset: int = 18
-    min_parity_cosine: float = Field(
-        0.999, gt=0.0, le=1.0
-    )  # ONNX Runtime vs torch, per sentence (embeddings or logits)
+    # ONNX Runtime vs torch, per sentence (embeddings or logits)
+    min_parity_cosine: float = Field(0.999, gt=0.0, le=1.0)
 
 
 def run_export_encoder(source: Artifact, config: ExportEncoderConfig, ctx: RunContext) -> StageResult:

@@ -27,9 +27,8 @@ class LoadConfig(StrictModel):
     """Options of the load stage."""
 
     smoke_test_prompt: str = "What is the capital of France?"
-    copy_model: bool = (
-        False  # copy the model into the run directory (one more checkpoint on disk) instead of reading it in place
-    )
+    # copy the model into the run directory (one more checkpoint on disk) instead of reading it in place
+    copy_model: bool = False
 
 
 def run_load(source: Artifact, config: LoadConfig, ctx: RunContext) -> StageResult:

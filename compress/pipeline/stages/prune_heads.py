@@ -69,10 +69,8 @@ def check_encoder_plan(
 
 
 def run_prune_encoder_heads(source: Artifact, config: PruneEncoderHeadsConfig, ctx: RunContext) -> StageResult:
-    from compress.models.pruned_bert import (
-        prune_encoder_heads,
-        save_pruned_encoder,
-    )  # lazy: BERT's modelling code, never needed to plan
+    # lazy: BERT's modelling code, never needed to plan
+    from compress.models.pruned_bert import prune_encoder_heads, save_pruned_encoder
 
     tokenizer = load_tokenizer(source.path)
     model = load_encoder(source.path)

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from compress.core.artifact import HF_MODEL, Artifact, DeployedQuantization
 from compress.core.config import Target
+from compress.core.devices import Compute
 from compress.core.errors import UsageError
 from compress.core.files import read_json
 from compress.core.text import calibration_batches, calibration_windows
@@ -30,7 +32,7 @@ from compress.transforms.quantize.encoder import (
     summary,
 )
 from compress.transforms.quantize.mixed import FLOAT
-from compress.transforms.quantize.saved import MIXED
+from compress.transforms.quantize.saved import MIXED, QuantResult
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +87,7 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
         config = config.model_copy(update={"hadamard_block": 0})
     log.info("quantizing (%s) on %d calibration tokens, block by block", config.method, windows.numel())
     out = ctx.stage_dir / "model"
-    result = quantize_folder(source.path, out, windows, config, progress=ctx.progress, device=ctx.device,
+    result = quantize_folder(source.path, out, windows, config, Compute(ctx.device, ctx.progress),
                              trust_remote_code=ctx.trust_remote_code)
     save_side_files(tokenizer, source.path, out)
     model_config = read_json(out / "config.json")
@@ -93,21 +95,10 @@ def run_quantize(source: Artifact, config: QuantizeConfig, ctx: RunContext) -> S
     bits, _, group = config.scheme()
     activation = config.activation_format()
     precision = config.precision()
-    sqnr = [q.sqnr_db for q in result.linears.values()]
     metrics = {
-        "method": config.method,
-        "scheme": config.describe(),
-        "algorithm": config.algorithm_name(),
+        **_result_metrics(config, result),
         "weight_bits": bits,
         "group_size": group,
-        "calibration_tokens": result.calibration_tokens,
-        "calibration_seconds": round(result.seconds, 2),
-        "quantized_linears": len(result.linears),
-        "min_sqnr_db": round(min(sqnr), 2),
-        "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2),
-        "layer_sqnr_db": result.layer_errors(),
-        "outlier_layers": result.outliers(),
-        "float_input_linears": result.float_input_linears(),
         "rotated_linears": result.rotated_linears(),
         "kv_cache_scales": {str(i): list(scales) for i, scales in result.kv_scales.items()} or None,
     }
@@ -144,23 +135,12 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
                     ctx.device, ctx.progress, ctx.trust_remote_code)
     result, found = run_search(run, windows, ctx.calibration, tokenizer, config, ctx.target, ctx.power_mode)
     save_side_files(tokenizer, source.path, out)
-    sqnr = [q.sqnr_db for q in result.linears.values()]
     counts = result.plan.counts()
     metrics = {
-        "method": config.method,
-        "scheme": config.describe(),
-        "algorithm": config.algorithm_name(),
+        **_result_metrics(config, result),
         "formats_chosen": counts,
         "mix": found["mix"],
         "search": found,
-        "calibration_tokens": result.calibration_tokens,
-        "calibration_seconds": round(result.seconds, 2),
-        "quantized_linears": len(result.linears),
-        "min_sqnr_db": round(min(sqnr), 2) if sqnr else None,
-        "median_sqnr_db": round(sorted(sqnr)[len(sqnr) // 2], 2) if sqnr else None,
-        "layer_sqnr_db": result.layer_errors(),
-        "outlier_layers": result.outliers(),
-        "float_input_linears": result.float_input_linears(),
         "rotated_linears": [],
         "kv_cache_scales": None,
     }
@@ -181,6 +161,38 @@ def run_auto(source: Artifact, config: AutoConfig, ctx: RunContext) -> StageResu
     }
     log.info("auto precision: %s", line)
     return StageResult(Artifact(HF_MODEL, out, meta), line, figures)
+
+
+def _result_metrics(config: QuantizeConfig, result: QuantResult) -> dict[str, Any]:
+    """The figures every quantization reports: method and algorithm, calibration, the linears' SQNR, and which of the
+    weight methods that are switched on (learned rounding, a rotation folded into the weights) ran."""
+    sqnr = sorted(q.sqnr_db for q in result.linears.values())
+    return {
+        "method": config.method,
+        "scheme": config.describe(),
+        "algorithm": _algorithm(config),
+        "calibration_tokens": result.calibration_tokens,
+        "calibration_seconds": round(result.seconds, 2),
+        "quantized_linears": len(result.linears),
+        "min_sqnr_db": round(sqnr[0], 2) if sqnr else None,
+        "median_sqnr_db": round(sqnr[len(sqnr) // 2], 2) if sqnr else None,
+        "layer_sqnr_db": result.layer_errors(),
+        "outlier_layers": result.outliers(),
+        "float_input_linears": result.float_input_linears(),
+        "learned_rounding": result.tuning_summary(),
+        "residual_rotation": {"kind": config.rotate, "lm_head_untied": result.untied_head}
+        if config.rotate != "none" else None,
+    }
+
+
+def _algorithm(config: QuantizeConfig) -> str:
+    """How the weights were chosen: the format's method, and what ran before and after it."""
+    name = config.algorithm_name()
+    if config.rotate != "none":
+        name = f"{config.rotate} rotation + {name}"
+    if config.tuning() is not None:
+        name += f" + learned rounding ({config.tune_iters} iterations)"
+    return name
 
 
 def _log_findings(result, config: QuantizeConfig, layers: int) -> None:

@@ -15,6 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,28 +53,32 @@ def batch_indices(step: int, config: DistillConfig, n_windows: int) -> torch.Ten
     return torch.randint(0, n_windows, (config.batch_size,), generator=generator)
 
 
+@dataclass(frozen=True)
+class Ranks:
+    """Where one training process stands in a distributed job: its rank, how many there are, and how it wraps the
+    student (DistributedDataParallel; None: trained as it is)."""
+
+    rank: int = 0
+    world: int = 1
+    wrap: Callable | None = None
+
+
+ALONE = Ranks()
+
+
 class Distiller:
     """One training job: student, teacher, data, optimizer, checkpoints."""
 
-    def __init__(
-        self,
-        student,
-        teacher,
-        windows: torch.Tensor,
-        config: DistillConfig,
-        checkpoint_dir: Path,
-        kept_layers: list[int] | None = None,
-        rank: int = 0,
-        world: int = 1,
-        wrap: Callable | None = None,
-    ) -> None:
+    def __init__(self, student, teacher, windows: torch.Tensor, config: DistillConfig, checkpoint_dir: Path,
+                 kept_layers: list[int] | None = None, ranks: Ranks = ALONE) -> None:
         self.config = config
         self.student = student
         self.teacher = teacher.eval() if teacher is not None else None
         self.windows = windows
         self.checkpoint_dir = Path(checkpoint_dir)
         self.kept_layers = kept_layers
-        self.rank, self.world = rank, world
+        self.rank, self.world = ranks.rank, ranks.world
+        wrap = ranks.wrap
         if config.activation_checkpointing:
             student.gradient_checkpointing_enable()
         student.train()

@@ -14,6 +14,7 @@ import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from compress.core.errors import StageError
 from compress.models.families import decoder_blocks
 from compress.models.loading import load_causal_lm
 from compress.transforms.distill.config import DistillConfig
-from compress.transforms.distill.train import Distiller, read_job, write_job
+from compress.transforms.distill.train import Distiller, Ranks, read_job, write_job
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +56,8 @@ def run_job(job: dict) -> None:
     student = load_causal_lm(Path(job["student"]))
     teacher = load_causal_lm(Path(job["teacher"])) if config.loss == "kd" else None
     windows = torch.load(job["windows"], weights_only=True)
-    distiller = Distiller(
-        student,
-        teacher,
-        windows,
-        config,
-        Path(job["checkpoints"]),
-        job.get("kept_layers"),
-        rank,
-        world,
-        _wrap(config) if world > 1 else None,
-    )
+    ranks = Ranks(rank, world, _wrap(config) if world > 1 else None)
+    distiller = Distiller(student, teacher, windows, config, Path(job["checkpoints"]), job.get("kept_layers"), ranks)
     history = distiller.run(progress=rank == 0)
     if rank == 0:
         out = Path(job["out"])
@@ -76,18 +68,20 @@ def run_job(job: dict) -> None:
         dist.destroy_process_group()
 
 
-def train_distributed(
-    student_dir: Path,
-    teacher_dir: Path,
-    windows: torch.Tensor,
-    config: DistillConfig,
-    checkpoints: Path,
-    out: Path,
-    kept_layers: list[int],
-    work: Path,
-) -> list[dict]:
+@dataclass(frozen=True)
+class JobFolders:
+    """Where a distributed job keeps its checkpoints, writes the trained student, and keeps its job file and data."""
+
+    checkpoints: Path
+    out: Path
+    work: Path
+
+
+def train_distributed(student_dir: Path, teacher_dir: Path, windows: torch.Tensor, config: DistillConfig,
+                      kept_layers: list[int], folders: JobFolders) -> list[dict]:
     """Train under ``torchrun`` with ``config.processes`` ranks (this worker module, one job file); returns the
     history."""
+    checkpoints, out, work = folders.checkpoints, folders.out, folders.work
     torch.save(windows, work / "windows.pt")
     job = work / "job.json"
     write_job(job, {"student": str(student_dir), "teacher": str(teacher_dir), "windows": str(work / "windows.pt"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, NonNegativeInt, PositiveInt, Tag, TypeAdapter, model_validator
+from pydantic import Discriminator, Field, NonNegativeInt, PositiveFloat, PositiveInt, Tag, TypeAdapter, model_validator
 
 from compress.algorithms.formats import (
     ACTIVATION_FORMATS,
@@ -24,6 +24,7 @@ from compress.algorithms.formats import (
     Precision,
     WeightGrid,
 )
+from compress.algorithms.rounding import TuneSettings
 from compress.core.config import StrictModel
 
 # A block linear by its short name; Phi-3's are fused (qkv_proj, gate_up_proj).
@@ -67,6 +68,20 @@ class QuantizeConfig(StrictModel):
     float_linears: list[LinearName] = []
     # "fp8" stores the KV cache as FP8 E4M3 under a calibrated scale per layer for keys and for values.
     kv_cache: Literal["fp16", "fp8"] = "fp16"
+    # Learned rounding and clipping after the format's own solution: signed-gradient iterations per block (0: off),
+    # calibration windows per iteration, and the learning rate in grid steps (None: 1 / tune_iters).
+    tune_iters: NonNegativeInt = 0
+    tune_windows: PositiveInt = 4
+    tune_lr: PositiveFloat | None = None
+    # "hadamard": the residual stream and each value head rotated, the rotation folded into the weights before the
+    # format's own solution (compress.transforms.rotate); the deployed model is a plain model of the same family.
+    rotate: Literal["none", "hadamard"] = "none"
+
+    def tuning(self) -> TuneSettings | None:
+        """How each block's rounding is tuned after it is quantized, or None when it is not."""
+        if not self.tune_iters:
+            return None
+        return TuneSettings(self.tune_iters, self.tune_windows, self.tune_lr)
 
     def is_float(self, linear: str) -> bool:
         """Whether the linear at block path ``linear`` stays unquantized."""
@@ -342,9 +357,8 @@ class AutoConfig(QuantizeConfig):
     # Plans measured after a back-off, between the accepted budget and the last failed one, for a faster plan that
     # holds.
     refine_rounds: NonNegativeInt = 2
-    lm_head: bool = (
-        True  # the LM head is a group too, in the formats the runtime quantizes it in (False: it stays FP16)
-    )
+    # the LM head is a group too, in the formats the runtime quantizes it in (False: it stays FP16)
+    lm_head: bool = True
 
     def precision(self) -> Precision:
         raise ValueError("method auto has no single precision: each linear has its own (see the quantization's plan)")

@@ -56,7 +56,9 @@ from compress.algorithms.quant import (
     sqnr_of_energies,
 )
 from compress.algorithms.rotation import rotate
+from compress.algorithms.rounding import TunableWeight, TuneOutcome, TuneSettings, tune_block
 from compress.algorithms.stats import InputStats
+from compress.core.devices import ON_CPU, Compute
 from compress.core.errors import UsageError
 from compress.models.families import (
     ActivationPoint,
@@ -78,13 +80,16 @@ from compress.transforms.quantize.saved import (
     QuantResult,
     attach_activation_quant,
     grid_levels,
+    input_quantizer,
+    stored_grid,
 )
+from compress.transforms.rotate import ResidualRotation, rotate_ends
 from compress.transforms.walk import (
     BlockInputs,
     BlockVisitor,
-    HeldBlocks,
     StreamedBlocks,
     collect_input_stats,
+    run_block,
     walk_blocks,
 )
 
@@ -593,6 +598,30 @@ class _OutputError:
         return sqnr_of_energies(self.signal, self.noise)
 
 
+def tune_rounding(block, inputs: BlockInputs, targets: list[torch.Tensor], quantized: dict[str, LinearQuant],
+                  settings: TuneSettings) -> TuneOutcome:
+    """Tune the rounding and clipping of a quantized block's linears (``quantized``: by path inside the block) towards
+    ``targets`` and write the tuned levels, scales and weights back where tuning lowered the block's output error."""
+    device = next(block.parameters()).device
+    weights = {}
+    for name, quant in quantized.items():
+        grid = stored_grid(quant)
+        scales = quant.weight_scales.to(device).float()
+        start = grid.dequantize(quant.levels.to(device).float(), expand_scales(scales, quant.levels.shape[1]))
+        weights[name] = TunableWeight(grid, start, scales, quant.rotation)
+    quantizers = {name: q for name, quant in quantized.items() if (q := input_quantizer(quant)) is not None}
+    outcome = tune_block(block, weights, inputs.hidden, targets, inputs.kwargs, settings, quantizers)
+    if outcome.kept:
+        for name, weight in weights.items():
+            quant = quantized[name]
+            dequantized, scales = weight.solution()
+            levels = grid_levels(dequantized, weight.grid, scales, quant.format.weight_format)
+            with torch.no_grad():
+                block.get_submodule(name).weight.copy_(weight.module_weight(dequantized))
+            quant.levels, quant.weight_scales = levels.cpu(), scales.cpu()
+    return outcome
+
+
 class _Quantizer(BlockVisitor):
     """The walker's visitor that quantizes each block in place and records its scales."""
 
@@ -604,8 +633,11 @@ class _Quantizer(BlockVisitor):
         writer: QuantizedCheckpointWriter | None = None,
         plan: MixedPlan | None = None,
         head: LmHead | None = None,
+        rotation: ResidualRotation | None = None,
     ) -> None:
         self.model_config = model.config
+        self.rotation = rotation
+        self.float_hidden: list[torch.Tensor] | None = None  # the float model's inputs to the block being visited
         self.last = len(decoder_blocks(model)) - 1
         self.head = head
         self.config = config
@@ -618,6 +650,16 @@ class _Quantizer(BlockVisitor):
         self.quantized: dict[str, LinearQuant] = {}
 
     def visit(self, index: int, block, inputs: BlockInputs) -> None:
+        if self.rotation is not None:
+            self.rotation.rotate_block(block)
+        tuning = self.config.tuning()
+        targets = None
+        if tuning:
+            # What tuning aims at: the float model's hidden states after this block (the float block on the float
+            # model's own inputs to it, carried beside the quantized model's), so each block also corrects the drift
+            # the quantized blocks before it left; they are the next block's float inputs.
+            float_inputs = BlockInputs(self.float_hidden or inputs.hidden, inputs.kwargs)
+            targets = self.float_hidden = run_block(block, float_inputs)
         amax = kv_cache.record_amax(block) if self.fp8_cache else None
         prefix = f"{self.prefix}.{index}"
         if self.plan is None:
@@ -633,6 +675,12 @@ class _Quantizer(BlockVisitor):
             kv_cache.stop_recording(block)
             self.result.kv_scales[index] = (kv_cache.kv_scale(amax[0]), kv_cache.kv_scale(amax[1]))
             kv_cache.set_block_scales(block, self.result.kv_scales[index])
+        if tuning and quantized:
+            local = {name.removeprefix(prefix + "."): quant for name, quant in quantized.items()}
+            outcome = tune_rounding(block, inputs, targets, local, tuning)
+            self.result.tuned.append(outcome)
+            log.debug("layer %d: output error %.3g -> %.3g (%s)", index, outcome.error_before, outcome.error_after,
+                      "kept" if outcome.kept else "start kept")
         self.result.linears.update(quantized)
         self.quantized = quantized
         self.block_linears = {name.split(f"{self.prefix}.{index}.", 1)[1]: q for name, q in quantized.items()}
@@ -654,15 +702,38 @@ class _Quantizer(BlockVisitor):
                 self.writer.add_head(self.head.name, quant)
 
 
+def _rotation(model, config: QuantizeConfig, held: bool, result: QuantResult) -> ResidualRotation | None:
+    """The residual rotation ``config`` asks for, with the embedding already rotated (calibration then enters the first
+    block in the rotated basis) and, for a model ``held`` in memory, its final norm folded into its LM head; the blocks
+    are rotated as the walker reaches them. A streamed model's norm and head are rotated where they are written
+    (:func:`quantize_folder`)."""
+    if config.rotate == "none":
+        return None
+    rotation = ResidualRotation.for_config(model.config)
+    if held:
+        result.untied_head = rotate_ends(model, rotation)
+    else:
+        rotation.rotate_embedding(model.get_input_embeddings().weight)
+    return rotation
+
+
+@dataclass(frozen=True)
+class Streamed:
+    """A model quantized as it is streamed: where its blocks come from, where each goes once quantized (its levels
+    then let go), and where its LM head comes from when a plan quantizes it (None: the model's own)."""
+
+    blocks: StreamedBlocks
+    writer: QuantizedCheckpointWriter
+    head: LmHead | None = None
+
+
 def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
-                   device: torch.device | str | None = None, blocks: HeldBlocks | StreamedBlocks | None = None,
-                   writer: QuantizedCheckpointWriter | None = None, plan: MixedPlan | None = None,
-                   head: LmHead | None = None) -> QuantResult:
-    """Quantize every decoder block of ``model`` in place, block by block through the shared walker (``blocks``: where
-    they come from; ``writer``: where each goes once quantized, its levels then let go; ``plan``: each point's own
-    format, ``config`` then giving only the calibration and KV-cache options, and the LM head's, quantized on the last
-    block's outputs (``head``: where it comes from, by default the model's own); the model's head itself is left as it
-    is).
+                   device: torch.device | str | None = None, plan: MixedPlan | None = None,
+                   streamed: Streamed | None = None) -> QuantResult:
+    """Quantize every decoder block of ``model`` in place, block by block through the shared walker (``streamed``:
+    blocks read from and written to checkpoints; else the model holds them; ``plan``: each point's own format,
+    ``config`` then giving only the calibration and KV-cache options, and the LM head's, quantized on the last block's
+    outputs; the model's head itself is left as it is).
 
     With an FP8 KV cache, each block's key and value maxima are recorded while its input statistics
     are gathered, and its outputs (the next block's inputs) are computed with the cache rounded.
@@ -671,21 +742,18 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
         check_group_size(config, linear_shapes(model.config.to_dict()))
     started = time.perf_counter()
     result = QuantResult(config, calibration_tokens=int(windows.numel()), plan=plan)
+    rotation = _rotation(model, config, held=streamed is None, result=result)
     fp8_cache = config.kv_cache == "fp8"
     if fp8_cache:
         kv_cache.route_attention(model)
+    head = streamed.head if streamed is not None else None
     if plan is not None and plan.head != FLOAT and head is None:
         head = lm_head_of(model)
+    writer = streamed.writer if streamed is not None else None
+    quantizer = _Quantizer(model, config, result, writer, plan, head, rotation)
     try:
-        walk_blocks(
-            model,
-            windows,
-            [_Quantizer(model, config, result, writer, plan, head)],
-            device=device,
-            progress=progress,
-            desc=f"quantize {config.method}",
-            blocks=blocks,
-        )
+        walk_blocks(model, windows, [quantizer], device=device, progress=progress, desc=f"quantize {config.method}",
+                    blocks=streamed.blocks if streamed is not None else None)
     finally:
         if fp8_cache:
             kv_cache.restore_attention(model)
@@ -693,15 +761,16 @@ def quantize_model(model, windows: torch.Tensor, config: QuantizeConfig, progres
     return result
 
 
-def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: QuantizeConfig, progress: bool = True,
-                    device: torch.device | str | None = None, trust_remote_code: bool = False,
+def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: QuantizeConfig,
+                    compute: Compute = ON_CPU, trust_remote_code: bool = False,
                     plan: MixedPlan | None = None) -> QuantResult:
     """Quantize the Hugging Face checkpoint ``source`` into the quantized checkpoint ``out`` (its tensors and config;
     the caller adds the tokenizer), one decoder block in memory at a time.
 
     The model is built empty; its embeddings are read to capture the calibration windows' hidden states,
     then each block is read from ``source``, quantized on ``device`` in float32, written to ``out`` in the
-    checkpoint's own dtype and released. The tensors outside the blocks are copied as stored.
+    checkpoint's own dtype and released. The tensors outside the blocks are copied as stored (rotated, where
+    ``config`` folds a rotation into the weights).
     """
     model = empty_causal_lm(source, trust_remote_code)
     if plan is None:
@@ -710,26 +779,62 @@ def quantize_folder(source: Path, out: Path, windows: torch.Tensor, config: Quan
     embeddings = model.get_input_embeddings()
     materialize(embeddings, module_prefix(model, embeddings), reader)
     writer = QuantizedCheckpointWriter(out, len(decoder_blocks(model)), embeddings.weight.dtype)
-    head = lm_head_of(model, reader) if plan is not None and plan.head != FLOAT else None
-    result = quantize_model(
-        model,
-        windows,
-        config,
-        progress,
-        device,
-        blocks=StreamedBlocks(model, reader),
-        writer=writer,
-        plan=plan,
-        head=head,
-    )
+    ends = _RotatedEnds.read(model, reader) if config.rotate != "none" else None
+    head = None
+    if plan is not None and plan.head != FLOAT:
+        head = lm_head_of(model, reader) if ends is None else ends.lm_head(model, reader)
+    result = quantize_model(model, windows, config, compute.progress, compute.device, plan,
+                            Streamed(StreamedBlocks(model, reader), writer, head))
     in_blocks = module_prefix(model, decoder_blocks(model)) + "."
     head_weight = f"{head.name}.weight" if head is not None else None
-    writer.finish(
-        reader.read(name for name in reader.names() if not name.startswith(in_blocks) and name != head_weight), result
-    )
-    if head is not None:
-        model.config.tie_word_embeddings = (
-            False  # the quantized head is a linear of its own; the embedding stays as stored
-        )
+    rest = reader.read(name for name in reader.names() if not name.startswith(in_blocks) and name != head_weight)
+    if ends is not None:
+        result.untied_head = ends.replace(rest, embeddings.weight, quantized_head=head is not None)
+    writer.finish(rest, result)
+    if head is not None or result.untied_head:
+        # the head is a linear of its own (quantized, or rotated with the final norm folded in); the embedding is
+        # stored as its own table
+        model.config.tie_word_embeddings = False
     model.config.save_pretrained(out)
     return result
+
+
+@dataclass
+class _RotatedEnds:
+    """The final norm and LM head of a streamed model whose residual stream is rotated: the head with the norm folded
+    in, read before the embedding (a tied head's table) is rotated in place."""
+
+    rotation: ResidualRotation
+    norm_key: str
+    head_key: str
+    embed_key: str
+    head: torch.Tensor
+    tied: bool
+
+    @classmethod
+    def read(cls, model, reader: CheckpointReader) -> _RotatedEnds:
+        rotation = ResidualRotation.for_config(model.config)
+        embeddings = model.get_input_embeddings()
+        norm_key = f"{module_prefix(model, final_norm(model))}.weight"
+        head_key = f"{module_prefix(model, model.get_output_embeddings())}.weight"
+        tied = head_key not in reader
+        head = embeddings.weight.detach() if tied else reader.read([head_key])[head_key]
+        rotated = rotation.rotated_head(head, reader.read([norm_key])[norm_key])
+        return cls(rotation, norm_key, head_key, f"{module_prefix(model, embeddings)}.weight", rotated, tied)
+
+    def lm_head(self, model, reader: CheckpointReader) -> LmHead:
+        """The rotated head for quantizing, behind a final norm that multiplies by one."""
+        norm = final_norm(model)
+        materialize(norm, module_prefix(model, norm), reader)
+        with torch.no_grad():
+            norm.weight.copy_(self.rotation.weightless_norm(norm.weight))
+        return LmHead(norm, self.head, self.head_key.removesuffix(".weight"))
+
+    def replace(self, rest: dict[str, torch.Tensor], embedding: torch.Tensor, quantized_head: bool) -> bool:
+        """Put the rotated tensors into ``rest`` (what is written outside the blocks); returns whether a tied head was
+        untied."""
+        rest[self.embed_key] = embedding.detach()
+        rest[self.norm_key] = self.rotation.weightless_norm(rest[self.norm_key])
+        if not quantized_head:
+            rest[self.head_key] = self.head
+        return self.tied

@@ -8,9 +8,8 @@ from dataclasses import dataclass
 from compress.transforms.quantize.config import QuantizeConfig
 
 FLOAT = "fp16"
-HEAD = (
-    "lm_head"  # the LM head's group: its point name, at block index HEAD_INDEX, in a sensitivity table and a solution
-)
+# the LM head's group: its point name, at block index HEAD_INDEX, in a sensitivity table and a solution
+HEAD = "lm_head"
 HEAD_INDEX = -1
 
 

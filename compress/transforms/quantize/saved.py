@@ -46,6 +46,7 @@ from compress.algorithms.formats import (
     levels_on_grid,
 )
 from compress.algorithms.rotation import rotate
+from compress.algorithms.rounding import TuneOutcome
 from compress.core.errors import UsageError, first_line
 from compress.core.files import atomic_write_json, read_json
 from compress.models.compute import holding_device, largest_part_float32_bytes, tensor_bytes
@@ -158,9 +159,8 @@ class LinearQuant:
     sqnr_db: float
     migration_ratio: float | None = None
     rotation: int = 0  # Hadamard block size applied to the input before quantization; 0 = none
-    global_scale: float | None = (
-        None  # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
-    )
+    # NVFP4's per-tensor scale (weight_scale_2); weights = (e2m1 * block scale) * this
+    global_scale: float | None = None
     input_format: str = "int8"  # how input_scale quantizes the input (a key of ACTIVATION_FORMATS)
     levels: torch.Tensor | None = None  # the weight's grid values (in the input's basis), as LEVEL_DTYPES stores them
     precision: str = "int8"  # how this linear ships (a name of PRECISIONS): in a mixed-precision model, each its own
@@ -181,10 +181,22 @@ class QuantResult:
     linears: dict[str, LinearQuant] = field(default_factory=dict)
     calibration_tokens: int = 0
     seconds: float = 0.0
-    kv_scales: dict[int, tuple[float, float]] = field(
-        default_factory=dict
-    )  # per layer (k_scale, v_scale) of an FP8 KV cache
+    # per layer (k_scale, v_scale) of an FP8 KV cache
+    kv_scales: dict[int, tuple[float, float]] = field(default_factory=dict)
     plan: Any = None  # a MixedPlan: each point's own format (its linears say theirs)
+    tuned: list[TuneOutcome] = field(default_factory=list)  # per block, where rounding was tuned
+    untied_head: bool = False  # a tied LM head became a linear of its own (a rotation folded into it)
+
+    def tuning_summary(self) -> dict[str, Any] | None:
+        """What learned rounding did over the blocks (None when it did not run)."""
+        if not self.tuned:
+            return None
+        kept = [t for t in self.tuned if t.kept]
+        reduction = [1 - t.error_after / t.error_before for t in kept if t.error_before > 0]
+        return {"iterations": self.config.tune_iters, "windows_per_iteration": self.config.tune_windows,
+                "blocks": len(self.tuned), "blocks_improved": len(kept),
+                "median_error_reduction": round(statistics.median(reduction), 4) if reduction else 0.0,
+                "seconds": round(sum(t.seconds for t in self.tuned), 1)}
 
     def layer_errors(self) -> list[dict[str, Any]]:
         return [

@@ -299,9 +299,10 @@ def test_the_clip_search_a_few_rows_at_a_time_chooses_what_the_whole_search_does
     grid = grid.bind([weight]) if isinstance(grid, Nvfp4Grid) else grid
     hessian = x.T @ x / x.shape[0] if scored_on == "hessian" else None
     whole = awq_search_clip(x, weight, grid, hessian=hessian)
+    # 16 or 32 rows of 200 at a time when scored on the samples
     monkeypatch.setattr(
         quant, "CLIP_SEARCH_ELEMENTS", 8192
-    )  # 16 or 32 rows of 200 at a time when scored on the samples
+    )
     largest = []
     real_einsum = torch.einsum
 

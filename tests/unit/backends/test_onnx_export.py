@@ -13,7 +13,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compress.backends.onnx.decoder_graph import skeleton_causal_lm, write_weights
-from compress.backends.onnx.export import decoder_layout, export_decoder, export_decoder_folder
+from compress.backends.onnx.export import ParityCheck, decoder_layout, export_decoder, export_decoder_folder
 from compress.backends.onnx.graph import external_files
 from compress.backends.onnx.runtime import ONNX_FILE, DecoderLayout, OnnxDecoder
 from compress.backends.onnx.slices import SlicedDecoder, graph_weight_bytes, plan_slices
@@ -47,7 +47,7 @@ def quantized_bf16(bf16_model, tmp_path_factory):
     config = QUANTIZE_CONFIG.validate_python(
         {"method": "int8", "calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1}
     )
-    quantize_folder(bf16_model, out, windows, config, progress=False)
+    quantize_folder(bf16_model, out, windows, config)
     save_side_files(load_tokenizer(bf16_model), bf16_model, out)
     return out, windows
 
@@ -69,16 +69,17 @@ def test_the_skeleton_the_exporter_traces_holds_no_weights(bf16_model):
 
 
 def test_a_bf16_model_is_exported_in_its_own_bytes_and_computes_as_torch_does(bf16_model, tmp_path):
-    exported = export_decoder_folder(bf16_model, tmp_path / "onnx", parity_new_tokens=8)
+    exported = export_decoder_folder(bf16_model, tmp_path / "onnx", parity=ParityCheck(new_tokens=8))
     assert exported.parity["max_abs_logit_diff"] < 1e-3 and exported.parity["greedy_match"]
     graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE), load_external_data=False).graph
     matrices = [init for init in graph.initializer if len(init.dims) == 2]
     assert matrices and all(init.data_type == onnx.TensorProto.BFLOAT16 for init in matrices)
     assert not any(i.name.startswith("model.") for i in graph.input)  # parameters are initializers, not inputs
     stored = sum(_stored_bytes(init) for init in graph.initializer if init.data_type == onnx.TensorProto.BFLOAT16)
+    # the checkpoint's bytes, each tensor once
     assert stored == _parameter_bytes(
         load_causal_lm(bf16_model, own_dtype=True)
-    )  # the checkpoint's bytes, each tensor once
+    )
     assert external_files(tmp_path / "onnx" / ONNX_FILE)  # beside the graph
     # TensorRT's FP16 input graph casts the bf16 tensors to FP16 and computes what the exported graph does
     write_engine_graph(tmp_path / "onnx" / ONNX_FILE, tmp_path / "engine_input.onnx")
@@ -98,7 +99,7 @@ def test_a_quantized_bf16_model_exports_its_levels_and_onnx_runtime_computes_the
     quantized_bf16, tmp_path
 ):
     folder, windows = quantized_bf16
-    exported = export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=4)
+    exported = export_decoder_folder(folder, tmp_path / "onnx", parity=ParityCheck(new_tokens=4))
     _, linears = load_quantization(folder)
     assert exported.quantized and exported.qdq["quantized_linears"] == len(linears) == 7 * LAYERS
     graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE)).graph
@@ -142,7 +143,7 @@ def test_the_parity_check_reads_the_same_numbers_chunk_by_chunk(quantized_bf16, 
     from compress.eval import decoder as validation
 
     folder, windows = quantized_bf16
-    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    export_decoder_folder(folder, tmp_path / "onnx", parity=ParityCheck(new_tokens=2))
     sample = list(range(len(windows)))
     measured = validation.torch_side(window_logits(folder, windows), windows, sample)
     session = OnnxDecoder(tmp_path / "onnx")
@@ -162,7 +163,7 @@ def test_a_graph_cut_between_its_blocks_computes_the_whole_graphs_logits(quantiz
     """Consecutive slices of whole blocks, each opened alone: every block in exactly one, each holding only its own
     blocks' weights (and the gathered embedding), and together the whole graph's logits, chunk by chunk."""
     folder, windows = quantized_bf16
-    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    export_decoder_folder(folder, tmp_path / "onnx", parity=ParityCheck(new_tokens=2))
     layout = DecoderLayout.load(tmp_path / "onnx")
     total = graph_weight_bytes(tmp_path / "onnx")
     slices = plan_slices(tmp_path / "onnx", layout, total // 4)
@@ -189,9 +190,11 @@ def test_the_exports_parity_check_runs_a_graph_over_its_session_limit_in_slices(
     """Over the limit, torch decodes first and the graph's slices read its continuation: the same figures as the whole
     graph's parity check (ONNX Runtime's greedy tokens are its argmax after torch's prefixes, which agree)."""
     folder = bf16_model if which == "float" else quantized_bf16[0]
-    whole = export_decoder_folder(folder, tmp_path / "whole", parity_new_tokens=6)
+    whole = export_decoder_folder(folder, tmp_path / "whole", parity=ParityCheck(new_tokens=6))
     limit = graph_weight_bytes(tmp_path / "whole") // 3
-    sliced = export_decoder_folder(folder, tmp_path / "sliced", parity_new_tokens=6, session_limit_bytes=limit)
+    sliced = export_decoder_folder(
+        folder, tmp_path / "sliced", parity=ParityCheck(new_tokens=6), session_limit_bytes=limit
+    )
     assert "torch_greedy" in sliced.phase_peak_rss_mb and "torch_greedy" not in whole.phase_peak_rss_mb
     assert sliced.parity["greedy_tokens_onnx"] == whole.parity["greedy_tokens_onnx"]
     assert sliced.parity["greedy_match"] == whole.parity["greedy_match"]
@@ -204,7 +207,7 @@ def test_validation_runs_a_graph_over_its_session_limit_in_slices(quantized_bf16
     from compress.eval import decoder as validation
 
     folder, windows = quantized_bf16
-    export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=2)
+    export_decoder_folder(folder, tmp_path / "onnx", parity=ParityCheck(new_tokens=2))
     total = graph_weight_bytes(tmp_path / "onnx")
     assert validation._sliced_decoder(tmp_path / "onnx", total) is None  # it fits one session: run whole
     sliced = validation._sliced_decoder(tmp_path / "onnx", total // 3)
@@ -339,11 +342,10 @@ def test_a_quantized_lm_head_is_a_qdq_linear_of_its_own_in_the_portable_onnx(tmp
         folder,
         windows,
         QUANTIZE_CONFIG.validate_python({"method": "auto", **shared}),
-        progress=False,
         plan=plan,
     )
     save_side_files(load_tokenizer(source), source, folder)
-    exported = export_decoder_folder(folder, tmp_path / "onnx", parity_new_tokens=4)
+    exported = export_decoder_folder(folder, tmp_path / "onnx", parity=ParityCheck(new_tokens=4))
     _, linears = load_quantization(folder)
     assert exported.qdq["quantized_linears"] == len(linears) == 7 * 2 + 1
     graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE)).graph
@@ -369,9 +371,9 @@ def test_a_sliding_layers_fp8_kv_cache_is_rounded_before_its_window_is_kept(tmp_
     windows = torch.randint(0, 400, (2, 3 * window), generator=torch.Generator().manual_seed(5))
     config = QUANTIZE_CONFIG.validate_python({"method": "fp8", "kv_cache": "fp8", "calib_windows": 2,
                                               "calib_window": 3 * window, "min_calib_tokens": 1})
-    quantize_folder(source, tmp_path / "fp8", windows, config, progress=False)
+    quantize_folder(source, tmp_path / "fp8", windows, config)
     save_side_files(load_tokenizer(source), source, tmp_path / "fp8")
-    exported = export_decoder_folder(tmp_path / "fp8", tmp_path / "onnx", parity_new_tokens=2)
+    exported = export_decoder_folder(tmp_path / "fp8", tmp_path / "onnx", parity=ParityCheck(new_tokens=2))
     assert exported.layout.sliding_layers == (0,) and exported.qdq["kv_cache_qdq_pairs"] == 4
     measured = window_logits(tmp_path / "fp8", windows)
     decoder = OnnxDecoder(tmp_path / "onnx")

@@ -172,9 +172,10 @@ def test_an_empty_cache_is_bound_to_real_addresses_and_refused_shapes_are_errors
     assert all(p.ptr for p in empty) and len({p.ptr for p in empty}) == len(empty)
     ids = np.array([[5, 17, 33]])
     with pytest.raises(UsageError, match="no optimization profile"):
+        # max_batch 2
         decoder.forward(
             np.zeros((3, 4), dtype=np.int64), np.ones((3, 4), dtype=np.int64), decoder.empty_past(3)
-        )  # max_batch 2
+        )
     for ranges in decoder.session.profile_ranges:  # ranges wider than the engine's: TensorRT's refusal must surface
         for name, (low, opt, high) in list(ranges.items()):
             ranges[name] = (low, opt, (3, *high[1:]))

@@ -67,7 +67,6 @@ def _plan_quantized(tiny: Path, out: Path, points: dict, seed: int, head: str = 
         out,
         windows,
         QUANTIZE_CONFIG.validate_python({"method": "auto", **PLAN_CALIBRATION}),
-        progress=False,
         plan=plan,
     )
     save_side_files(load_tokenizer(tiny), tiny, out)
@@ -126,9 +125,10 @@ def test_int4_checkpoint_is_read_by_edgellm_with_our_integers_and_scales(tiny_wi
     quantized = _quantized(tiny_wide, tmp_path / "run", "int4", "quantize.group_size=32")
     summary = write_unified_checkpoint(quantized, tmp_path / "ckpt")
     assert summary.quant_algo == "W4A16_AWQ" and summary.group_size == 32
+    # nibbles + fp32 scales
     assert summary.quantized_bytes / summary.fp16_bytes == pytest.approx(
         0.25 + 4 / (32 * 2), rel=1e-9
-    )  # nibbles + fp32 scales
+    )
     written = CheckpointReader(tmp_path / "ckpt").read(["model.layers.0.self_attn.q_proj.weight", "model.norm.weight"])
     weight = written["model.layers.0.self_attn.q_proj.weight"]
     assert weight.dtype == torch.uint8 and tuple(weight.shape) == (64, 128)
@@ -148,9 +148,10 @@ def test_int4_packing_round_trips_every_value():
     packed = pack_int4(values)
     assert packed.dtype == torch.uint8 and tuple(packed.shape) == (4, 48)
     assert torch.equal(unpack_int4(packed), values)
+    # even row low nibble, two's complement
     assert (
         int(pack_int4(torch.tensor([[-1], [0]], dtype=torch.int8))[0, 0]) == 0x0F
-    )  # even row low nibble, two's complement
+    )
 
 
 def test_rotated_or_damaged_levels_are_refused():

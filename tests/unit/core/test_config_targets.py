@@ -59,9 +59,10 @@ def test_recipes_reference_registered_stages_in_a_valid_order():
         recipe = load_recipe(name)
         assert all(spec.name in stages for spec in recipe.stages)
         encoder = name.startswith("encoder-")
+        # FP8 and NVFP4 need Thor's tensor cores
         target = (
             "jetson-agx-thor" if name.startswith("thor-") else "jetson-orin"
-        )  # FP8 and NVFP4 need Thor's tensor cores
+        )
         # On the embedded model Edge-LLM's INT4 kernels (groups of 128) take only down_proj's 1536-wide input.
         group_128 = any(spec.options.get("group_size") == 128 for spec in recipe.stages)
         overrides = {"quantize.float_linears": "[q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj]"} if group_128 else {}

@@ -257,9 +257,10 @@ def test_the_shipped_chat_set_calibrates_and_evaluates_on_prompts_it_does_not_sh
     assert not {p.casefold() for p in calib_prompts} & {p.casefold() for p in eval_prompts}
     from compress.eval.prompts import selection_expect_prompts
 
+    # what a search checks expected answers on: in neither set, each with one
     selection = selection_expect_prompts(
         1000
-    )  # what a search checks expected answers on: in neither set, each with one
+    )
     assert len(selection) == 32 and all(case.expect for case in selection)
     assert not {c.prompt.casefold() for c in selection} & {p.casefold() for p in calib_prompts + eval_prompts}
     for conversation in calibration + evaluation:

@@ -12,7 +12,9 @@ from compress.core.errors import UsageError
 from compress.eval.perf_model import (
     QWEN3_0_6B,
     QWEN3_8B,
+    Lengths,
     ModelShape,
+    Storage,
     anchor_errors,
     fit_decode,
     lowest_power_mode_meeting_budget,
@@ -81,7 +83,7 @@ def test_small_models_pay_a_fixed_cost_per_layer():
     fit = fit_decode()
     assert fit.per_layer_ms > 0
     agx = load_target("jetson-agx-orin-64gb")
-    prediction = predict(agx, QWEN3_0_6B, "int4", "MAXN", context=128)
+    prediction = predict(agx, QWEN3_0_6B, "int4", "MAXN", lengths=Lengths(context=128))
     roofline = (
         fit.efficiency * mode_bandwidth_gbps(agx, agx.power_mode("MAXN")) * 1e9 / weight_bytes(QWEN3_0_6B, "int4")
     )
@@ -135,11 +137,12 @@ def test_predict_command_on_a_7b_config(tmp_path, capsys):
 def test_linears_left_fp16_are_read_at_fp16():
     nano = load_target("jetson-orin-nano-8gb")
     int8, mixed, fp16 = (
-        predict(nano, SMOL, p, float_fraction=f) for p, f in (("int8", 0.0), ("int8", 0.25), ("fp16", 0.0))
+        predict(nano, SMOL, p, storage=Storage(float_fraction=f))
+        for p, f in (("int8", 0.0), ("int8", 0.25), ("fp16", 0.0))
     )
     assert fp16.decode_tokens_per_s < mixed.decode_tokens_per_s < int8.decode_tokens_per_s
     assert int8.memory_gb < mixed.memory_gb < fp16.memory_gb
-    assert predict(nano, SMOL, "int8", float_fraction=1.0).decode_tokens_per_s == pytest.approx(
+    assert predict(nano, SMOL, "int8", storage=Storage(float_fraction=1.0)).decode_tokens_per_s == pytest.approx(
         fp16.decode_tokens_per_s
     )
 
@@ -165,7 +168,8 @@ def test_predict_reads_the_config_of_every_family(family, tmp_path, capsys):
                  "power=MAXN_SUPER"]) == 0
     result = json.loads(capsys.readouterr().out)["selected"]
     expected = predict(
-        load_target("jetson-orin-nano-8gb"), ModelShape.from_config(config), "int4", "MAXN_SUPER", context=4096
+        load_target("jetson-orin-nano-8gb"), ModelShape.from_config(config), "int4", "MAXN_SUPER",
+        lengths=Lengths(context=4096),
     )
     assert result["decode_tokens_per_s"] == pytest.approx(expected.decode_tokens_per_s, rel=1e-3)
     assert result["decode_tokens_per_s"] > 0 and result["memory_gb"] > 0
@@ -192,7 +196,7 @@ def test_sliding_window_layers_read_at_most_their_window():
     assert windowed.kv_bytes_read(256) == full.kv_bytes_read(256)  # inside the window nothing changes
     assert windowed.kv_bytes_read(8192) < 0.25 * full.kv_bytes_read(8192)
     nano = load_target("jetson-orin-nano-8gb")
-    fast, slow = (predict(nano, shape, "int4", context=8192) for shape in (windowed, full))
+    fast, slow = (predict(nano, shape, "int4", lengths=Lengths(context=8192)) for shape in (windowed, full))
     assert fast.decode_tokens_per_s > slow.decode_tokens_per_s and fast.memory_gb < slow.memory_gb
 
 
@@ -208,8 +212,8 @@ def test_an_fp8_kv_cache_halves_the_cache_bytes_and_needs_fp8(tiny_llama, capsys
     from dataclasses import replace
 
     thor = load_target("jetson-agx-thor")
-    fp16_cache = predict(thor, QWEN3_8B, "nvfp4", context=32768)
-    fp8_cache = predict(thor, replace(QWEN3_8B, kv_cache_bytes=1), "nvfp4", context=32768)
+    fp16_cache = predict(thor, QWEN3_8B, "nvfp4", lengths=Lengths(context=32768))
+    fp8_cache = predict(thor, replace(QWEN3_8B, kv_cache_bytes=1), "nvfp4", lengths=Lengths(context=32768))
     assert replace(QWEN3_8B, kv_cache_bytes=1).kv_bytes_read(32768) == QWEN3_8B.kv_bytes_read(32768) / 2
     assert fp8_cache.decode_tokens_per_s > fp16_cache.decode_tokens_per_s and fp8_cache.memory_gb < fp16_cache.memory_gb
     assert main(["predict", "target=jetson-agx-thor", f"model_config={tiny_llama}", "kv_cache=fp8"]) == 0
@@ -219,17 +223,23 @@ def test_an_fp8_kv_cache_halves_the_cache_bytes_and_needs_fp8(tiny_llama, capsys
 
 
 def test_run_predictions_read_the_group_size_the_float_share_and_the_kv_cache_of_the_run(tiny_llama):
+    from compress.core.artifact import Deployment
     from compress.eval.decoder import target_predictions
 
     thor = load_target("jetson-agx-thor")
 
-    def decode(meta):
-        return target_predictions(tiny_llama, "int4", thor, "MAXN", meta)["chosen"]["decode_tokens_per_s"]
+    def decode(deployment):
+        deployment = Deployment.model_validate(deployment)
+        return target_predictions(tiny_llama, "int4", thor, "MAXN", deployment)["chosen"]["decode_tokens_per_s"]
 
-    g32, g128 = decode({"quantization": {"group_size": 32}}), decode({"quantization": {"group_size": 128}})
+    int4 = {"method": "int4", "format": "int", "weight_bits": 4}
+    g32 = decode({"quantization": {**int4, "group_size": 32}})
+    g128 = decode({"quantization": {**int4, "group_size": 128}})
     assert g32 < g128 == decode({})  # smaller groups carry more scale bytes; 128 when the run names none
-    assert decode({"quantization": {"group_size": 128, "kv_cache": "fp8"}}) > g128
-    assert decode({"quantization": {"group_size": 128}, "float_linear_fraction": 0.5}) < g128
+    assert decode({"quantization": {**int4, "group_size": 128, "kv_cache": "fp8"}}) > g128
+    assert decode({"quantization": {**int4, "group_size": 128}, "float_linear_fraction": 0.5}) < g128
+    with pytest.raises(ValueError, match="groupsize"):  # a renamed key fails where it is read, not as a default
+        decode({"quantization": {**int4, "groupsize": 32}})
 
 
 def test_a_quantized_lm_head_is_read_at_its_precision_beside_the_fp16_embedding():

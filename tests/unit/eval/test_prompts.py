@@ -102,9 +102,10 @@ def test_a_broken_model_fails_the_prompt_gate_and_the_teacher_passes(chat_llama)
                           progress=False, source="test")
     checks = {c.name: c for c in prompt_checks(bad, target.budgets)}
     assert checks["answer_prefix_agreement"].verdict == FAIL and bad["answer_prefix_agreement"] < 0.35
+    # worst first
     assert [r["prefix_fraction"] for r in bad["rows"]] == sorted(
         r["prefix_fraction"] for r in bad["rows"]
-    )  # worst first
+    )
 
 
 def test_expectations_are_checked_on_both_answers():

@@ -49,7 +49,7 @@ def test_a_quantized_folder_held_as_levels_computes_what_its_rebuilt_float_model
         }
     )
     folder = tmp_path / "quantized"
-    result = quantize_folder(bf16, folder, ids, config, progress=False)
+    result = quantize_folder(bf16, folder, ids, config)
     held, rebuilt = held_quantized_causal_lm(folder)
     assert set(rebuilt) == {f"{name}.weight" for name in result.linears}
     assert all(held.get_submodule(name).weight.numel() == 0 for name in result.linears)  # nothing but the levels
@@ -81,9 +81,10 @@ def test_the_embedding_and_lm_head_are_never_upcast_whole(tiny_llama, ids, monke
         monkeypatch.setattr(torch.Tensor, "float", real_float)
     assert upcast_rows and vocab not in upcast_rows and max(upcast_rows) <= max(60, held.config.intermediate_size)
     torch.testing.assert_close(logits, _logits(copy, ids), atol=1e-5, rtol=1e-5)
+    # their own forward again
     assert "forward" not in vars(held.lm_head) and "forward" not in vars(
         held.model.embed_tokens
-    )  # their own forward again
+    )
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pages are handed back on Linux only")

@@ -68,7 +68,7 @@ def test_a_quantized_checkpoint_gives_the_deployed_numbers(tiny_llama, windows, 
     config = QUANTIZE_CONFIG.validate_python({**options, "calib_windows": 3, "calib_window": 40, "min_calib_tokens": 1,
                                               "sample_tokens": 64})
     folder = tmp_path / "quantized"
-    quantize_folder(bf16, folder, windows, config, progress=False)
+    quantize_folder(bf16, folder, windows, config)
     model, rebuilt = held_quantized_causal_lm(folder)
     attach_quantization(model, *load_quantization(folder))
     with computed_in_float32(model, rebuilt):

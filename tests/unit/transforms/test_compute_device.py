@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from compress.core.devices import Compute
 from compress.eval.decoder import deployed_generator, teacher_answers
 from compress.eval.prompts import PromptCase
 from compress.models.loading import load_tokenizer
@@ -48,8 +49,8 @@ def _logits(folder: Path, windows: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("method", list(METHODS))
 def test_each_method_quantizes_on_the_device_as_on_the_cpu(tiny_llama, windows, tmp_path, method, device):
     config = QUANTIZE_CONFIG.validate_python({**METHODS[method], **CALIBRATION})
-    quantize_folder(tiny_llama, tmp_path / "cpu", windows, config, progress=False, device="cpu")
-    quantize_folder(tiny_llama, tmp_path / device, windows, config, progress=False, device=device)
+    quantize_folder(tiny_llama, tmp_path / "cpu", windows, config, Compute("cpu"))
+    quantize_folder(tiny_llama, tmp_path / device, windows, config, Compute(device))
     here, there = _logits(tmp_path / "cpu", windows), _logits(tmp_path / device, windows)
     if device == "cpu":
         assert torch.equal(here, there)
@@ -66,7 +67,6 @@ def quantized(tiny_llama, windows, tmp_path_factory) -> Path:
         folder,
         windows,
         QUANTIZE_CONFIG.validate_python({**METHODS["int8-hadamard"], **CALIBRATION}),
-        progress=False,
     )
     return folder
 
@@ -91,8 +91,8 @@ def test_greedy_answers_on_the_device_are_the_cpu_s(quantized, tiny_llama, devic
         here = generate(prompts, 8)
     with deployed_generator(quantized, [], 0, device) as generate:
         there = generate(prompts, 8)
-    teacher_here = teacher_answers(CASES, tokenizer, tiny_llama, [], 8, progress=False, device="cpu")
-    teacher_there = teacher_answers(CASES, tokenizer, tiny_llama, [], 8, progress=False, device=device)
+    teacher_here = teacher_answers(CASES, tokenizer, tiny_llama, [], 8, Compute("cpu"))
+    teacher_there = teacher_answers(CASES, tokenizer, tiny_llama, [], 8, Compute(device))
     if device == "cpu":
         assert here == there and teacher_here == teacher_there
     else:  # a near tie may break the other way on another device: most answers must still be the same, token for token

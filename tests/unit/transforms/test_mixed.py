@@ -58,7 +58,7 @@ def test_a_plan_quantizes_each_group_in_its_own_format_and_validation_computes_i
     plan = MixedPlan({0: {"attn_in": "int8", "attn_out": FLOAT, "mlp_in": "int4", "mlp_hidden": "int8"},
                       1: {"attn_in": "int4", "attn_out": "int8", "mlp_in": FLOAT, "mlp_hidden": "int4"}}, configs)
     config = QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED})
-    quantize_folder(wide, tmp_path / "q", windows, config, progress=False, plan=plan)
+    quantize_folder(wide, tmp_path / "q", windows, config, plan=plan)
     meta, linears = load_quantization(tmp_path / "q")
     assert meta.is_mixed() and meta.plan == plan.to_json()
     family = family_of(load_causal_lm(wide).config)
@@ -90,7 +90,7 @@ def test_a_plan_may_quantize_the_tied_lm_head_as_a_linear_of_its_own(wide, windo
     plan = MixedPlan({0: points, 1: points}, configs, head=head)
     assert plan.counts() == {"int8": 8, head: 1} and plan.quantized_formats() == {"int8", head}
     config = QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED})
-    quantize_folder(wide, tmp_path / "q", windows, config, progress=False, plan=plan)
+    quantize_folder(wide, tmp_path / "q", windows, config, plan=plan)
     meta, linears = load_quantization(tmp_path / "q")
     quant = linears["lm_head"]
     assert quant.precision == head and (quant.input_scale is not None) == (head == "fp8")
@@ -150,9 +150,10 @@ def test_sensitivities_are_per_point_and_format_and_zero_for_float(wide, windows
     for (_, point), values in table.kl.items():
         assert values[FLOAT] == 0.0 and values["int8"] > 0
         assert ("int4" in values) == (point != "attn_out")  # a format the caller does not allow is not measured
+    # 4 bits cost more
     assert sum(v["int4"] for v in table.kl.values() if "int4" in v) > sum(
         v["int8"] for v in table.kl.values()
-    )  # 4 bits cost more
+    )
     for parameter in model.parameters():  # the model itself is left float: every trial ran on a copy
         assert parameter.dtype == torch.float32
     assert torch.equal(
@@ -241,12 +242,14 @@ def test_the_lm_head_is_a_group_whose_sensitivity_is_measured_in_the_formats_all
         ),
     )
     head = table.kl[(HEAD_INDEX, HEAD)]
+    # int8: not for the head
     assert (
         set(head) == {FLOAT, "fp8", "int4"} and head[FLOAT] == 0.0 and head["int4"] > head["fp8"] > 0
-    )  # int8: not for the head
+    )
+    # measured on copies
     torch.testing.assert_close(
         model.lm_head.weight, load_causal_lm(wide).lm_head.weight, rtol=0, atol=0
-    )  # measured on copies
+    )
     none = sensitivity(model, windows, SensitivityJob(configs, lambda index, point, name: point != HEAD, fisher | ones))
     assert (HEAD_INDEX, HEAD) not in none.kl
 
@@ -309,7 +312,7 @@ def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
     import numpy as np
     import onnx
 
-    from compress.backends.onnx.export import export_decoder_folder
+    from compress.backends.onnx.export import ParityCheck, export_decoder_folder
     from compress.backends.onnx.runtime import ONNX_FILE, OnnxDecoder
     from compress.models.loading import load_tokenizer, save_side_files
 
@@ -321,11 +324,10 @@ def test_the_portable_onnx_carries_the_same_mix(wide, windows, tmp_path):
         tmp_path / "q",
         windows,
         QUANTIZE_CONFIG.validate_python({"method": "auto", **SHARED}),
-        progress=False,
         plan=plan,
     )
     save_side_files(load_tokenizer(wide), wide, tmp_path / "q")
-    exported = export_decoder_folder(tmp_path / "q", tmp_path / "onnx", parity_new_tokens=4)
+    exported = export_decoder_folder(tmp_path / "q", tmp_path / "onnx", parity=ParityCheck(new_tokens=4))
     graph = onnx.load(str(tmp_path / "onnx" / ONNX_FILE), load_external_data=False).graph
     kinds = {onnx.TensorProto.DataType.Name(init.data_type) for init in graph.initializer}
     assert {"INT8", "INT4"} <= kinds and exported.quantized

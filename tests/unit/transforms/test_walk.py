@@ -233,7 +233,7 @@ def test_a_streamed_quantization_writes_the_levels_the_held_model_computes(tiny_
     )
     held = load_causal_lm(tiny_llama)
     expected = quantize_model(held, windows, config, progress=False)
-    result = quantize_folder(tiny_llama, tmp_path / "q", windows, config, progress=False)
+    result = quantize_folder(tiny_llama, tmp_path / "q", windows, config)
     _, stored = load_quantization(tmp_path / "q")
     assert set(stored) == set(expected.linears) and all(q.levels is None for q in result.linears.values())
     for name, quant in expected.linears.items():
