@@ -76,7 +76,13 @@ ROWS = {
                                            "hadamard_block": 0, "rotate": "hadamard"}),
     "compress-int8-rotated-tuned": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq",
                                                  "hadamard_block": 0, "rotate": "hadamard", "tune_iters": TUNE_ITERS}),
+    "compress-int8-tuned": ("compress", {"method": "int8", "alpha": "auto", "weight_algorithm": "gptq",
+                                         "hadamard_block": 0, "tune_iters": TUNE_ITERS}),
     "compress-fp8": ("compress", {"method": "fp8"}),
+    # thor-nvfp4's quantization (W4A4), then with a folded rotation and learned rounding
+    "compress-nvfp4": ("compress", {"method": "nvfp4", "activations": "nvfp4", "clip_tokens": "all"}),
+    "compress-nvfp4-rotated-tuned": ("compress", {"method": "nvfp4", "activations": "nvfp4", "clip_tokens": "all",
+                                                  "rotate": "hadamard", "tune_iters": TUNE_ITERS}),
     "edgellm-fp8": ("simulated", {"tool": "edgellm", "option": "fp8"}),
     # Edge-LLM's int4_awq groups 128 inputs, which SmolLM2's 576-wide inputs do not divide: the table's group of 64
     # instead
@@ -423,7 +429,8 @@ def main() -> None:
     parser.add_argument("--model", choices=sorted(MODELS), default="smollm2",
                         help="the packaged SmolLM2 (INT4 group 64) or Gemma-3-270M (group 128, bench/gemma.py)")
     parser.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
-                        help="quantize options for every compress row (e.g. tune_iters=50); the row is named with them")
+                        help="quantize options replacing those a compress row has (e.g. tune_iters=50 for the tuned "
+                             "rows); the row is named with them")
     args = parser.parse_args()
     overrides = {key: _value(value) for key, value in (item.split("=", 1) for item in args.set)}
     sys.path.insert(0, str(REPO))
@@ -445,9 +452,10 @@ def main() -> None:
                 results.append({"row": name, "not_run": why})
                 continue
         else:
-            if kind == "compress" and overrides:
-                options = {**options, **overrides}
-                name = name + "".join(f" {key}={value}" for key, value in overrides.items())
+            changed = {key: value for key, value in overrides.items() if kind == "compress" and key in options}
+            if changed:
+                options = {**options, **changed}
+                name = name + "".join(f" {key}={value}" for key, value in changed.items())
             folder, seconds = quantize_row(kind, options, teacher, windows, out)
             metrics = measure_row(folder, teacher)
         row = {

@@ -77,3 +77,18 @@ def test_tuning_is_off_by_default_and_named_in_the_config():
     assert (settings.iters, settings.windows, settings.learning_rate()) == (50, 2, 1 / 50)
     with pytest.raises(ValueError, match="tune_iters"):
         quantize_config(method="int4", tune_iters=-1)
+
+
+def test_the_plan_estimate_counts_the_tuning_steps():
+    from compress.pipeline.resources import estimate_stages
+
+    config = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
+              "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152, "tie_word_embeddings": True}
+
+    def minutes(**options) -> float:
+        (estimate,) = estimate_stages([("quantize", quantize_config(method="int4", **options))], config, 5.4e8)
+        return estimate.seconds / 60
+
+    plain, tuned = minutes(), minutes(tune_iters=100)
+    assert plain < tuned < plain + 60  # about 27 minutes of tuning on this class of machine
+    assert minutes(tune_iters=50) < tuned
