@@ -133,10 +133,6 @@ class TuneOutcome:
     kept: bool
     seconds: float = 0.0
 
-    def to_json(self) -> dict[str, Any]:
-        return {"error_before": self.error_before, "error_after": self.error_after, "kept": self.kept,
-                "seconds": round(self.seconds, 2)}
-
 
 @contextmanager
 def _straight_through_inputs(block: torch.nn.Module,
