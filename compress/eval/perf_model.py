@@ -6,19 +6,22 @@
   read at the context length. The per-layer term (kernel launches, norms, RoPE, attention set-up)
   is what keeps a 0.6B model further from the bandwidth roofline than an 8B one; it scales with
   the inverse of the mode's GPU clock.
-* Prefill is bound by compute: ``FLOPs / (peak ops(mode) * utilisation) + layers * per_layer_ms``
-  at the precision that runs the matrix multiplies (INT8 tensor cores for W8A8, FP8 for FP8, FP4
-  for NVFP4 W4A4, FP16 otherwise: INT4 and NVFP4 weight-only dequantize to FP16).
+* Prefill reads every weight once and runs the prompt's FLOPs:
+  ``weight bytes / (efficiency * bandwidth) + FLOPs / (peak ops(mode) * utilisation) + layers * per_layer_ms``,
+  the linears' FLOPs at the precision that runs them (INT8 tensor cores for W8A8, FP8 for FP8, FP4
+  for NVFP4 W4A4, FP16 otherwise: INT4 and NVFP4 weight-only dequantize to FP16), attention's at
+  FP16. A short prompt is bound by the weight reads and the fixed cost, a long one by compute.
 * A power mode caps the GPU clock (compute scales with it) and the memory clock (bandwidth scales
   with it). Energy per token is the mode's power budget times the per-token latency, an upper bound.
 
-``efficiency`` and ``per_layer_ms`` are fitted together on published measurements (:data:`ANCHORS`:
-TensorRT Edge-LLM's own AGX Orin and AGX Thor results, the runtime the bundles are built for, and
-two earlier 7-8B figures), minimising the relative error, per GPU architecture and precision where
-at least :data:`MIN_FIT_ANCHORS` anchors exist, else per architecture, else on all of them. Prefill
-is fitted the same way on :data:`PREFILL_ANCHORS` (Edge-LLM's Thor prefill times), per architecture
-and compute precision, else per architecture; where an architecture has none, the utilisation is
-the assumed :data:`PREFILL_UTILISATION` with no fixed cost. :func:`anchor_errors` reports every point.
+``efficiency`` and ``per_layer_ms`` are fitted together on published measurements (the anchors of
+:mod:`compress.eval.published_rates`: TensorRT Edge-LLM's own Jetson results, the runtime the
+bundles are built for, and two earlier 7-8B figures), minimising the relative error, per GPU
+architecture and precision where at least :data:`MIN_FIT_ANCHORS` anchors exist, else per
+architecture, else on all of them. Prefill's ``utilisation`` and fixed cost are fitted the same way,
+per architecture and compute precision, else per architecture; where an architecture has none, the
+utilisation is the assumed :data:`PREFILL_UTILISATION` with no fixed cost. :func:`anchor_errors`
+reports every published point: the anchors, the points held out of the fit, and earlier releases.
 
 NVFP4 weight-only (``nvfp4_a16``) on a Llama-style model runs through Edge-LLM's
 ``--no-quantize-activations`` export, where "TensorRT dequantizes the weights on every step"
@@ -37,11 +40,19 @@ import numpy as np
 from compress.algorithms.formats import PRECISIONS, Precision
 from compress.core.config import PowerMode, Target, load_target
 from compress.core.errors import UsageError
-from compress.models.families import BY_MODEL_TYPE, decoder_shape, family_of, sliding_layers
+from compress.eval.model_shape import (  # noqa: F401  (the published shapes are re-exported)
+    LLAMA2_7B,
+    LLAMA3_8B,
+    QWEN3_0_6B,
+    QWEN3_1_7B,
+    QWEN3_4B,
+    QWEN3_8B,
+    ModelShape,
+)
+from compress.eval.published_rates import ANCHOR, ANCHORS, PREFILL_ANCHORS, Anchor, PrefillAnchor
 
 # Bytes of scales per weight: INT4 one FP16 scale per group; NVFP4 one FP8 (E4M3) scale per 16 weights.
 NVFP4_BLOCK = 16
-KV_CACHE_BYTES = 2  # FP16 KV cache on the device, unless quantized
 KV_CACHE_ELEMENT_BYTES = {"fp16": 2, "fp8": 1}
 RUNTIME_OVERHEAD_GB = 0.35  # CUDA context + TensorRT runtime, typical on Jetson
 # share of peak tensor-core rate a prefill GEMM reaches, where no prefill anchor says otherwise
@@ -54,336 +65,6 @@ def precision_named(name: str) -> Precision:
     if name not in PRECISIONS:
         raise UsageError(f"unknown precision {name!r} (known: {', '.join(PRECISIONS)})")
     return PRECISIONS[name]
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """What the latency model needs to know of a decoder: shapes only, no weights."""
-
-    num_layers: int
-    hidden_size: int
-    intermediate_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    sliding_layers: int = 0  # layers attending through a window of sliding_window tokens (Gemma 3, Mistral)
-    sliding_window: int = 0
-    kv_cache_bytes: float = KV_CACHE_BYTES  # per cached element: 2 for FP16, 1 for an FP8 KV cache
-
-    @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
-        """From a Hugging Face decoder ``config.json`` mapping."""
-        try:
-            shape = decoder_shape(cfg)
-            return cls(
-                num_layers=shape.layers,
-                hidden_size=shape.hidden,
-                intermediate_size=shape.intermediate,
-                num_heads=shape.heads,
-                num_kv_heads=shape.kv_heads,
-                head_dim=shape.head_dim,
-                vocab_size=shape.vocab,
-                tie_word_embeddings=shape.tied,
-                **_windows(cfg),
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise UsageError(f"model config is not a decoder LLM config: missing or bad {exc}") from exc
-
-    def layer_linear_params(self) -> int:
-        """Parameters of the linear layers of one decoder block (attention + gated MLP)."""
-        q_o = 2 * self.hidden_size * self.num_heads * self.head_dim
-        k_v = 2 * self.hidden_size * self.num_kv_heads * self.head_dim
-        mlp = 3 * self.hidden_size * self.intermediate_size
-        return q_o + k_v + mlp
-
-    def decoder_linear_params(self) -> int:
-        return self.num_layers * self.layer_linear_params()
-
-    def lm_head_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    def total_params(self) -> int:
-        embed = self.vocab_size * self.hidden_size
-        head = 0 if self.tie_word_embeddings else self.lm_head_params()
-        norms = (2 * self.num_layers + 1) * self.hidden_size
-        return self.decoder_linear_params() + embed + head + norms
-
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache_bytes
-
-    def kv_bytes_read(self, context: int) -> float:
-        """KV-cache bytes one decoded token reads at ``context``: a sliding layer reads at most its window."""
-        sliding = self.sliding_layers * min(context, self.sliding_window)
-        return (
-            self.kv_bytes_per_token() / self.num_layers * ((self.num_layers - self.sliding_layers) * context + sliding)
-        )
-
-
-def _windows(cfg: dict[str, Any]) -> dict[str, int]:
-    """Sliding-window layers of a described family's config; none for any other."""
-    if cfg.get("model_type") not in BY_MODEL_TYPE or not sliding_layers(cfg):
-        return {}
-    return {"sliding_layers": sliding_layers(cfg), "sliding_window": int(cfg[family_of(cfg).sliding_window_key])}
-
-
-@dataclass(frozen=True)
-class Anchor:
-    """A published decode measurement the efficiency factor is fitted on."""
-
-    name: str
-    target: str
-    power_mode: str
-    shape: ModelShape
-    precision: str
-    group_size: int
-    context: int
-    tokens_per_s: float
-    source: str
-
-
-LLAMA3_8B = ModelShape(32, 4096, 14336, 32, 8, 128, 128256, False)
-LLAMA2_7B = ModelShape(32, 4096, 11008, 32, 32, 128, 32000, False)
-QWEN3_0_6B = ModelShape(28, 1024, 3072, 16, 8, 128, 151936, True)
-QWEN3_1_7B = ModelShape(28, 2048, 6144, 16, 8, 128, 151936, True)
-QWEN3_4B = ModelShape(36, 2560, 9728, 32, 8, 128, 151936, True)
-QWEN3_8B = ModelShape(36, 4096, 12288, 32, 8, 128, 151936, False)
-
-EDGELLM_BENCHMARK = ("TensorRT Edge-LLM v0.9.0 performance benchmarks, AGX Orin 64GB, JetPack 7.2, INT4 AWQ, batch 1, "
-                     "~61-token prompts, engines built with max input 2048 and KV capacity 2200")
-EDGELLM_THOR_BENCHMARK = (
-    "TensorRT Edge-LLM 0.4.0 performance benchmarks, Jetson AGX Thor Developer Kit (SM110), batch 1, "
-    "vanilla decoding, 364-383-token prompts"
-)
-EDGELLM_THOR_BENCHMARK_070 = (
-    "TensorRT Edge-LLM 0.7.0 performance benchmarks (TensorRT 10.13), Jetson AGX Thor Developer Kit, "
-    "batch 1, 370-token prompt"
-)
-# The Edge-LLM prompts are ~61 tokens; the KV cache read is taken at 128 (prompt plus half the output).
-ANCHORS = (
-    Anchor(
-        "Qwen3-0.6B INT4 AWQ (Edge-LLM 0.9.0)",
-        "jetson-agx-orin-64gb",
-        "MAXN",
-        QWEN3_0_6B,
-        "int4",
-        128,
-        128,
-        186.4,
-        EDGELLM_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-1.7B INT4 AWQ (Edge-LLM 0.9.0)",
-        "jetson-agx-orin-64gb",
-        "MAXN",
-        QWEN3_1_7B,
-        "int4",
-        128,
-        128,
-        98.6,
-        EDGELLM_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.9.0)",
-        "jetson-agx-orin-64gb",
-        "MAXN",
-        QWEN3_4B,
-        "int4",
-        128,
-        128,
-        53.1,
-        EDGELLM_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-8B INT4 AWQ (Edge-LLM 0.9.0)",
-        "jetson-agx-orin-64gb",
-        "MAXN",
-        QWEN3_8B,
-        "int4",
-        128,
-        128,
-        32.5,
-        EDGELLM_BENCHMARK,
-    ),
-    Anchor(
-        "Llama-3-8B INT4 (TensorRT-LLM 0.12, AWQ)",
-        "jetson-agx-orin-64gb",
-        "MAXN",
-        LLAMA3_8B,
-        "int4",
-        128,
-        192,
-        35.9,
-        "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, 128 in / 128 out",
-    ),
-    Anchor(
-        "Llama-2-7B INT4 (MLC q4f16_ft)",
-        "jetson-agx-orin-64gb",
-        "MAXN",
-        LLAMA2_7B,
-        "int4",
-        128,
-        192,
-        46.9,
-        "NVIDIA Jetson AI Lab benchmarks, AGX Orin 64GB MAXN, MLC/TVM",
-    ),
-    # 364-383-token prompts; the KV cache read is taken at the prompt plus 64 generated tokens.
-    Anchor(
-        "Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        LLAMA3_8B,
-        "int4",
-        128,
-        447,
-        50.8,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    Anchor(
-        "Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        LLAMA3_8B,
-        "nvfp4",
-        16,
-        447,
-        54.9,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_0_6B,
-        "int4",
-        128,
-        430,
-        270.2,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_0_6B,
-        "nvfp4",
-        16,
-        430,
-        318.6,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_4B,
-        "int4",
-        128,
-        428,
-        76.4,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    Anchor(
-        "Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_1_7B,
-        "nvfp4",
-        16,
-        434,
-        170.4,
-        EDGELLM_THOR_BENCHMARK_070,
-    ),
-)
-
-
-@dataclass(frozen=True)
-class PrefillAnchor:
-    """A published prefill (time to process the prompt) measurement the prefill model is fitted on."""
-
-    name: str
-    target: str
-    power_mode: str
-    shape: ModelShape
-    precision: str
-    prompt_tokens: int
-    prefill_ms: float
-    source: str
-
-
-PREFILL_ANCHORS = (
-    PrefillAnchor(
-        "Llama-3.1-8B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        LLAMA3_8B,
-        "int4",
-        383,
-        215.5,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    PrefillAnchor(
-        "Llama-3.1-8B NVFP4 (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        LLAMA3_8B,
-        "nvfp4",
-        383,
-        31.0,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    PrefillAnchor(
-        "Qwen3-0.6B INT4 AWQ (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_0_6B,
-        "int4",
-        366,
-        21.0,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    PrefillAnchor(
-        "Qwen3-0.6B NVFP4 (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_0_6B,
-        "nvfp4",
-        366,
-        8.8,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    PrefillAnchor(
-        "Qwen3-4B-2507 INT4 AWQ (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_4B,
-        "int4",
-        364,
-        116.2,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    PrefillAnchor(
-        "Qwen3-4B-2507 NVFP4 (Edge-LLM 0.4.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_4B,
-        "nvfp4",
-        364,
-        22.9,
-        EDGELLM_THOR_BENCHMARK,
-    ),
-    PrefillAnchor(
-        "Qwen3-1.7B NVFP4 (Edge-LLM 0.7.0, Thor)",
-        "jetson-agx-thor",
-        "MAXN",
-        QWEN3_1_7B,
-        "nvfp4",
-        370,
-        13.9,
-        EDGELLM_THOR_BENCHMARK_070,
-    ),
-)
 
 
 @dataclass(frozen=True)
@@ -478,21 +159,24 @@ def _anchor_terms(anchor: Anchor) -> tuple[float, float]:
             _layer_units(target, mode, anchor.shape))
 
 
-def _fit_two_terms(terms: np.ndarray, measured: np.ndarray) -> tuple[float, float]:
-    """Least squares on relative error of ``measured ~ terms[:, 0] * a + terms[:, 1] * b``; b is dropped when
-    negative."""
+def _fit_two_terms(terms: np.ndarray, measured: np.ndarray, known: np.ndarray | None = None) -> tuple[float, float]:
+    """Least squares on relative error of ``measured ~ known + terms[:, 0] * a + terms[:, 1] * b`` (``known``: a part of
+    each measurement already accounted for, none by default); b is dropped when negative."""
     rows = terms / measured[:, None]
-    (a, b), *_ = np.linalg.lstsq(rows, np.ones(len(measured)), rcond=None)
+    rest = 1.0 - (np.zeros(len(measured)) if known is None else known / measured)
+    (a, b), *_ = np.linalg.lstsq(rows, rest, rcond=None)
     if b < 0:  # no fixed cost visible in the anchors: the first term alone
-        a, b = float(rows[:, 0] @ np.ones(len(measured)) / (rows[:, 0] @ rows[:, 0])), 0.0
+        a, b = float(rows[:, 0] @ rest / (rows[:, 0] @ rows[:, 0])), 0.0
     return float(a), float(b)
 
 
 def _matching(anchors: tuple, arch: str | None, precision: str | None, compute: bool = False) -> list:
+    """The fitted anchors (held-out and earlier-release points excluded) of ``arch`` and ``precision`` (None: any)."""
     def key(anchor) -> str:
         return precision_named(anchor.precision).compute if compute else anchor.precision
 
-    return [a for a in anchors if arch in (None, _anchor_target(a.target).gpu.arch) and precision in (None, key(a))]
+    return [a for a in anchors if a.role == ANCHOR and arch in (None, _anchor_target(a.target).gpu.arch)
+            and precision in (None, key(a))]
 
 
 @cache
@@ -514,13 +198,33 @@ def decode_fit_for(target: Target, precision: str) -> DecodeFit:
     return fit_decode()
 
 
-def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool
-                   ) -> tuple[float, float]:
-    """(milliseconds at the full tensor-core rate, clock-weighted layers) of one prefill."""
-    flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
-    flops += 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
-    peak = mode_tops(target, mode, precision_named(precision).compute, sparse)
-    return flops / (peak * 1e12) * 1000, _layer_units(target, mode, shape)
+@dataclass(frozen=True)
+class PrefillTerms:
+    """One prefill's parts: milliseconds at the full tensor-core rate, clock-weighted layers, and the milliseconds its
+    weight reads take (at the decode fit's bandwidth efficiency)."""
+
+    at_peak_ms: float
+    layers: float
+    weights_ms: float
+
+
+def _prefill_terms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int,
+                   sparse: bool = False) -> PrefillTerms:
+    """The parts of one prefill of ``prompt_len`` tokens: the linears' FLOPs at the rate of the precision that runs
+    them, attention's at FP16, every weight read once."""
+    linear_flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
+    attention_flops = 4 * shape.num_layers * shape.num_heads * shape.head_dim * prompt_len * prompt_len / 2
+    linear_peak = mode_tops(target, mode, precision_named(precision).compute, sparse)
+    at_peak_s = linear_flops / (linear_peak * 1e12) + attention_flops / (mode_tops(target, mode, "fp16") * 1e12)
+    bandwidth = mode_bandwidth_gbps(target, mode) * 1e9 * decode_fit_for(target, precision).efficiency
+    weights_ms = weight_bytes(shape, precision) / bandwidth * 1000
+    return PrefillTerms(at_peak_s * 1000, _layer_units(target, mode, shape), weights_ms)
+
+
+def _prefill_anchor_terms(anchor: PrefillAnchor) -> PrefillTerms:
+    target = _anchor_target(anchor.target)
+    return _prefill_terms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision,
+                          anchor.prompt_tokens)
 
 
 @cache
@@ -530,12 +234,10 @@ def fit_prefill(arch: str, compute: str | None) -> PrefillFit:
     anchors = _matching(PREFILL_ANCHORS, arch, compute, compute=True)
     if len(anchors) < MIN_FIT_ANCHORS:
         return PrefillFit(PREFILL_UTILISATION, 0.0, fitted=False)
-    terms = []
-    for anchor in anchors:
-        target = _anchor_target(anchor.target)
-        terms.append(_prefill_terms(target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision,
-                                    anchor.prompt_tokens, False))
-    inverse_utilisation, per_layer = _fit_two_terms(np.array(terms), np.array([a.prefill_ms for a in anchors]))
+    parts = [_prefill_anchor_terms(anchor) for anchor in anchors]
+    inverse_utilisation, per_layer = _fit_two_terms(
+        np.array([(part.at_peak_ms, part.layers) for part in parts]), np.array([a.prefill_ms for a in anchors]),
+        known=np.array([part.weights_ms for part in parts]))
     return PrefillFit(1.0 / inverse_utilisation, per_layer, fitted=True)
 
 
@@ -551,9 +253,9 @@ def prefill_ms(
     target: Target, mode: PowerMode, shape: ModelShape, precision: str, prompt_len: int, sparse: bool = False
 ) -> float:
     """Predicted milliseconds to process a ``prompt_len``-token prompt."""
-    at_peak, layers = _prefill_terms(target, mode, shape, precision, prompt_len, sparse)
+    parts = _prefill_terms(target, mode, shape, precision, prompt_len, sparse)
     fit = prefill_fit_for(target, precision)
-    return at_peak / fit.utilisation + layers * fit.per_layer_ms
+    return parts.weights_ms + parts.at_peak_ms / fit.utilisation + parts.layers * fit.per_layer_ms
 
 
 def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str, group_size: int, context: int,
@@ -564,38 +266,42 @@ def decode_ms(target: Target, mode: PowerMode, shape: ModelShape, precision: str
             + _layer_units(target, mode, shape) * fit.per_layer_ms)
 
 
-def anchor_errors() -> list[dict[str, Any]]:
-    """Prediction error of the fitted model on every published anchor: decode tokens/s, then prefill milliseconds."""
+@dataclass(frozen=True)
+class AnchorError:
+    """The fitted model's prediction for one published point, and its error."""
+
+    anchor: str
+    measure: str
+    measured: float
+    predicted: float
+    error_pct: float
+    role: str
+    source: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _anchor_error(anchor: Anchor | PrefillAnchor, measure: str, measured: float, predicted: float) -> AnchorError:
+    return AnchorError(anchor.name, measure, measured, round(predicted, 2), round(100 * (predicted / measured - 1), 2),
+                       anchor.role, anchor.source)
+
+
+def anchor_errors() -> list[AnchorError]:
+    """Prediction error of the fitted model on every published point (anchors, held-out points, earlier releases):
+    decode tokens/s, then prefill milliseconds."""
     rows = []
     for anchor in ANCHORS:
         target = _anchor_target(anchor.target)
         mode = target.power_mode(anchor.power_mode)
         predicted = 1000.0 / decode_ms(target, mode, anchor.shape, anchor.precision, anchor.group_size, anchor.context)
-        rows.append(
-            {
-                "anchor": anchor.name,
-                "measure": "decode tokens/s",
-                "measured": anchor.tokens_per_s,
-                "predicted": round(predicted, 2),
-                "error_pct": round(100 * (predicted / anchor.tokens_per_s - 1), 2),
-                "source": anchor.source,
-            }
-        )
+        rows.append(_anchor_error(anchor, "decode tokens/s", anchor.tokens_per_s, predicted))
     for anchor in PREFILL_ANCHORS:
         target = _anchor_target(anchor.target)
         predicted = prefill_ms(
             target, target.power_mode(anchor.power_mode), anchor.shape, anchor.precision, anchor.prompt_tokens
         )
-        rows.append(
-            {
-                "anchor": anchor.name,
-                "measure": "prefill ms",
-                "measured": anchor.prefill_ms,
-                "predicted": round(predicted, 2),
-                "error_pct": round(100 * (predicted / anchor.prefill_ms - 1), 2),
-                "source": anchor.source,
-            }
-        )
+        rows.append(_anchor_error(anchor, "prefill ms", anchor.prefill_ms, predicted))
     return rows
 
 
