@@ -19,6 +19,7 @@ from compress.eval.perf_model import (
     mode_tops,
     predict_all_modes,
 )
+from compress.models.config_file import ModelConfig
 from compress.models.families import check_model_dimensions
 
 PREDICT_KEYS = ("target", "model_config", "precision", "power", "prompt_len", "context", "group_size", "kv_cache")
@@ -57,7 +58,7 @@ def predict_command(pairs: dict[str, str]) -> dict[str, Any]:
     target = load_target(pairs["target"])
     config = read_model_config(pairs["model_config"])
     check_model_dimensions(config, f"model_config={pairs['model_config']}")
-    shape = ModelShape.from_config(config)
+    shape = ModelShape.from_config(ModelConfig(config))
     precision = pairs.get("precision", "fp16")
     if precision not in PRECISIONS:
         raise UsageError(f"precision={precision!r}: expected one of {', '.join(PRECISIONS)}")

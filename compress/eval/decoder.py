@@ -14,7 +14,6 @@ stage). The gate (target-dependent) compares them, and the latency model's predi
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 from collections.abc import Iterator
@@ -43,6 +42,7 @@ from compress.core.text import (
     window_prefix,
 )
 from compress.eval.fidelity import compare_window_pairs, worst_domain
+from compress.eval.figures import DecoderFigures, DecoderPredictions, DeviceReference, PromptComparison, PromptJson, Row
 from compress.eval.gate import Check, lower_bound_check, require_measured, upper_bound_check
 from compress.eval.latency import measure_decoder_latency
 from compress.eval.perf_model import (
@@ -65,6 +65,7 @@ from compress.eval.prompts import (
     torch_greedy_batched,
 )
 from compress.models.compute import computed_in_float32
+from compress.models.config_file import ModelConfig
 from compress.models.loading import load_tokenizer
 from compress.transforms.checkpoint_logits import WindowLogits, window_logits
 from compress.transforms.quantize.saved import held_deployed_causal_lm
@@ -95,14 +96,14 @@ class ValidateConfig(StrictModel):
 
 
 def device_reference(generate: BatchGenerate, tokenizer, evaluation: list[TextSource], config: ValidateConfig,
-                     answers: dict[str, Any] | None = None, host: str = "") -> dict[str, Any]:
+                     answers: PromptComparison | None = None, host: str = "") -> DeviceReference:
     """Greedy continuations by the host model (``generate``, the deployed numbers), for ``validate --on-device`` to
     compare with: one prompt per evaluation domain, then the app prompts (their measured answers, cut to length: a
     greedy answer's start is the shorter answer).
 
     The prompts are stored as text decoded from their token ids, so the device's tokenizer reads the same tokens.
     """
-    prompts: list[dict[str, Any]] = []
+    prompts: list[PromptJson] = []
     expected: list[list[int] | None] = []
     prefix = window_prefix(tokenizer)
     for source in usable_sources(tokenizer, evaluation):
@@ -218,7 +219,7 @@ class DeployedFiles:
 
 
 def measure(files: DeployedFiles, evaluation: list[TextSource], config: ValidateConfig, progress: bool,
-            unseen: list[str] | None = None, prompts: str | None = None, device: str = "cpu") -> dict[str, Any]:
+            unseen: list[str] | None = None, prompts: str | None = None, device: str = "cpu") -> DecoderFigures:
     """Every target-independent measurement of a decoder as deployed.
 
     The exported model is measured in torch on ``device`` block by block with exactly the deployed numbers (and so are
@@ -442,7 +443,7 @@ def domain_quality(per_domain: dict[str, dict[str, Any]], unseen: list[str]) -> 
 
 
 def gate_checks(
-    metrics: dict[str, Any], predictions: dict[str, Any], target: Target, must_measure: bool
+    metrics: DecoderFigures, predictions: DecoderPredictions, target: Target, must_measure: bool
 ) -> list[Check]:
     """Compare measurements and predictions with the target's budgets."""
     checks = [
@@ -454,7 +455,7 @@ def gate_checks(
     return require_measured(checks) if must_measure else checks
 
 
-def _quality_checks(metrics: dict[str, Any], budgets) -> list[Check]:
+def _quality_checks(metrics: DecoderFigures, budgets) -> list[Check]:
     """The measured quality against the teacher: the worst domain's perplexity, top-1 agreement and KL."""
     worst = metrics.get("worst_domain")
     where = "the evaluation text"
@@ -472,7 +473,7 @@ def _quality_checks(metrics: dict[str, Any], budgets) -> list[Check]:
     ]
 
 
-def _predicted_checks(chosen: dict[str, Any], target: Target) -> list[Check]:
+def _predicted_checks(chosen: Row, target: Target) -> list[Check]:
     """The latency model's decode latency, TTFT and memory in the chosen power mode against the budgets."""
     budgets, mode = target.budgets, chosen["power_mode"]
     return [
@@ -486,7 +487,7 @@ def _predicted_checks(chosen: dict[str, Any], target: Target) -> list[Check]:
     ]
 
 
-def _export_checks(metrics: dict[str, Any]) -> list[Check]:
+def _export_checks(metrics: DecoderFigures) -> list[Check]:
     """What the export must keep: the 2:4 pattern where the model is sparse, ONNX Runtime agreeing with torch."""
     checks = []
     if metrics.get("onnx_pattern_24_fraction") is not None:
@@ -501,12 +502,12 @@ def _export_checks(metrics: dict[str, Any]) -> list[Check]:
     return checks
 
 
-def target_predictions(model: dict[str, Any] | Path, precision: str, target: Target, power_mode: str,
-                       deployment: Deployment | None = None) -> dict[str, Any]:
+def target_predictions(model: ModelConfig | Path, precision: str, target: Target, power_mode: str,
+                       deployment: Deployment | None = None) -> DecoderPredictions:
     """Latency-model predictions for every power mode and the chosen one, for a decoder (its ``config.json`` mapping, or
     the folder holding it) shipping as its artifact's ``meta`` says (the share of linears left FP16, the weight group
     size, the KV-cache precision), and the same model in FP16 for reference."""
-    config = model if isinstance(model, dict) else json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    config = ModelConfig.of(model)
     deployment = deployment or Deployment()
     quantization = deployment.quantization or DeployedQuantization(method="none", format="float")
     shape = replace(ModelShape.from_config(config), kv_cache_bytes=KV_CACHE_ELEMENT_BYTES[quantization.kv_cache])

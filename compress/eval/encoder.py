@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +21,7 @@ from compress.core.config import StrictModel, Target
 from compress.core.files import path_size, read_json
 from compress.core.text import TextSource, domain_sentences
 from compress.eval.embeddings import batch_latency, embedding_fidelity, label_fidelity, read_labelled
+from compress.eval.figures import EncoderFigures, EncoderPredictions
 from compress.eval.gate import Check, lower_bound_check, require_measured, upper_bound_check
 from compress.eval.perf_model import predict_encoder_batch
 from compress.models.families import encoder_layers
@@ -44,7 +44,7 @@ class ValidateEncoderConfig(StrictModel):
 
 
 def measure(onnx_dir: Path, teacher_dir: Path, evaluation: list[TextSource], config: ValidateEncoderConfig,
-            labels_file: Path | None = None) -> dict[str, Any]:
+            labels_file: Path | None = None) -> EncoderFigures:
     """Every target-independent measurement of an exported encoder (``labels_file``: a labelled set for a
     classifier)."""
     encoder = OnnxEncoder(onnx_dir)
@@ -60,7 +60,7 @@ def measure(onnx_dir: Path, teacher_dir: Path, evaluation: list[TextSource], con
     log.info(
         "ONNX encoder vs fp32 torch on %d sentences from %d domains", sum(len(s) for _, s in domains), len(reference)
     )
-    metrics: dict[str, Any] = {"output": output}
+    metrics: EncoderFigures = {"output": output}
     metrics.update(
         embedding_fidelity(reference, candidate) if output == HIDDEN_OUTPUT else label_fidelity(reference, candidate)
     )
@@ -106,7 +106,8 @@ def encoder_shape(model) -> dict[str, int]:
     }
 
 
-def predictions(shape: dict[str, int], precision: str, target: Target, power_mode: str, tokens: int) -> dict[str, Any]:
+def predictions(shape: dict[str, int], precision: str, target: Target, power_mode: str, tokens: int
+                ) -> EncoderPredictions:
     """Predicted batch latency for every power mode at the budget's batch, and the chosen mode's."""
     batch = target.budgets.encoder_batch
     modes = [predict_encoder_batch(target, mode, shape, precision, batch, tokens) for mode in target.power_modes]
@@ -114,7 +115,8 @@ def predictions(shape: dict[str, int], precision: str, target: Target, power_mod
     return {"target": target.name, "kind": "encoder", "modes": modes, "chosen": chosen}
 
 
-def gate_checks(metrics: dict[str, Any], predicted: dict[str, Any], target: Target, must_measure: bool) -> list[Check]:
+def gate_checks(metrics: EncoderFigures, predicted: EncoderPredictions, target: Target, must_measure: bool
+                ) -> list[Check]:
     """Compare measurements and predictions with the target's budgets."""
     budgets = target.budgets
     where = f"{metrics['sentences']} evaluation sentences"
@@ -132,7 +134,7 @@ def gate_checks(metrics: dict[str, Any], predicted: dict[str, Any], target: Targ
     return require_measured(checks) if must_measure else checks
 
 
-def _embedding_checks(metrics: dict[str, Any], budgets, where: str) -> list[Check]:
+def _embedding_checks(metrics: EncoderFigures, budgets, where: str) -> list[Check]:
     """An embedding model's sentence vectors against the fp32 model's."""
     return [
         lower_bound_check("embedding_cosine_mean", metrics["embedding_cosine_mean"], budgets.min_embedding_cosine,
@@ -146,7 +148,7 @@ def _embedding_checks(metrics: dict[str, Any], budgets, where: str) -> list[Chec
     ]
 
 
-def _label_checks(metrics: dict[str, Any], budgets, where: str) -> list[Check]:
+def _label_checks(metrics: EncoderFigures, budgets, where: str) -> list[Check]:
     """A classifier's labels against the fp32 model's, and its accuracy where the text is labelled."""
     checks = [lower_bound_check("label_agreement", metrics["label_agreement"], budgets.min_label_agreement, "measured",
                                 "", f"argmax equal to the fp32 model's, {where}")]

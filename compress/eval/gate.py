@@ -3,13 +3,31 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from compress.core.errors import EXIT_FAIL, EXIT_NOT_MEASURED, EXIT_PASS
 
 PASS, FAIL, NOT_MEASURED = "PASS", "FAIL", "NOT_MEASURED"
 Verdict = Literal["PASS", "FAIL", "NOT_MEASURED"]
 Source = Literal["measured", "predicted"]
+
+
+class CheckJson(TypedDict):
+    name: str
+    value: float | None
+    limit: float | None
+    verdict: Verdict
+    source: Source
+    unit: str
+    detail: str
+    bound: Literal["upper", "lower"]
+
+
+class GateJson(TypedDict):
+    """The gate as ``report.json`` and ``validation.json`` hold it: the overall verdict and every check."""
+
+    verdict: Verdict
+    checks: list[CheckJson]
 
 
 @dataclass(frozen=True)
@@ -25,8 +43,8 @@ class Check:
     detail: str = ""
     bound: Literal["upper", "lower"] = "upper"
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> CheckJson:
+        return CheckJson(**asdict(self))
 
 
 def upper_bound_check(name: str, value: float | None, limit: float, source: Source, unit: str = "",
@@ -80,5 +98,5 @@ def exit_code_for(verdict: str) -> int:
     return {PASS: EXIT_PASS, FAIL: EXIT_FAIL}.get(verdict, EXIT_NOT_MEASURED)
 
 
-def gate_json(checks: list[Check]) -> dict[str, Any]:
+def gate_json(checks: list[Check]) -> GateJson:
     return {"verdict": overall_verdict(checks), "checks": [c.to_json() for c in checks]}

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from compress.core.errors import UsageError
+from compress.models.config_file import ModelConfig
 from compress.models.families import BY_MODEL_TYPE, decoder_shape, family_of, sliding_layers
 
 KV_CACHE_BYTES = 2  # FP16 KV cache on the device, unless quantized
@@ -28,7 +29,7 @@ class ModelShape:
     kv_cache_bytes: float = KV_CACHE_BYTES  # per cached element: 2 for FP16, 1 for an FP8 KV cache
 
     @classmethod
-    def from_config(cls, cfg: dict[str, Any]) -> ModelShape:
+    def from_config(cls, cfg: ModelConfig) -> ModelShape:
         """From a Hugging Face decoder ``config.json`` mapping."""
         try:
             shape = decoder_shape(cfg)

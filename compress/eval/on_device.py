@@ -21,19 +21,22 @@ from compress.backends.tensorrt.cuda import memory_in_use_bytes
 from compress.backends.tensorrt.decoder import TrtDecoder
 from compress.backends.tensorrt.encoder import TrtEncoder
 from compress.backends.tensorrt.plan import BuildPlan
+from compress.backends.tensorrt.provenance import EngineManifest
 from compress.core.config import load_target
 from compress.core.files import read_json
 from compress.core.rundir import EDGELLM_BUILD_PLAN, ENGINE_MANIFEST
 from compress.eval.embeddings import batch_latency
 from compress.eval.encoder import LATENCY_BATCHES
+from compress.eval.figures import DecoderEngineFigures, DeviceReference, EdgeLLMEngineFigures, EncoderEngineFigures
 from compress.eval.latency import percentiles
 from compress.eval.perf_model import ModelShape, mode_tops
+from compress.models.config_file import ModelConfig
 
 MIN_ITERATIONS = 1024
 MAX_SECONDS = 60.0
 
 
-def measure_edgellm_engine(folder: Path, reference: dict[str, Any], tool: Path) -> dict[str, Any]:
+def measure_edgellm_engine(folder: Path, reference: DeviceReference, tool: Path) -> EdgeLLMEngineFigures:
     """Run the Edge-LLM engine in ``folder`` with ``llm_inference`` on the validate stage's prompts (``reference``, its
     ``device_reference.json``).
 
@@ -74,8 +77,8 @@ def _timed(step) -> tuple[float, Any]:
     return (time.perf_counter() - start) * 1000, result
 
 
-def measure_decoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, manifest: dict[str, Any],
-                              prompt_len: int | None = None) -> dict[str, Any]:
+def measure_decoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, manifest: EngineManifest,
+                           prompt_len: int | None = None) -> DecoderEngineFigures:
     """CUDA-synchronised TTFT and decode latency of a generic decoder engine, with bandwidth and compute utilisation."""
     target = load_target(plan.target)
     layout = DecoderLayout.load(onnx_dir)
@@ -110,7 +113,7 @@ def measure_decoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, ma
     ttft_ms = percentiles(ttft)["p50_ms"]
     engine_bytes = (engine_dir / plan.engine_file).stat().st_size
     bandwidth = engine_bytes / (decode["p50_ms"] / 1000) / 1e9
-    shape = ModelShape.from_config(read_json(onnx_dir / "config.json"))
+    shape = ModelShape.from_config(ModelConfig.read(onnx_dir))
     prefill_flops = 2 * shape.decoder_linear_params() * prompt_len + 2 * shape.lm_head_params()
     precision = "int8" if plan.int8 else "fp16"
     peak_tops = mode_tops(target, target.power_mode(), precision)
@@ -125,8 +128,8 @@ def measure_decoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, ma
             "engine_sha256": hashlib.sha256((engine_dir / plan.engine_file).read_bytes()).hexdigest()}
 
 
-def measure_encoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, manifest: dict[str, Any],
-                              encoder_batch: int | None = None) -> dict[str, Any]:
+def measure_encoder_engine(engine_dir: Path, plan: BuildPlan, onnx_dir: Path, manifest: EngineManifest,
+                           encoder_batch: int | None = None) -> EncoderEngineFigures:
     """Per-batch latency (p50/p90) and sentences/s of an encoder engine at batch 1, 8, 32 and the target's batch."""
     encoder = TrtEncoder(onnx_dir, engine_dir / plan.engine_file, bool(manifest.get("version_compatible")))
     run = encoder.embed if encoder.output == HIDDEN_OUTPUT else encoder.logits

@@ -24,6 +24,7 @@ from compress.catalog import TEXT, catalog_dir
 from compress.core.data_files import DataSpec, opened_rows
 from compress.core.errors import UsageError
 from compress.core.text import has_chat_template, window_prefix
+from compress.eval.figures import AnswerPair
 from compress.eval.gate import Check, lower_bound_check, upper_bound_check
 
 log = logging.getLogger(__name__)
@@ -195,7 +196,7 @@ def answer_pair(teacher: list[int], model: list[int]) -> dict[str, Any]:
 
 
 def forced_answer_pairs(prompts: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
-                        logits_of: Callable[[int], Any]) -> list[dict[str, Any]]:
+                        logits_of: Callable[[int], Any]) -> list[AnswerPair]:
     """:func:`answer_pair` of a model's greedy answers without decoding them: greedy decoding follows the teacher's
     answer exactly as long as the model's most likely next token, given the prompt and the teacher's tokens so far, is
     the teacher's next one. So one pass over each prompt followed by the teacher's answer (``logits_of(i)``: row ``i``'s

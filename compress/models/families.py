@@ -17,6 +17,7 @@ in the wrong module and gives wrong numbers, not an error.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,7 +88,7 @@ def final_norm(model) -> torch.nn.Module:
 
 
 def _getter(config: Any):
-    return config.get if isinstance(config, dict) else lambda key, default=None: getattr(config, key, default)
+    return config.get if isinstance(config, Mapping) else lambda key, default=None: getattr(config, key, default)
 
 
 @dataclass(frozen=True)
@@ -219,7 +220,7 @@ def supported_model_types() -> list[str]:
 
 
 def _model_type(config: Any) -> str | None:
-    return config.get("model_type") if isinstance(config, dict) else getattr(config, "model_type", None)
+    return config.get("model_type") if isinstance(config, Mapping) else getattr(config, "model_type", None)
 
 
 def _lookup(config: Any, table: dict, kind: str):
@@ -357,7 +358,7 @@ DIMENSION_LIMITS = {
 def check_model_dimensions(config: dict[str, Any], where: str) -> None:
     """Refuse a config whose dimensions are not whole numbers in a sane range, or whose heads do not divide the width
     (``where`` names the config for the error). A multimodal config's ``text_config`` is checked too."""
-    if not isinstance(config, dict):
+    if not isinstance(config, Mapping):
         raise UsageError(f"{where}: a model config is a JSON object")
     for key, limit in DIMENSION_LIMITS.items():
         value = config.get(key)

@@ -31,6 +31,7 @@ from compress.core.files import (
     waiting_lock,
     written_path,
 )
+from compress.models.config_file import CONFIG_FILE, ModelConfig
 from compress.models.families import attention_geometry
 
 log = logging.getLogger(__name__)
@@ -431,16 +432,15 @@ def tokenizer_size(folder: Path) -> int | None:
     return None
 
 
-def model_config(source: ModelSource) -> dict | None:
-    """The model's config as a dict, without loading weights; None when the source has none."""
+def model_config(source: ModelSource) -> ModelConfig | None:
+    """The model's config, without loading weights; None when the source has none."""
     if source.kind == "hf-folder":
-        file = source.path / "config.json"
-        return json.loads(file.read_text(encoding="utf-8")) if file.is_file() else None
-    converted = gguf_cache_dir(source.path) / "config.json"
-    if converted.is_file():  # reading a GGUF's config through transformers parses the whole file
-        return json.loads(converted.read_text(encoding="utf-8"))
+        return ModelConfig.read(source.path) if (source.path / CONFIG_FILE).is_file() else None
+    converted = gguf_cache_dir(source.path)
+    if (converted / CONFIG_FILE).is_file():  # reading a GGUF's config through transformers parses the whole file
+        return ModelConfig.read(converted)
     stat = source.path.stat()
-    return dict(_unconverted_gguf_config(str(source.path), stat.st_size, stat.st_mtime_ns))
+    return ModelConfig(_unconverted_gguf_config(str(source.path), stat.st_size, stat.st_mtime_ns))
 
 
 @functools.lru_cache(maxsize=8)

@@ -39,7 +39,6 @@ from compress.algorithms.formats import PRECISIONS
 from compress.backends.edgellm import contracts
 from compress.core.config import Target
 from compress.core.devices import Compute
-from compress.core.files import read_json
 from compress.core.memory import phase_peak
 from compress.core.text import TextSource, has_chat_template, held_out_windows
 from compress.eval.decoder import deployed_generator, model_eos_ids, pad_id_of, teacher_answers
@@ -55,6 +54,7 @@ from compress.eval.prompts import (
     selection_prompts,
 )
 from compress.models.compute import holding_device, largest_part_float32_bytes, tensor_bytes
+from compress.models.config_file import ModelConfig
 from compress.models.families import decoder_blocks, family_of, linear_shapes
 from compress.models.loading import load_causal_lm
 from compress.models.weights import CheckpointReader, empty_causal_lm, materialize, module_prefix
@@ -95,7 +95,7 @@ def candidate_formats(config: AutoConfig, target: Target) -> list[str]:
     ]
 
 
-def point_shapes(model_config: dict[str, Any]) -> dict[str, list[tuple[int, int]]]:
+def point_shapes(model_config: ModelConfig) -> dict[str, list[tuple[int, int]]]:
     """Each activation point's linears as (out, in) shapes, and the LM head's (``HEAD``)."""
     shapes = linear_shapes(model_config)
     family = family_of(model_config)
@@ -103,7 +103,7 @@ def point_shapes(model_config: dict[str, Any]) -> dict[str, list[tuple[int, int]
     return {**points, HEAD: [(int(model_config["vocab_size"]), int(model_config["hidden_size"]))]}
 
 
-def mix_of(plan: MixedPlan, model_config: dict[str, Any]) -> dict[str, float]:
+def mix_of(plan: MixedPlan, model_config: ModelConfig) -> dict[str, float]:
     """The share of the decoder-linear parameters each precision holds (``fp16`` for the float groups)."""
     params = {
         point: sum(out * inp for out, inp in shapes)
@@ -153,7 +153,7 @@ def run_search(run: SearchRun, windows: torch.Tensor, calibration: list[TextSour
                target: Target, power_mode: str) -> tuple[QuantResult, dict[str, Any]]:
     """Search, quantize the chosen plan into ``run.out``; returns its quantization and what the search found (for the
     report)."""
-    model_config = read_json(run.source / "config.json")
+    model_config = ModelConfig.read(run.source)
     formats = candidate_formats(config, target)
     shapes = point_shapes(model_config)
 
@@ -252,7 +252,7 @@ def _phase(peaks: dict[str, float], name: str) -> Iterator[None]:
         )
 
 
-def _fisher(run: SearchRun, windows: torch.Tensor, model_config: dict[str, Any], head: bool) -> dict[str, torch.Tensor]:
+def _fisher(run: SearchRun, windows: torch.Tensor, model_config: ModelConfig, head: bool) -> dict[str, torch.Tensor]:
     """The output Fisher information of every decoder linear (and of the LM head, with ``head``), from the model held in
     its own dtype, on the run's device where it fits there."""
     model = load_causal_lm(run.source, trust_remote_code=run.trust_remote_code, own_dtype=True)

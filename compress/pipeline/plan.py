@@ -44,6 +44,7 @@ from compress.core.text import (
 )
 from compress.core.versions import __version__
 from compress.eval.prompts import PROMPTS_OFF, load_prompts
+from compress.models.config_file import ModelConfig
 from compress.models.families import check_model_dimensions, family_of, model_kind, supported_model_types
 from compress.models.sources import (
     DEFAULT_MODEL,
@@ -357,7 +358,7 @@ def _training_data(options: RunOptions, planned: list[PlannedStage]) -> Training
     return TrainingData.read(split_paths(options.train_data, ()))
 
 
-def _estimates(planned: list[PlannedStage], model: ModelSource, config: dict[str, Any] | None, device: str,
+def _estimates(planned: list[PlannedStage], model: ModelSource, config: ModelConfig | None, device: str,
                target: Target, domains: int) -> list[StageEstimate]:
     """Each stage's expected memory, disk and time (none for a model without a config, a GGUF read later, nor for a
     decoder family compress does not describe, which the plan's rules refuse naming it)."""
@@ -383,7 +384,7 @@ def _checkpoint_bytes(model: ModelSource, config: dict[str, Any]) -> float:
     return float(sum(p.stat().st_size for p in files)) or 2.0 * parameter_count(config)
 
 
-def _check_model_config(config: dict[str, Any], model: ModelSource) -> None:
+def _check_model_config(config: ModelConfig, model: ModelSource) -> None:
     """Sane dimensions, and an embedding with a row for every id the tokenizer makes (else evaluation indexes past
     it)."""
     check_model_dimensions(config, f"model={model.spec}")
@@ -418,7 +419,7 @@ class _Model:
 
     kind: str
     spec: str
-    config: dict | None
+    config: ModelConfig | None
 
 
 def _check_stage_chain(recipe: Recipe, options: tuple[dict[str, dict[str, Any]], dict[str, set[str]]], target: Target,
@@ -481,7 +482,8 @@ def _validates(variant: StageVariant, options: dict[str, Any]) -> bool:
     return True
 
 
-def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelSource, config: dict | None) -> None:
+def _check_plan_rules(planned: list[PlannedStage], target: Target, model: ModelSource, config: ModelConfig | None
+                      ) -> None:
     """Stage rules that depend on the stages before them or on the model's shape (e.g. what a deployment format
     takes)."""
     if config is not None and model_kind(config) == DECODER:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.eval.perf_model import ModelShape
+from compress.models.config_file import ModelConfig
 from compress.models.families import linear_shapes, model_kind
 
 GB = 1e9
@@ -137,7 +138,7 @@ def readable_bytes(size: float) -> str:
     return f"{size:.0f} bytes"
 
 
-def parameter_count(config: dict[str, Any]) -> int:
+def parameter_count(config: ModelConfig) -> int:
     """Parameters of a model from its config alone (decoders through the latency model's shape; encoders BERT-like)."""
     if model_kind(config) == "decoder":
         return ModelShape.from_config(config).total_params()

@@ -19,6 +19,7 @@ from compress.eval import decoder as decoder_gate
 from compress.eval import encoder as encoder_gate
 from compress.eval.gate import NOT_MEASURED, Check, exit_code_for, gate_json, upper_bound_check
 from compress.eval.gate import require_measured as require_measured_checks
+from compress.models.config_file import ModelConfig
 from compress.pipeline.device import measure_on_device
 from compress.report.markdown import render_markdown
 
@@ -139,7 +140,8 @@ def _decoder_checks(run_dir: Path, stored: dict[str, Any], target, mode: str,
                     on_device: bool) -> tuple[list[Check], dict[str, Any], dict[str, Any] | None]:
     """A decoder run's gate for ``target``: stored quality, predictions recomputed, latency measured when asked."""
     predictions = decoder_gate.target_predictions(
-        stored["model_config"], stored["precision"], target, mode, Deployment.model_validate(stored["deployment"])
+        ModelConfig(stored["model_config"]), stored["precision"], target, mode,
+        Deployment.model_validate(stored["deployment"])
     )
     checks = decoder_gate.gate_checks(stored["metrics"], predictions, target, must_measure=False)
     device_result = None

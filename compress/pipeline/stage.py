@@ -24,6 +24,7 @@ from compress.core.config import StrictModel, Target, format_validation_error
 from compress.core.data_files import DataSpec
 from compress.core.errors import UsageError
 from compress.core.text import TextSource
+from compress.models.config_file import ModelConfig
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ StageFn = Callable[[Artifact, Any, RunContext], StageResult]
 TargetCheck = Callable[[Any, Target], None]
 # (this stage's config, the configs of the stages before it by name, target, model config or None) -> None; raises
 # UsageError
-PlanCheck = Callable[[Any, dict[str, Any], Target, "dict | None"], None]
+PlanCheck = Callable[[Any, dict[str, Any], Target, "ModelConfig | None"], None]
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class StageVariant:
     check_target: TargetCheck | None = None
     check_plan: PlanCheck | None = None
     # (config, model config or None, target) -> what --dry-run shows of this stage's plan beyond its config
-    describe: Callable[[Any, dict | None, Target], dict[str, Any]] | None = None
+    describe: Callable[[Any, ModelConfig | None, Target], dict[str, Any]] | None = None
     # For a union config: the key choosing the class, and each choice's class (to drop a recipe's options of another
     # choice).
     choice_key: str | None = None

@@ -21,6 +21,7 @@ from compress.report.html import render_html
 from compress.report.markdown import render_markdown
 from compress.report.model_card import render_model_card
 from compress.report.plots import make_plots
+from compress.report.schema import Report
 
 REPORT_SCHEMA_VERSION = "1.0"
 
@@ -57,7 +58,7 @@ def _stage_entries(run: RunDir) -> list[dict[str, Any]]:
     return entries
 
 
-def build_report(run_dir: Path) -> dict[str, Any]:
+def build_report(run_dir: Path) -> Report:
     """The machine-readable report of the run in ``run_dir``."""
     run = RunDir(run_dir)
     manifest = run.manifest()
@@ -68,7 +69,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
         if validation
         else {"verdict": NOT_MEASURED, "checks": [], "detail": "the recipe has no validate stage"}
     )
-    report = {
+    report: Report = {
         "schema_version": REPORT_SCHEMA_VERSION,
         "created_at": datetime.now(timezone.utc).isoformat(),
         "target": {"name": manifest["target"], "power_mode": manifest["power_mode"], "budgets": manifest["budgets"]},
@@ -107,7 +108,7 @@ def build_report(run_dir: Path) -> dict[str, Any]:
     return report
 
 
-def write_reports(run_dir: Path, report: dict[str, Any]) -> list[Path]:
+def write_reports(run_dir: Path, report: Report) -> list[Path]:
     """Write ``report.json``, ``report.md``, ``report.html`` (with plots) and ``MODEL_CARD.md`` atomically; returns
     every file written."""
     plots = make_plots(report, run_dir / PLOTS_DIR)

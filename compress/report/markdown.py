@@ -6,6 +6,7 @@ import re
 from typing import Any
 
 from compress.report.figures import DOMAIN_QUALITY, PRECISION_SEARCH, PROMPT_ANSWERS, figure
+from compress.report.schema import Report
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -272,7 +273,7 @@ def _encoder_predictions(report: dict[str, Any]) -> list[str]:
     return lines
 
 
-def render_markdown(report: dict[str, Any]) -> str:
+def render_markdown(report: Report) -> str:
     """Render the report as Markdown."""
     target = report["target"]
     gate = report["gate"]

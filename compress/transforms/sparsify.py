@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Literal
+from typing import Literal, TypedDict
 
 import torch
 from pydantic import Field, PositiveInt
@@ -71,15 +71,23 @@ class _Sparsifier(BlockVisitor):
         self.config = config
         self.family = family
         self.needs_inputs = config.method != "magnitude"
-        self.layers: list[dict] = []
+        self.layers: list[dict[str, float]] = []
 
     def visit(self, index: int, block, inputs: BlockInputs) -> None:
         sparsity = sparsify_block(block, inputs, self.config, self.family)
         self.layers.append({"layer": index, **{k.split(".")[-1]: round(v, 4) for k, v in sparsity.items()}})
 
 
+class SparsifyResult(TypedDict):
+    """Per-layer sparsity, the share of weights in the 2:4 pattern (2:4 only) and the seconds it took."""
+
+    layers: list[dict[str, float]]
+    pattern_fraction: float | None
+    seconds: float
+
+
 def sparsify_model(model, windows: torch.Tensor, config: SparsifyConfig, progress: bool = True,
-                   device: torch.device | str | None = None) -> dict:
+                   device: torch.device | str | None = None) -> SparsifyResult:
     """Prune every decoder block in place; returns per-layer sparsity, pattern coverage and timing."""
     started = time.perf_counter()
     sparsifier = _Sparsifier(config, family_of(model.config))

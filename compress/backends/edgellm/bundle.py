@@ -25,13 +25,13 @@ import shutil
 import subprocess
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 from safetensors.torch import save_file
 
 from compress.backends.edgellm.checkpoint import NVFP4_WEIGHT_ONLY, grid_values, write_unified_checkpoint
-from compress.backends.edgellm.contracts import check_kernel_nodes, check_mixed_plan
+from compress.backends.edgellm.contracts import KernelNode, check_kernel_nodes, check_mixed_plan
 from compress.backends.edgellm.env import EDGELLM_VERSION, edgellm_python
 from compress.core.errors import StageError
 from compress.core.files import path_size, read_json
@@ -42,6 +42,46 @@ from compress.transforms.quantize.saved import load_quantization, quantization_m
 log = logging.getLogger(__name__)
 
 CUSTODY_SCRIPT = Path(__file__).with_name("custody_check.py")
+
+
+class CustodyEntry(TypedDict, total=False):
+    """One tensor the custody check compared; ``problem`` only where it differs."""
+
+    tensor: str
+    shape: list[int]
+    dtype: str
+    problem: str
+
+
+class CustodyReport(TypedDict):
+    """``custody.json``, written by the custody check in Edge-LLM's environment."""
+
+    onnx: str
+    int4_plugin_version: int
+    kernel_nodes: list[KernelNode]
+    compared: list[CustodyEntry]
+    mismatches: list[CustodyEntry]
+
+
+class CustodySummary(TypedDict):
+    tensors_compared: int
+    mismatches: int
+    int4_plugin_version: int
+    config_fields: list[str]
+    kernel_nodes_checked: int
+
+
+class BundleExport(TypedDict):
+    """What the Edge-LLM export records: the unified checkpoint, the bundle, the exporter, the custody check."""
+
+    checkpoint: dict[str, str | int | float | None]
+    checkpoint_bytes: int
+    checkpoint_kept: bool
+    bundle_bytes: int
+    export_seconds: float
+    edgellm_version: str
+    exporter_arguments: list[str]
+    custody: CustodySummary
 EXPORT_TIMEOUT_S = 3600
 
 
@@ -134,7 +174,7 @@ def run_export(checkpoint: Path, bundle: Path, log_file: Path, arguments: list[s
     return time.perf_counter() - started
 
 
-def check_custody(quantized_dir: Path, bundle: Path, work: Path) -> dict[str, Any]:
+def check_custody(quantized_dir: Path, bundle: Path, work: Path) -> CustodyReport:
     """Compare the bundle's ONNX initializers with the quantize stage's numbers; raises naming the first mismatch."""
     expected = work / "expected_numbers.safetensors"
     save_file(expected_numbers(quantized_dir), str(expected))
@@ -194,7 +234,7 @@ def check_bundle_config(bundle: Path, model_config: dict[str, Any]) -> dict[str,
     return {"fields": sorted(ours), "edgellm_version": bundled.get("edgellm_version")}
 
 
-def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False) -> dict[str, Any]:
+def export_bundle(quantized_dir: Path, work: Path, keep_checkpoint: bool = False) -> BundleExport:
     """Checkpoint, export and check; returns the metrics the stage records. The unified checkpoint (written into
     ``work`` for the exporter) is removed once the bundle is checked unless ``keep_checkpoint``: it holds the quantized
     folder's numbers again, and :func:`write_unified_checkpoint` makes it again from that folder."""

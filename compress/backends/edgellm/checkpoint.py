@@ -77,7 +77,7 @@ class CheckpointSummary:
     fp16_bytes: int
     float_linears: int = 0
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, str | int | float | None]:
         return {"quant_algo": self.quant_algo, "group_size": self.group_size, "linears": self.linears,
                 "float_linears": self.float_linears, "quantized_linear_bytes": self.quantized_bytes,
                 "fp16_linear_bytes": self.fp16_bytes, "ratio_vs_fp16": round(self.quantized_bytes / self.fp16_bytes, 4)}

@@ -16,11 +16,12 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TypedDict
 
 from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.config import Target
 from compress.core.errors import UsageError
+from compress.models.config_file import ModelConfig
 from compress.models.families import attention_geometry, attention_window, linear_shapes
 
 
@@ -43,6 +44,18 @@ INT4_GROUP_SIZE = 128
 INT4_ALIGNMENT = 64
 INT4_PLUGINS = ("Int4GroupwiseGemmPluginV2", "Int4GroupwiseGemmPlugin")  # the exporter's default (V2), and V1
 HEAD_DIMS = (64, 128, 256, 512)
+
+
+class KernelNode(TypedDict):
+    """A plugin node of the exported graph as the custody check reads it: its scalar attributes and the shapes of its
+    initializer inputs (by input position)."""
+
+    name: str
+    op_type: str
+    domain: str
+    attributes: dict[str, int | float | str]
+    initializer_shapes: dict[str, list[int]]
+    weight: str | None
 SUPPORTED_MODEL_TYPES = ("llama", "phi3", "qwen2", "qwen3")
 LM_HEAD_QUANTIZATIONS = ("fp8", "int4_awq", "nvfp4", "mxfp8")
 # compress's formats among them (a target runs those its GPU has: Orin INT4 only)
@@ -153,7 +166,7 @@ RULES: dict[str, KernelRule] = {
 }
 
 
-def check_model_type(model_config: dict[str, Any]) -> None:
+def check_model_type(model_config: ModelConfig) -> None:
     """Refuse a decoder family the pinned Edge-LLM does not export."""
     model_type = model_config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
@@ -164,7 +177,7 @@ def check_model_type(model_config: dict[str, Any]) -> None:
         )
 
 
-def check_attention_shape(model_config: dict[str, Any]) -> None:
+def check_attention_shape(model_config: ModelConfig) -> None:
     """Refuse attention shapes the pinned Edge-LLM's attention plugin has no kernels for, and mixed layer types."""
     heads, kv_heads, head_dim = attention_geometry(model_config)
     if heads % kv_heads:
@@ -183,7 +196,7 @@ def check_attention_shape(model_config: dict[str, Any]) -> None:
                          f"a bundle takes {RULES['uniform-layers']}")
 
 
-def check_attention_window(model_config: dict[str, Any], target: Target) -> None:
+def check_attention_window(model_config: ModelConfig, target: Target) -> None:
     """Refuse a bundle of a model whose sliding window is shorter than the target's context, where the bundle's
     attention would differ from full attention and nothing here has checked it."""
     window = attention_window(model_config)
@@ -217,7 +230,7 @@ def check_no_online_rotation(quantize) -> None:
 MIXED_FORMATS = ("int8", "int4", "fp8", "nvfp4")
 
 
-def check_quantization(quantize, model_config: dict[str, Any]) -> None:
+def check_quantization(quantize, model_config: ModelConfig) -> None:
     """Refuse a quantize configuration whose checkpoint the pinned Edge-LLM cannot read or its kernels cannot run."""
     if quantize.is_mixed():
         check_mixed_formats(quantize.candidate_precisions() or [])
@@ -238,7 +251,7 @@ def check_quantization(quantize, model_config: dict[str, Any]) -> None:
         check_int4_shapes(quantize, model_config)
 
 
-def check_int4_shapes(quantize, model_config: dict[str, Any]) -> None:
+def check_int4_shapes(quantize, model_config: ModelConfig) -> None:
     """The INT4 kernels take the group size and every INT4 linear's shape; the message names the linears they do not."""
     group = quantize.scheme()[2]
     if group != INT4_GROUP_SIZE:
@@ -315,7 +328,7 @@ def int4_shape_ok(out_features: int, in_features: int) -> bool:
     )
 
 
-def check_kernel_nodes(nodes: list[dict[str, Any]]) -> list[str]:
+def check_kernel_nodes(nodes: list[KernelNode]) -> list[str]:
     """What the exported graph's plugin nodes (as the custody check reads them) do that the kernels would misread.
 
     Each problem names the node and the rule: an INT4 GEMM with another group size, a shape the

@@ -23,7 +23,7 @@ import shutil
 import subprocess
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 from compress.backends.tensorrt.cuda import driver_device_count as cuda_device_count
 from compress.core import shell
@@ -37,6 +37,79 @@ TOOLS_ENV = "COMPRESS_EDGELLM_TOOLS"
 BUILD_TOOL = "llm_build"
 INFERENCE_TOOL = "llm_inference"
 ENGINE_SUBDIR = "engines"
+
+
+class Message(TypedDict):
+    role: str
+    content: str
+
+
+class Request(TypedDict):
+    messages: list[Message]
+
+
+class InferenceRequest(TypedDict):
+    """Edge-LLM's ``llm_inference`` input file."""
+
+    batch_size: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_generate_length: int
+    apply_chat_template: bool
+    add_generation_prompt: bool
+    requests: list[Request]
+
+
+class Response(TypedDict, total=False):
+    request_idx: int
+    batch_idx: int
+    output_ids: list[int]
+    output_text: str
+
+
+class InferenceResponses(TypedDict, total=False):
+    """Edge-LLM's ``llm_inference`` output file (the fields compress reads)."""
+
+    responses: list[Response]
+
+
+class PhaseProfile(TypedDict, total=False):
+    tokens_per_second: float
+    average_time_per_run_ms: float
+
+
+class InferenceProfile(TypedDict, total=False):
+    """Edge-LLM's ``--profileOutputFile`` (the fields compress reads; the peak GPU memory may sit in any section)."""
+
+    prefill: PhaseProfile
+    generation: PhaseProfile
+    peak_gpu_memory_bytes: int
+
+
+class ProfileFigures(TypedDict):
+    decode_tokens_per_s: float | None
+    decode_latency_ms: float | None
+    ttft_ms: float | None
+    peak_device_memory_gb: float | None
+
+
+class EdgeLLMPlan(TypedDict):
+    """What ``llm_build`` is run with (``build_plan.json`` of an Edge-LLM engine folder)."""
+
+    runtime: str
+    edgellm_version: str
+    target: str
+    stack: dict[str, str | list[str]]
+    profile: dict[str, int]
+    onnx_dir: str
+    engine_dir: str
+
+
+class BuiltEngine(TypedDict):
+    engine_files: list[str]
+    engine_bytes: int
+    llm_build: str
 
 
 @dataclass(frozen=True)
@@ -99,8 +172,8 @@ def inference_command(tool: str | Path, engine_dir: str | Path, input_file: str 
 
 
 def run_inference(
-    tool: Path, engine_dir: Path, request: dict[str, Any], work_dir: Path, warmup: int = 1
-) -> tuple[dict, dict]:
+    tool: Path, engine_dir: Path, request: InferenceRequest, work_dir: Path, warmup: int = 1
+) -> tuple[InferenceResponses, InferenceProfile]:
     """Write ``request`` as Edge-LLM's input file, run ``llm_inference`` in ``work_dir``; its responses and its
     profile."""
     atomic_write_json(work_dir / "input.json", request)
@@ -115,14 +188,14 @@ def run_inference(
     return read_json(work_dir / "output.json"), profile
 
 
-def greedy_requests(prompts: list[str], max_new_tokens: int) -> dict[str, Any]:
+def greedy_requests(prompts: list[str], max_new_tokens: int) -> InferenceRequest:
     """An Edge-LLM input file asking for greedy continuations of raw prompts (no chat template), one request each."""
     return {"batch_size": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 1, "max_generate_length": max_new_tokens,
             "apply_chat_template": False, "add_generation_prompt": False,
             "requests": [{"messages": [{"role": "user", "content": prompt}]} for prompt in prompts]}
 
 
-def output_ids(responses: dict[str, Any], count: int) -> list[list[int]]:
+def output_ids(responses: InferenceResponses, count: int) -> list[list[int]]:
     """Generated token ids per request, in request order; raises when a request failed or is missing."""
     ordered = sorted(responses.get("responses", []), key=lambda r: (int(r["request_idx"]), int(r.get("batch_idx", 0))))
     by_request = {index: [int(t) for t in response["output_ids"]] for index, response in enumerate(ordered)}
@@ -143,7 +216,7 @@ def _find_number(data: Any, key: str) -> float | None:
     return None
 
 
-def profile_figures(profile: dict[str, Any]) -> dict[str, float | None]:
+def profile_figures(profile: InferenceProfile) -> ProfileFigures:
     """Decode tokens/s, time to first token (prefill time per request) and peak GPU memory from an Edge-LLM profile."""
     generation, prefill = profile.get("generation", {}), profile.get("prefill", {})
     tokens_per_s = generation.get("tokens_per_second")
@@ -209,7 +282,7 @@ def device_script(target: Target, profile: EngineProfile, onnx_dir: str, engine_
     )
 
 
-def edgellm_plan(target: Target, bundle: Path, folder: Path, max_batch: int) -> dict:
+def edgellm_plan(target: Target, bundle: Path, folder: Path, max_batch: int) -> EdgeLLMPlan:
     """What ``llm_build`` is run with for this bundle and target, paths relative to the engine folder."""
     profile = engine_profile(target, max_batch)
     return {"runtime": "edgellm", "edgellm_version": target.edgellm.version, "target": target.name,
@@ -217,7 +290,7 @@ def edgellm_plan(target: Target, bundle: Path, folder: Path, max_batch: int) -> 
             "onnx_dir": os.path.relpath(bundle / "llm", folder), "engine_dir": ENGINE_SUBDIR}
 
 
-def build_edgellm_engine(folder: Path, plan: dict) -> dict:
+def build_edgellm_engine(folder: Path, plan: EdgeLLMPlan) -> BuiltEngine:
     """Run ``llm_build`` for a written plan (raises "not run: ..." without a CUDA device or the tool)."""
     tool = require_device_tool(BUILD_TOOL)
     profile = EngineProfile(**plan["profile"])

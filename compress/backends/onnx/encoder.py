@@ -14,6 +14,7 @@ import logging
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -26,6 +27,9 @@ from compress.models.loading import load_tokenizer
 
 ENCODER_FILE = "encoder.onnx"
 HIDDEN_OUTPUT, LOGITS_OUTPUT = "last_hidden_state", "logits"
+
+if TYPE_CHECKING:
+    from compress.transforms.quantize.encoder import EncoderLinearQuant
 
 
 def encoder_input_names(model) -> list[str]:
@@ -175,7 +179,7 @@ class OnnxEncoder:
         ]
 
 
-def write_encoder_qdq(model, linears: dict, path: Path) -> dict[str, int]:
+def write_encoder_qdq(model, linears: dict[str, EncoderLinearQuant], path: Path) -> dict[str, int]:
     """Rewrite the float ONNX graph at ``path``, exported from ``model``, into its Q/DQ INT8 graph (``linears``: the
     quantize_encoder stage's :class:`~compress.transforms.quantize.encoder.EncoderLinearQuant` by linear)."""
     graph = onnx.load(str(path))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from compress.backends.tensorrt.cuda import device_info
-from compress.backends.tensorrt.plan import BuildPlan
+from compress.backends.tensorrt.plan import BuildPlan, BuildResult
 from compress.core.errors import MissingBackendError, StageError
 from compress.core.files import atomic_write_bytes, cache_root
 
@@ -119,7 +119,7 @@ def _weak_typing_flags(trt, plan: BuildPlan) -> list:
     return [getattr(trt.BuilderFlag, name) for name in wanted]
 
 
-def build_engine(plan: BuildPlan, onnx_path: Path, engine_path: Path, timing_cache: Path) -> dict:
+def build_engine(plan: BuildPlan, onnx_path: Path, engine_path: Path, timing_cache: Path) -> BuildResult:
     """Parse the engine graph, apply the plan's settings and profiles, and write a serialized engine.
 
     The network is strongly typed wherever this TensorRT has strong typing (the graph's types give

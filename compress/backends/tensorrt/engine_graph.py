@@ -22,6 +22,7 @@ import logging
 import tempfile
 from collections import defaultdict
 from pathlib import Path
+from typing import TypedDict
 
 import numpy as np
 import onnx
@@ -31,6 +32,23 @@ from onnx.external_data_helper import load_external_data_for_model
 from compress.backends.onnx.graph import save_graph
 from compress.backends.onnx.runtime import thread_cap
 from compress.core.errors import StageError
+
+
+class GraphParity(TypedDict):
+    """The FP16 engine graph against the exported graph in ONNX Runtime."""
+
+    cosine_min: float
+    relative_max_diff: float
+    argmax_agreement: float
+
+
+class WrittenGraph(TypedDict):
+    engine_graph: str
+    engine_graph_casts: int
+
+
+class EngineInput(WrittenGraph):
+    engine_graph_parity: GraphParity
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +211,7 @@ def _cast(name: str, to_fp32: bool, casts: dict[tuple[str, int], str], nodes: li
     return casts[(name, to)]
 
 
-def write_engine_graph(source: Path, destination: Path) -> dict:
+def write_engine_graph(source: Path, destination: Path) -> WrittenGraph:
     """Convert the exported graph at ``source`` and save it at ``destination`` (weights beside it when over 2 GB).
 
     Types are inferred from the file (``infer_shapes_path`` works past the 2 GB limit that in-memory
@@ -226,7 +244,7 @@ def _run(path: Path, feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
     return session.run(None, typed)
 
 
-def engine_graph_parity(exported: Path, engine_graph: Path, feeds: dict[str, np.ndarray]) -> dict:
+def engine_graph_parity(exported: Path, engine_graph: Path, feeds: dict[str, np.ndarray]) -> GraphParity:
     """Run both graphs in ONNX Runtime on the same inputs and compare their first output position by position:
     the lowest cosine, the largest difference relative to the output's range, and argmax agreement.
 
@@ -247,7 +265,8 @@ def engine_graph_parity(exported: Path, engine_graph: Path, feeds: dict[str, np.
             "argmax_agreement": round(float((flat_new.argmax(-1) == flat_ref.argmax(-1)).mean()), 4)}
 
 
-def write_engine_input(onnx_path: Path, engine_onnx: Path, feeds: dict[str, np.ndarray], min_cosine: float) -> dict:
+def write_engine_input(onnx_path: Path, engine_onnx: Path, feeds: dict[str, np.ndarray], min_cosine: float
+                       ) -> EngineInput:
     """The FP16 engine graph at ``engine_onnx``, checked against the exported graph in ONNX Runtime on ``feeds``."""
     written = write_engine_graph(onnx_path, engine_onnx)
     parity = engine_graph_parity(onnx_path, engine_onnx, feeds)

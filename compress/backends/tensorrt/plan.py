@@ -11,7 +11,7 @@ import shlex
 from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 import numpy as np
 import onnx
@@ -24,6 +24,17 @@ from compress.core.config import Target
 from compress.core.errors import UsageError
 from compress.core.files import atomic_write_json, atomic_write_text, read_json
 from compress.core.rundir import BUILD_PLAN, DEVICE_SCRIPT, ENGINE_MANIFEST, TRTEXEC_LOG
+
+
+class BuildResult(TypedDict, total=False):
+    """What an engine build reports: its size, the TensorRT that built it and how (``builder``: ``trtexec`` or
+    ``tensorrt-python``; the Python builder also says its typing and optimisation profiles)."""
+
+    engine_bytes: int
+    tensorrt_version: str
+    builder: str
+    typing: str
+    profiles: list[str]
 
 GB = 1 << 30
 ENCODER_MAX_TOKENS = 512
@@ -43,6 +54,18 @@ class ShapeRange:
     max: tuple[int, ...]
 
 
+class ShapeRangeJson(TypedDict):
+    name: str
+    min: list[int]
+    opt: list[int]
+    max: list[int]
+
+
+class ProfileJson(TypedDict):
+    name: str
+    shapes: list[ShapeRangeJson]
+
+
 @dataclass(frozen=True)
 class Profile:
     """One optimization profile: a shape range for every dynamic input."""
@@ -50,11 +73,11 @@ class Profile:
     name: str
     shapes: list[ShapeRange]
 
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+    def to_json(self) -> ProfileJson:
+        return ProfileJson(**asdict(self))
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Profile:
+    def from_json(cls, data: ProfileJson) -> Profile:
         shapes = [ShapeRange(s["name"], tuple(s["min"]), tuple(s["opt"]), tuple(s["max"])) for s in data["shapes"]]
         return cls(data["name"], shapes)
 
@@ -95,11 +118,11 @@ class BuildPlan:
     profiles: list[Profile] = field(default_factory=list)
     trtexec_profile: Profile | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> dict[str, object]:
         return {"plan_version": PLAN_VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> BuildPlan:
+    def from_json(cls, data: dict[str, object]) -> BuildPlan:
         if data.get("plan_version") != PLAN_VERSION:
             raise UsageError("this build plan was written by an older compress (no prefill/decode profiles, no typed "
                              "engine graph); rerun `compress run` to write a new one")

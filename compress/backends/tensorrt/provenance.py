@@ -9,19 +9,33 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
 
 from compress.backends.onnx.graph import onnx_files_sha256
 from compress.backends.tensorrt.builder import cuda_device, missing_tensorrt_reason, tensorrt_version
-from compress.backends.tensorrt.plan import BuildPlan
+from compress.backends.tensorrt.plan import BuildPlan, BuildResult
 from compress.core.errors import MissingBackendError, UsageError
 from compress.core.files import read_json, sha256_file
 from compress.core.rundir import BUILD_PLAN, ENGINE_MANIFEST
 
 
-def engine_manifest(
-    plan: BuildPlan, engine_dir: Path, onnx_dir: Path, gpu: str, built: dict[str, Any]
-) -> dict[str, Any]:
+class EngineManifest(TypedDict):
+    """``engine_manifest.json``: who built the engine, for what, from which graphs."""
+
+    target: str
+    gpu: str
+    sm: int
+    tensorrt_version: str
+    builder: str
+    version_compatible: bool
+    model_kind: str
+    engine_sha256: str
+    engine_graph_sha256: str
+    onnx_sha256: str
+
+
+def engine_manifest(plan: BuildPlan, engine_dir: Path, onnx_dir: Path, gpu: str, built: BuildResult
+                    ) -> EngineManifest:
     """What :func:`check_engine_provenance` and the runtime read: who built the engine, for what, from which graph."""
     return {"target": plan.target, "gpu": gpu, "sm": plan.gpu_sm, "tensorrt_version": built["tensorrt_version"],
             "builder": built["builder"], "version_compatible": plan.version_compatible, "model_kind": plan.model_kind,
@@ -34,7 +48,7 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(part) for part in re.findall(r"\d+", version)[:3])
 
 
-def check_engine_provenance(engine_dir: Path) -> dict[str, Any]:
+def check_engine_provenance(engine_dir: Path) -> EngineManifest:
     """The engine can run here: same GPU architecture, and the TensorRT that built it, or a later one for a
     version-compatible engine; otherwise a clear error telling to rebuild."""
     device = cuda_device()

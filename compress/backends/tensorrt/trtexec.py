@@ -6,9 +6,8 @@ import re
 import shutil
 import subprocess
 from pathlib import Path
-from typing import Any
 
-from compress.backends.tensorrt.plan import BuildPlan
+from compress.backends.tensorrt.plan import BuildPlan, BuildResult
 from compress.core.errors import StageError
 from compress.core.rundir import TRTEXEC_LOG
 
@@ -23,7 +22,7 @@ def find_trtexec() -> Path | None:
     return JETPACK_TRTEXEC if JETPACK_TRTEXEC.is_file() else None
 
 
-def build_with_trtexec(plan: BuildPlan, engine_dir: Path, trtexec: Path) -> dict[str, Any]:
+def build_with_trtexec(plan: BuildPlan, engine_dir: Path, trtexec: Path) -> BuildResult:
     """Build with ``trtexec`` (one profile, see :attr:`BuildPlan.trtexec_profile`) where TensorRT's Python API is
     absent."""
     command = [str(trtexec), *plan.trtexec_args()[1:]]

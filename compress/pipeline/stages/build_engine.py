@@ -27,6 +27,7 @@ from compress.core.config import StrictModel, Target
 from compress.core.errors import MissingBackendError
 from compress.core.files import atomic_write_json, atomic_write_text
 from compress.core.rundir import BUILD_PLAN, DEVICE_SCRIPT, EDGELLM_BUILD_PLAN, ENGINE_MANIFEST, TRTEXEC_LOG
+from compress.models.config_file import ModelConfig
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 
 log = logging.getLogger(__name__)
@@ -136,7 +137,7 @@ def run_build_engine(source: Artifact, config: BuildEngineConfig, ctx: RunContex
     )
 
 
-def check_plan(config: BuildEngineConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
+def check_plan(config: BuildEngineConfig, earlier: dict, target: Target, model_config: ModelConfig | None) -> None:
     """Refuse, before any work, a generic TensorRT build of a graph the target's ONNX parser cannot read."""
     quantize = earlier.get("quantize")
     nvfp4 = quantize is not None and any(config.binds_global_scale() for config in quantize.uniform_configs())

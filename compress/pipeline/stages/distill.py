@@ -21,6 +21,7 @@ from compress.core.artifact import HF_MODEL, Artifact
 from compress.core.rundir import CHECKPOINTS_DIR
 from compress.core.text import calibration_windows, domain_windows, packed_windows
 from compress.eval.perplexity import seen_and_unseen_perplexity
+from compress.models.config_file import ModelConfig
 from compress.models.loading import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import TRAINING_CURVE
@@ -35,7 +36,7 @@ log = logging.getLogger(__name__)
 def run_distill(source: Artifact, config: DistillConfig, ctx: RunContext) -> StageResult:
     tokenizer = load_tokenizer(source.path)
     teacher = load_causal_lm(source.path)
-    shape = student_shape(teacher.config.to_dict(), config)
+    shape = student_shape(ModelConfig(teacher.config.to_dict()), config)
     calib = calibration_windows(tokenizer, ctx.calibration, 512, 8)
     train, generated = _training_windows(tokenizer, teacher, config, ctx)
     evaluation, unseen = _evaluation_windows(tokenizer, config, ctx)
@@ -185,7 +186,7 @@ def _fmt(value: float | None) -> str:
     return "—" if value is None else f"{value:.2f}"
 
 
-def describe(config: DistillConfig, model_config: dict, target) -> dict:
+def describe(config: DistillConfig, model_config: ModelConfig, target) -> dict:
     """The student's shape, memory per GPU and launch command, from the teacher's config alone (``--dry-run``)."""
     return plan_from_config(model_config, config, gpu_memory_gb=target.memory_gb)
 

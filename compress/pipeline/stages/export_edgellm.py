@@ -20,6 +20,7 @@ from compress.backends.edgellm.env import EDGELLM_VERSION
 from compress.core.artifact import EDGELLM_BUNDLE, HF_MODEL, ONNX, Artifact, BundleMeta
 from compress.core.config import StrictModel, Target
 from compress.core.errors import UsageError
+from compress.models.config_file import ModelConfig
 from compress.pipeline.auto_precision import candidate_formats
 from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
 
@@ -34,7 +35,7 @@ class ExportEdgeLLMConfig(StrictModel):
 
 
 def check_plan(
-    config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: dict | None
+    config: ExportEdgeLLMConfig, earlier: dict[str, StrictModel], target: Target, model_config: ModelConfig | None
 ) -> None:
     """Refuse, before any work, what the pinned Edge-LLM cannot express; each message names the limit and the way
     out."""

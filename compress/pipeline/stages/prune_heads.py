@@ -12,6 +12,7 @@ from compress.core.artifact import HF_MODEL, Artifact
 from compress.core.config import Target
 from compress.core.errors import UsageError
 from compress.core.text import calibration_batches, calibration_windows
+from compress.models.config_file import ModelConfig
 from compress.models.families import attention_geometry, family_of
 from compress.models.loading import count_parameters, load_causal_lm, load_encoder, load_tokenizer, save_model_folder
 from compress.models.surgery import prune_heads
@@ -55,7 +56,7 @@ def run_prune_heads(source: Artifact, config: PruneHeadsConfig, ctx: RunContext)
 
 
 def check_encoder_plan(
-    config: PruneEncoderHeadsConfig, earlier: dict, target: Target, model_config: dict | None
+    config: PruneEncoderHeadsConfig, earlier: dict, target: Target, model_config: ModelConfig | None
 ) -> None:
     """Pruned encoders are saved in BERT's layout, without a task head."""
     if model_config is None:

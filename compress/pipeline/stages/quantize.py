@@ -18,6 +18,7 @@ from compress.core.devices import Compute
 from compress.core.errors import UsageError
 from compress.core.files import read_json
 from compress.core.text import calibration_batches, calibration_windows
+from compress.models.config_file import ModelConfig
 from compress.models.families import linear_parameter_fraction, linear_shapes
 from compress.models.loading import load_encoder, load_tokenizer, save_side_files
 from compress.pipeline.auto_precision import SearchRun, candidate_formats, run_search
@@ -66,7 +67,7 @@ def check_target(config: QuantizeConfig, target: Target) -> None:
         )
 
 
-def check_plan(config: QuantizeConfig, earlier: dict, target: Target, model_config: dict | None) -> None:
+def check_plan(config: QuantizeConfig, earlier: dict, target: Target, model_config: ModelConfig | None) -> None:
     """Refuse, before any work, a group size that does not divide a quantized linear's input."""
     if model_config is not None and not config.is_mixed():  # a plan gives each group only the formats its widths take
         check_group_size(config, linear_shapes(model_config))

@@ -13,11 +13,12 @@ import logging
 from pathlib import Path
 
 from compress.core.artifact import EDGELLM_BUNDLE, ENGINE, HF_MODEL, ONNX, REPORT, Artifact, ReportMeta
-from compress.core.files import atomic_write_json, path_size, read_json
+from compress.core.files import atomic_write_json, path_size
 from compress.core.rundir import DEVICE_REFERENCE, VALIDATION
 from compress.eval import decoder, encoder
 from compress.eval.gate import gate_json
 from compress.eval.prompts import check_prompt_lengths, resolve_prompts
+from compress.models.config_file import ModelConfig
 from compress.models.loading import load_encoder, load_tokenizer
 from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import DOMAIN_QUALITY, PERPLEXITY_BY_STAGE, PROMPT_ANSWERS
@@ -43,13 +44,14 @@ def run_validate(source: Artifact, config: decoder.ValidateConfig, ctx: RunConte
     if ctx.last_artifact(EDGELLM_BUNDLE) is not None:
         _write_device_reference(ctx, config, model_dir, metrics)
     precision = exported_from.meta.precision
-    model_config = read_json(model_dir / "config.json")
+    model_config = ModelConfig.read(model_dir)
     deployment = exported_from.meta.deployment()
     predictions = decoder.target_predictions(model_config, precision, ctx.target, ctx.power_mode, deployment)
     gate = gate_json(decoder.gate_checks(metrics, predictions, ctx.target, ctx.require_measured))
     out = ctx.stage_dir / VALIDATION
     atomic_write_json(out, {"model_kind": DECODER, "metrics": metrics, "predictions": predictions, "gate": gate,
-                            "model_config": model_config, "precision": precision, "deployment": deployment.to_json()})
+                            "model_config": model_config.to_json(), "precision": precision,
+                            "deployment": deployment.to_json()})
     for name, row in metrics.get("domains", {}).items():
         log.info("%-12s %s perplexity %.3f vs teacher %.3f (%+.2f%%), top-1 agreement %.1f%%, KL %.4f", name,
                  "seen  " if row["seen"] else "unseen", row["perplexity_model"], row["perplexity_reference"],

@@ -8,17 +8,48 @@ with :mod:`compress.transforms.prune.heads`. The result loads with plain transfo
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
 
 from compress.core.errors import UsageError
+from compress.models.config_file import ModelConfig
 from compress.models.families import attention_geometry, decoder_blocks, decoder_shape, family_of
 from compress.models.surgery import drop_layers, narrow_mlp, prune_heads
 from compress.transforms.distill.config import DistillConfig
 from compress.transforms.prune.heads import head_importance, plan_heads
 from compress.transforms.walk import BlockInputs, BlockVisitor, walk_blocks
+
+
+class StudentShape(TypedDict):
+    """The student's depth, MLP width and query heads."""
+
+    num_layers: int
+    intermediate_size: int
+    num_attention_heads: int
+
+
+class BuiltStudent(TypedDict):
+    """What pruning the teacher to the student's shape kept: layers, their influence scores, heads per layer."""
+
+    kept_layers: list[int]
+    layer_influence: list[float]
+    heads_kept: list[list[int]] | None
+
+
+class StudentPlan(TypedDict):
+    """The student and its training's memory, from the teacher's config alone (``--dry-run``)."""
+
+    teacher_parameters: int
+    student_shape: StudentShape
+    student_parameters: int
+    gpus: int
+    distributed: bool
+    memory_per_gpu_gb: float
+    fits: bool | None
+    launch: str
+
 
 
 def decoder_parameters(cfg: dict[str, Any], layers: int | None = None, intermediate: int | None = None,
@@ -35,7 +66,7 @@ def decoder_parameters(cfg: dict[str, Any], layers: int | None = None, intermedi
     return layers * (attention + mlp + 2 * hidden) + embed + hidden
 
 
-def student_shape(cfg: dict[str, Any], config: DistillConfig) -> dict[str, int]:
+def student_shape(cfg: ModelConfig, config: DistillConfig) -> StudentShape:
     """The student's depth, MLP width and query heads for the configured goal."""
     n_heads, kv, _ = attention_geometry(cfg)
     if config.target_parameters is None and config.target_fraction is None:
@@ -124,8 +155,8 @@ def mlp_channel_importance(model, windows: torch.Tensor) -> list[torch.Tensor]:
 
 
 def build_student(
-    model, windows: torch.Tensor, shape: dict[str, int], device: torch.device | str | None = None
-) -> dict[str, Any]:
+    model, windows: torch.Tensor, shape: StudentShape, device: torch.device | str | None = None
+) -> BuiltStudent:
     """Prune ``model`` in place to ``shape`` (the layers scored on ``device``); returns what was kept and the scores."""
     influence = layer_influence(model, windows, device)
     order = sorted(range(len(influence)), key=lambda i: -influence[i])
@@ -144,8 +175,8 @@ def build_student(
 
 
 def plan_from_config(
-    cfg: dict[str, Any], config: DistillConfig, gpus: int | None = None, gpu_memory_gb: float | None = None
-) -> dict[str, Any]:
+    cfg: ModelConfig, config: DistillConfig, gpus: int | None = None, gpu_memory_gb: float | None = None
+) -> StudentPlan:
     """Student shape, parameter counts, memory per GPU under FSDP, and the launch command, from a config alone."""
     shape = student_shape(cfg, config)
     with torch.device("meta"):

@@ -78,7 +78,7 @@ class JobFolders:
 
 
 def train_distributed(student_dir: Path, teacher_dir: Path, windows: torch.Tensor, config: DistillConfig,
-                      kept_layers: list[int], folders: JobFolders) -> list[dict]:
+                      kept_layers: list[int], folders: JobFolders) -> list[dict[str, float]]:
     """Train under ``torchrun`` with ``config.processes`` ranks (this worker module, one job file); returns the
     history."""
     checkpoints, out, work = folders.checkpoints, folders.out, folders.work

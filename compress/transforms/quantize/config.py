@@ -9,7 +9,7 @@ method rather than a silently ignored setting: ``alpha`` is SmoothQuant's (W8A8 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypedDict
 
 from pydantic import Discriminator, Field, NonNegativeInt, PositiveFloat, PositiveInt, Tag, TypeAdapter, model_validator
 
@@ -32,6 +32,15 @@ LinearName = Literal[
     "q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_proj", "up_proj", "gate_up_proj", "down_proj"
 ]
 DEFAULT_METHOD = "int8"
+
+
+class CalibrationOptions(TypedDict):
+    """The calibration options every candidate format's method of a mixed plan takes from the plan's config."""
+
+    calib_windows: int
+    calib_window: int
+    min_calib_tokens: int
+    sample_tokens: int
 
 
 class QuantizeConfig(StrictModel):
@@ -366,7 +375,7 @@ class AutoConfig(QuantizeConfig):
     def scheme(self) -> tuple[int, bool, int | None]:
         return 16, True, None  # at most: a plan may quantize some inputs
 
-    def shared_options(self) -> dict[str, Any]:
+    def shared_options(self) -> CalibrationOptions:
         """The calibration options every candidate format's method takes from this config."""
         return {
             key: getattr(self, key) for key in ("calib_windows", "calib_window", "min_calib_tokens", "sample_tokens")
@@ -447,6 +456,6 @@ CANDIDATE_METHODS: dict[str, dict[str, Any]] = {
 }
 
 
-def candidate_configs(formats: Iterable[str], shared: dict[str, Any]) -> dict[str, QuantizeConfig]:
+def candidate_configs(formats: Iterable[str], shared: CalibrationOptions) -> dict[str, QuantizeConfig]:
     """The quantize config of each candidate format, with the ``shared`` calibration options."""
     return {name: quantize_config(**CANDIDATE_METHODS[name], **shared) for name in formats}

@@ -22,7 +22,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 import torch
 from pydantic import PositiveInt
@@ -226,7 +226,17 @@ def load_encoder_quantization(folder: Path) -> dict[str, EncoderLinearQuant] | N
             for name, info in meta["linears"].items()}
 
 
-def summary(linears: dict[str, EncoderLinearQuant]) -> dict[str, Any]:
+class EncoderQuantSummary(TypedDict):
+    """What the encoder quantize stage records."""
+
+    quantized_linears: int
+    median_sqnr_db: float
+    min_sqnr_db: float
+    float_input_linears: list[str]
+    online_smoothed_linears: int
+
+
+def summary(linears: dict[str, EncoderLinearQuant]) -> EncoderQuantSummary:
     """Metrics the stage records."""
     values = [q.sqnr_db for q in linears.values()]
     return {

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from compress.algorithms.knapsack import Choice
-from compress.models.compute import computed_in_float32
+from compress.models.compute import Rebuild, computed_in_float32
 from compress.models.families import decoder_blocks, family_of
 from compress.models.weights import module_prefix
 from compress.transforms.quantize.config import QuantizeConfig
@@ -67,7 +67,7 @@ class SensitivityTable:
                 for (index, point), values in sorted(self.kl.items())]
 
 
-def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt: dict | None = None,
+def output_fisher(model, windows: torch.Tensor, linears: Sequence[str], rebuilt: dict[str, Rebuild] | None = None,
                   seed: int = 0) -> dict[str, torch.Tensor]:
     """The diagonal Fisher information of each named linear's output channels, per token.
 

@@ -27,7 +27,7 @@ import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -173,6 +173,24 @@ class LinearQuant:
         return PRECISIONS[self.precision]
 
 
+class TuningSummary(TypedDict):
+    """What learned rounding did over the blocks."""
+
+    iterations: int
+    windows_per_iteration: int
+    blocks: int
+    blocks_improved: int
+    median_error_reduction: float
+    seconds: float
+
+
+class LayerError(TypedDict):
+    name: str
+    sqnr_db: float
+    migration_ratio: float | None
+    rotation: int
+
+
 @dataclass
 class QuantResult:
     """The outcome of quantizing a model."""
@@ -187,7 +205,7 @@ class QuantResult:
     tuned: list[TuneOutcome] = field(default_factory=list)  # per block, where rounding was tuned
     untied_head: bool = False  # a tied LM head became a linear of its own (a rotation folded into it)
 
-    def tuning_summary(self) -> dict[str, Any] | None:
+    def tuning_summary(self) -> TuningSummary | None:
         """What learned rounding did over the blocks (None when it did not run)."""
         if not self.tuned:
             return None
@@ -198,7 +216,7 @@ class QuantResult:
                 "median_error_reduction": round(statistics.median(reduction), 4) if reduction else 0.0,
                 "seconds": round(sum(t.seconds for t in self.tuned), 1)}
 
-    def layer_errors(self) -> list[dict[str, Any]]:
+    def layer_errors(self) -> list[LayerError]:
         return [
             {"name": name, "sqnr_db": round(q.sqnr_db, 2), "migration_ratio": q.migration_ratio, "rotation": q.rotation}
             for name, q in self.linears.items()
@@ -213,7 +231,7 @@ class QuantResult:
         fallback)."""
         return [name for name, q in self.linears.items() if q.input_scale is None and q.format.activations]
 
-    def outliers(self) -> list[dict[str, Any]]:
+    def outliers(self) -> list[LayerError]:
         """Linears whose SQNR is more than 10 dB below the median."""
         values = [q.sqnr_db for q in self.linears.values()]
         if not values:
