@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import hashlib
+import random
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import suppress
@@ -548,15 +549,17 @@ def domain_sentences(sources: Sequence[TextSource], per_domain: int) -> list[tup
 
 
 def calibration_batches(
-    tokenizer, sources: Sequence[TextSource], total: int, batch_size: int, max_length: int
+    tokenizer, sources: Sequence[TextSource], total: int, batch_size: int, max_length: int, seed: int | None = None
 ) -> list[dict]:
     """About ``total`` tokenised calibration sentences, as many from each source, batch by batch, each padded to its
-    longest."""
+    longest; with a ``seed``, the sentences shuffled first (every batch mixes the domains: what training wants)."""
     sources = usable_sources(tokenizer, sources)
     per_domain = -(-total // len(sources))
     sentences = [s for _, found in domain_sentences(sources, per_domain) for s in found]
     if not sentences:
         raise UsageError("the calibration text has no sentences of 20 to 400 characters")
+    if seed is not None:
+        random.Random(seed).shuffle(sentences)
     return [
         dict(
             tokenizer(

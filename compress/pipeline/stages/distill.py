@@ -18,14 +18,22 @@ from typing import Any
 import torch
 
 from compress.core.artifact import HF_MODEL, Artifact
+from compress.core.errors import UsageError
 from compress.core.rundir import CHECKPOINTS_DIR
-from compress.core.text import calibration_windows, domain_windows, packed_windows
+from compress.core.text import calibration_batches, calibration_windows, domain_windows, packed_windows
 from compress.eval.perplexity import seen_and_unseen_perplexity
 from compress.models.config_file import ModelConfig
-from compress.models.loading import count_parameters, load_causal_lm, load_tokenizer, save_model_folder
-from compress.pipeline.stage import DECODER, RunContext, StageDef, StageResult, StageVariant, register
+from compress.models.loading import (
+    count_parameters,
+    load_causal_lm,
+    load_encoder,
+    load_tokenizer,
+    save_model_folder,
+)
+from compress.pipeline.stage import DECODER, ENCODER, RunContext, StageDef, StageResult, StageVariant, register
 from compress.report.figures import TRAINING_CURVE
 from compress.transforms.distill.config import DistillConfig
+from compress.transforms.distill.encoder import DistillEncoderConfig, heal_encoder
 from compress.transforms.distill.student import build_student, plan_from_config, student_shape
 from compress.transforms.distill.train import Distiller, teacher_generations
 from compress.transforms.distill.worker import JobFolders, train_distributed
@@ -191,10 +199,39 @@ def describe(config: DistillConfig, model_config: ModelConfig, target) -> dict:
     return plan_from_config(model_config, config, gpu_memory_gb=target.memory_gb)
 
 
+def run_distill_encoder(source: Artifact, config: DistillEncoderConfig, ctx: RunContext) -> StageResult:
+    """Heal the (pruned) encoder by embedding distillation from the run's unpruned one, on the calibration text."""
+    # lazy: BERT's modelling code, never needed to plan
+    from compress.models.pruned_bert import save_pruned_encoder
+
+    teacher_artifact = ctx.first_artifact(HF_MODEL)
+    if teacher_artifact is None or Path(teacher_artifact.path) == Path(source.path):
+        raise UsageError("distill_encoder heals a pruned encoder against the run's original one: put it after "
+                         "prune_encoder_heads")
+    tokenizer = load_tokenizer(source.path)
+    student, teacher = load_encoder(source.path), load_encoder(teacher_artifact.path)
+    batches = calibration_batches(tokenizer, ctx.calibration, config.calib_sentences, config.batch_size,
+                                  config.max_length, seed=0)
+    healed = heal_encoder(student, teacher, batches, config, progress=ctx.progress)
+    out = ctx.stage_dir / "model"
+    plan = getattr(student.config, "heads_kept_per_layer", None)
+    if plan:
+        save_pruned_encoder(student, tokenizer, plan, out)
+    else:
+        save_model_folder(student, tokenizer, source.path, out)
+    meta = source.meta.carried(metrics={**healed, "parameters": count_parameters(student),
+                                        "teacher_parameters": count_parameters(teacher)})
+    return StageResult(Artifact(HF_MODEL, out, meta),
+                       f"held-out cosine to the teacher {healed['held_out_cosine_before']:.4f} → "
+                       f"{healed['held_out_cosine_after']:.4f} in {healed['steps']} steps")
+
+
 STAGE = register(StageDef(
     name="distill",
-    summary="build a smaller student (depth/width pruning) and train it by distillation from the teacher",
+    summary="build a smaller student (depth/width pruning) and train it by distillation from the teacher; an encoder: "
+            "heal a pruned one by embedding distillation from the unpruned one (distill_encoder)",
     input_kind=HF_MODEL,
     output_kind=HF_MODEL,
-    variants={DECODER: StageVariant(DistillConfig, run_distill, describe=describe)},
-))
+    variants={DECODER: StageVariant(DistillConfig, run_distill, describe=describe),
+              ENCODER: StageVariant(DistillEncoderConfig, run_distill_encoder)},
+), aliases={"distill_encoder": ENCODER})
