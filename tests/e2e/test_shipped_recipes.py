@@ -22,6 +22,7 @@ REFUSED = {
     "encoder-fp16": "works on encoders",
     "encoder-int8": "works on encoders",
     "encoder-prune-heads": "works on encoders",
+    "encoder-prune-distill": "works on encoders",
     "thor-fp8": "no fp8 tensor cores",
     "thor-nvfp4": "no nvfp4 tensor cores",
 }

@@ -125,6 +125,20 @@ def test_fp16_passes_and_pruned_minilm_fails_the_gate(tmp_path):
     assert stage["heads_before"] == 12 and stage["heads_after"] == 9
 
 
+def test_a_pruned_encoder_is_healed_by_distillation_and_ships(tmp_path):
+    out = tmp_path / "healed"
+    healed = _run(out, "model=all-minilm-l6-v2", "recipe=encoder-prune-distill", "distill_encoder.steps=6",
+                  "distill_encoder.calib_sentences=160", "distill_encoder.batch_size=16",
+                  "distill_encoder.eval_every=3", *FAST)
+    assert healed.returncode in (0, 1), healed.stderr[-3000:]  # a verdict, whichever it is
+    stage = json.loads(next(out.glob("*_distill/stage.json")).read_text())["metrics"]
+    assert stage["held_out_cosine_after"] >= stage["held_out_cosine_before"] > 0.5
+    assert stage["steps"] == 6 and stage["parameters"] < stage["teacher_parameters"]
+    validation = _validation(out)
+    assert validation["metrics"]["embedding_cosine_mean"] > 0.9  # the healed, pruned encoder as exported
+    assert json.loads((out / "report.json").read_text())["recipe"] == "encoder-prune-distill"
+
+
 def test_decoder_stages_on_an_encoder_and_encoder_stages_on_a_decoder_are_refused(capsys, tmp_path):
     assert main(["run", "target=jetson-orin", "model=all-minilm-l6-v2", "recipe=int8", f"out={tmp_path / 'a'}"]) == 2
     assert "stage quantize works on decoders; model=all-minilm-l6-v2 is an encoder (bert)" in capsys.readouterr().err

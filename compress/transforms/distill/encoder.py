@@ -28,11 +28,11 @@ HELD_OUT_SHARE = 0.1
 class DistillEncoderConfig(StrictModel):
     """Options of healing a pruned encoder: optimiser steps, learning rate, calibration sentences and their shape."""
 
-    steps: PositiveInt = 300
+    steps: PositiveInt = 200
     lr: float = Field(5e-5, gt=0.0)
     calib_sentences: PositiveInt = 2048
-    batch_size: PositiveInt = 32
-    max_length: PositiveInt = 128
+    batch_size: PositiveInt = 16
+    max_length: PositiveInt = 64
     token_weight: float = Field(1.0, ge=0.0)
     eval_every: PositiveInt = 50
 
@@ -111,7 +111,7 @@ def heal_encoder(student, teacher, batches: list[dict[str, torch.Tensor]], confi
             optimizer.step()
         if step % config.eval_every == 0 or step == config.steps:
             cosine = pooled_cosine(student, held_out, held_targets)
-            history.append({"step": step, "loss": float(loss), "held_out_cosine": round(cosine, 6)})
+            history.append({"step": step, "loss": float(loss.detach()), "held_out_cosine": round(cosine, 6)})
             if cosine > best:
                 best, best_state = cosine, {k: v.detach().clone() for k, v in student.state_dict().items()}
     student.load_state_dict(best_state)
