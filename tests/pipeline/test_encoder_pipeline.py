@@ -131,7 +131,7 @@ def test_a_pruned_encoder_is_healed_by_distillation_and_ships(tmp_path):
                   "distill_encoder.calib_sentences=160", "distill_encoder.batch_size=16",
                   "distill_encoder.eval_every=3", *FAST)
     assert healed.returncode in (0, 1), healed.stderr[-3000:]  # a verdict, whichever it is
-    stage = json.loads(next(out.glob("*_distill/stage.json")).read_text())["metrics"]
+    stage = json.loads(next(out.glob("*_distill_encoder/stage.json")).read_text())["metrics"]
     assert stage["held_out_cosine_after"] >= stage["held_out_cosine_before"] > 0.5
     assert stage["steps"] == 6 and stage["parameters"] < stage["teacher_parameters"]
     validation = _validation(out)
